@@ -1,0 +1,121 @@
+r"""PPO from random init on MiniWoB++ click tasks, from pixels, in a Playwright sandbox over HTTP.
+
+The main job of README.md (issue #2): a tiny Qwen3-VL-MoE-style policy (ViT + MoE decoder) and a
+critic of the same trunk learn `miniwob/click-test` and `miniwob/click-test-2` on 2 CPU cores.
+
+  python -m experiments.train --config experiments/configs/miniwob_ppo.py --workdir runs/miniwob_ppo
+  python -m experiments.train --config experiments/configs/miniwob_ppo.py:smoke --workdir /tmp/smoke
+  python -m experiments.train --config experiments/configs/miniwob_ppo.py --config.rl.lr=1e-4 ...
+
+Exploration aids (documented in README, "Main job"): the constrained grammar allows only `click`
+and writes coordinates as three digits (`coord_format='fixed3'`), so a random policy clicks uniformly
+over the screen; the thought is capped at `grammar.max_thought_bytes` bytes.
+"""
+
+import ml_collections as mlc
+
+
+def get_config(arg: str | None = None) -> mlc.ConfigDict:
+  arg = arg or ""
+  c = mlc.ConfigDict()
+  c.seed = 0
+  c.tasks = ("miniwob/click-test", "miniwob/click-test-2")
+
+  # --- Sandbox -----------------------------------------------------------------------------------
+  c.env = mlc.ConfigDict()
+  c.env.servers = ()  # URLs of running sandbox servers; empty = launch one as a subprocess
+  c.env.num_sessions = 32  # concurrent episodes per rollout (= episodes per iteration)
+  c.env.step_ms = 1000  # virtual milliseconds advanced per step (Playwright page.clock)
+  c.env.lease_s = 600.0
+  c.env.max_turns = 3  # step budget per episode
+  c.env.train_seed_offset = 0  # training seeds: offset + k, k = 0, 1, 2, ...
+  c.env.eval_seed_offset = 10_000_000  # held-out seeds never reached by training
+
+  # --- Model (tars_jax/models/config.py fields) -----------------------------------------------------
+  c.model = mlc.ConfigDict()
+  c.model.image_h = 224
+  c.model.image_w = 168
+  c.model.patch_size = 14
+  c.model.vision_hidden = 96
+  c.model.vision_depth = 2
+  c.model.vision_heads = 4
+  c.model.vision_mlp = 192
+  c.model.hidden = 128
+  c.model.layers = 4
+  c.model.heads = 4
+  c.model.kv_heads = 2
+  c.model.head_dim = 32
+  c.model.experts = 4
+  c.model.top_k = 2
+  c.model.moe_intermediate = 128
+  c.model.norm_topk_prob = True
+  c.model.decoder_sparse_step = 1
+  c.model.rope_theta = 10000.0
+
+  # --- Output grammar (tars_jax/agent/grammar.py) ----------------------------------------------------
+  c.grammar = mlc.ConfigDict()
+  c.grammar.constrained = True
+  c.grammar.actions = ("click",)
+  c.grammar.max_thought_bytes = 0
+  c.grammar.max_content_bytes = 16
+  c.grammar.coord_format = "fixed3"
+
+  c.sampling = mlc.ConfigDict()
+  c.sampling.temperature = 1.0
+  c.sampling.top_p = 1.0  # PPO log-probs assume top_p = 1 (the sampled distribution)
+
+  # --- RL ------------------------------------------------------------------------------------------
+  c.rl = mlc.ConfigDict()
+  c.rl.algo = "ppo"
+  c.rl.lr = 3e-4
+  c.rl.critic_lr = 1e-3
+  c.rl.warmup_steps = 10
+  c.rl.weight_decay = 0.0
+  c.rl.max_grad_norm = 1.0
+  c.rl.gamma = 1.0
+  c.rl.lam_policy = 0.95
+  c.rl.lam_critic = 0.95
+  c.rl.whiten_advantages = True
+  c.rl.clip_low = 0.2
+  c.rl.clip_high = 0.28  # clip-higher (DAPO), report section 2.5.4
+  c.rl.clip_c = None  # dual-clip constant (None = off)
+  c.rl.value_clip = 0.2
+  c.rl.vf_coef = 1.0
+  c.rl.ent_coef = 0.0
+  c.rl.aux_loss_coef = 0.01  # MoE load-balance loss
+  c.rl.loss_agg = "token-mean"
+  c.rl.epochs = 2
+  c.rl.minibatch_size = 16
+  c.rl.outcome_weight = 1.0
+  c.rl.format_penalty = -0.1
+  c.rl.truncation_reward = -1.0
+
+  # --- Run -----------------------------------------------------------------------------------------
+  c.iterations = 200
+  c.max_minutes = 25.0  # stop training (and checkpoint) after this wall-clock budget
+  c.ckpt_every = 10
+  c.keep_checkpoints = 3
+  c.log_trajectories = 4  # episodes (with screenshots) saved per iteration for inspection
+  c.save_trajectories_every = 5
+  c.eval_every = 0  # 0 = no in-training eval (experiments/eval.py does the held-out eval)
+  c.length_multiple = 64
+
+  if arg == "smoke":
+    c.env.num_sessions = 4
+    c.env.max_turns = 2
+    c.iterations = 2
+    c.rl.minibatch_size = 4
+    c.rl.epochs = 1
+    c.ckpt_every = 1
+    c.model.layers = 2
+    c.model.hidden = 64
+    c.model.head_dim = 16
+    c.model.moe_intermediate = 64
+    c.model.vision_hidden = 48
+    c.model.vision_mlp = 96
+    c.model.vision_depth = 1
+    c.log_trajectories = 1
+    c.save_trajectories_every = 1
+  elif arg:
+    raise ValueError(f"unknown config arg {arg!r}; expected '' or 'smoke'")
+  return c

@@ -1,0 +1,86 @@
+r"""Held-out evaluation of a run's policy: per-task success over seeds never used in training.
+
+  python -m experiments.eval --run runs/miniwob_ppo --tasks miniwob/click-test,miniwob/click-test-2 \
+      --episodes 200 --json runs/miniwob_ppo/eval.json [--checkpoint STEP]
+
+Actions are the policy's own samples (same temperature and constrained grammar as in training).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+from absl import app, flags
+import ml_collections as mlc
+from tqdm import tqdm
+
+from envs_bridge.client import SandboxClient
+from envs_bridge.launch import launch_server
+from tars_jax.rollout.agent_loop import RolloutStats, run_episodes
+from tars_jax.rollout.evaluation import eval_jobs, format_table, summarize
+from tars_jax.train import checkpoint as ckpt
+from tars_jax.train import state as state_lib
+
+_RUN = flags.DEFINE_string("run", None, "Run directory (has config.json and checkpoints/).")
+_CKPT = flags.DEFINE_integer("checkpoint", None, "Checkpoint step (default: latest).")
+_TASKS = flags.DEFINE_string("tasks", None, "Comma-separated task names (default: the config's tasks).")
+_EPISODES = flags.DEFINE_integer("episodes", 200, "Held-out episodes (seeds) per task.")
+_JSON = flags.DEFINE_string("json", None, "Write the per-task results here.")
+_SERVERS = flags.DEFINE_list("servers", [], "Sandbox server URLs (default: launch one).")
+_SESSIONS = flags.DEFINE_integer("sessions", None, "Concurrent episodes (default: config.env.num_sessions).")
+
+
+def evaluate(run: str, tasks: list[str] | None, episodes: int, step: int | None = None,
+             servers: list[str] | None = None, sessions: int | None = None) -> tuple[int, dict]:
+  """Returns (checkpoint step, {task: {success, episodes, ...}}) for the run's policy.
+
+  Raises:
+    FileNotFoundError: the run has no config.json or no checkpoint.
+  """
+  with open(os.path.join(run, "config.json")) as f:
+    config = mlc.ConfigDict(json.load(f))
+  parts = state_lib.build(config)
+  step, state, _ = ckpt.restore(ckpt.manager(run), parts.init_state(config.seed), step)
+  tasks = tasks or list(config.tasks)
+  sessions = sessions or config.env.num_sessions
+  policy = parts.batched_policy(state["policy"], batch_size=sessions, seed=config.seed + 7)
+  jobs = eval_jobs(tasks, episodes, config.env.eval_seed_offset)
+  server = None
+  if not servers:
+    server = launch_server(step_ms=config.env.step_ms, lease_s=config.env.lease_s)
+    servers = [server.url]
+  loop = asyncio.new_event_loop()
+  clients = [SandboxClient(u) for u in servers]
+  results = []
+  try:
+    for s in tqdm(range(0, len(jobs), sessions), desc="eval", unit="batch"):
+      results += loop.run_until_complete(run_episodes(
+          policy.act, clients, jobs[s:s + sessions], parts.loop_cfg, parts.tokenizer, version=step,
+          stats=RolloutStats()))
+  finally:
+    for c in clients:
+      loop.run_until_complete(c.aclose())
+    loop.close()
+    if server is not None:
+      server.stop()
+  return step, summarize(results)
+
+
+def main(argv):
+  del argv
+  tasks = _TASKS.value.split(",") if _TASKS.value else None
+  step, summary = evaluate(_RUN.value, tasks, _EPISODES.value, _CKPT.value, _SERVERS.value,
+                           _SESSIONS.value)
+  print(f"checkpoint {step} of {_RUN.value}, {_EPISODES.value} held-out seeds per task")
+  print(format_table(summary))
+  if _JSON.value:
+    with open(_JSON.value, "w") as f:
+      json.dump({"checkpoint": step, "results": summary, **summary}, f, indent=2)
+    print(f"[eval] wrote {_JSON.value}")
+
+
+if __name__ == "__main__":
+  flags.mark_flags_as_required(["run"])
+  app.run(main)

@@ -1,0 +1,166 @@
+r"""PPO trainer for GUI agents against sandbox servers (one linear script; big_vision style).
+
+  python -m experiments.train --config experiments/configs/miniwob_ppo.py --workdir runs/miniwob_ppo
+  python -m experiments.train --config experiments/configs/miniwob_ppo.py:smoke --workdir /tmp/smoke
+
+Re-running the same command resumes from the last complete checkpoint in `--workdir`.
+Layout of the run dir: config.json, metrics.jsonl, tensorboard/, checkpoints/, trajectories/.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+
+from absl import app, flags
+from ml_collections import config_flags
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from envs_bridge.client import SandboxClient
+from envs_bridge.launch import launch_server
+from tars_jax.agent.trajectory import collate
+from tars_jax.rollout.agent_loop import RolloutStats, run_episodes
+from tars_jax.train import checkpoint as ckpt
+from tars_jax.train import state as state_lib
+from tars_jax.train import ppo
+from tars_jax.train.metrics import MetricsWriter
+from tars_jax.train.trajectories import save_episodes
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (get_config(arg)).", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (created; resumed if it has checkpoints).")
+
+
+def episode_metrics(episodes, tasks) -> dict[str, float]:
+  """Per-iteration episode statistics (overall and per task)."""
+  m = {
+      "reward": float(np.mean([e.env_return for e in episodes])),
+      "shaped_return": float(np.mean([e.shaped_return for e in episodes])),
+      "success_rate": float(np.mean([e.success for e in episodes])),
+      "episode_length": float(np.mean([len(e.turns) for e in episodes])),
+      "invalid_action_rate": float(np.sum([e.num_invalid for e in episodes]) /
+                                   max(1, sum(len(e.turns) for e in episodes))),
+      "truncated_rate": float(np.mean([e.truncated for e in episodes])),
+      "reply_tokens": float(np.mean([len(t.reply_ids) for e in episodes for t in e.turns])),
+  }
+  for task in tasks:
+    eps = [e for e in episodes if e.task == task]
+    if eps:
+      m[f"success/{task}"] = float(np.mean([e.success for e in eps]))
+  return m
+
+
+def main(argv):
+  del argv
+  config, workdir = _CONFIG.value, _WORKDIR.value
+  if not workdir:
+    raise app.UsageError("--workdir is required")
+  os.makedirs(workdir, exist_ok=True)
+  logging.getLogger().setLevel(logging.WARNING)
+
+  # ----------------------------------------------------------------------------------------------
+  # Model, optimisers, grammar, checkpoint resume.
+  # ----------------------------------------------------------------------------------------------
+  parts = state_lib.build(config)
+  state = parts.init_state(config.seed)
+  mngr = ckpt.manager(workdir, config.keep_checkpoints)
+  start_iter = 0
+  if mngr.latest_step() is not None:
+    step, state, meta = ckpt.restore(mngr, state)
+    start_iter = int(meta.get("iteration", step))
+    print(f"[train] resumed from {mngr.directory}/{step} (iteration {start_iter})")
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    f.write(config.to_json_best_effort(indent=2))
+  writer = MetricsWriter(workdir, resume_step=start_iter if start_iter else None)
+  policy = parts.batched_policy(state["policy"], batch_size=config.env.num_sessions,
+                                seed=config.seed * 100_003 + start_iter)
+  hp, rng = parts.hparams, np.random.default_rng([config.seed, start_iter])
+
+  # ----------------------------------------------------------------------------------------------
+  # Sandbox servers: the configured fleet, or one local server subprocess.
+  # ----------------------------------------------------------------------------------------------
+  server = None
+  urls = list(config.env.servers)
+  if not urls:
+    server = launch_server(step_ms=config.env.step_ms, lease_s=config.env.lease_s)
+    urls = [server.url]
+  loop = asyncio.new_event_loop()
+  clients = [SandboxClient(u) for u in urls]
+
+  # ----------------------------------------------------------------------------------------------
+  # Training loop.
+  # ----------------------------------------------------------------------------------------------
+  t_start, it = time.time(), start_iter
+  bar = tqdm(total=config.iterations, initial=start_iter, desc="ppo", unit="it", dynamic_ncols=True)
+  tasks, n = tuple(config.tasks), config.env.num_sessions
+  try:
+    for it in range(start_iter, config.iterations):
+      if (time.time() - t_start) / 60 > config.max_minutes:
+        print(f"[train] wall-clock budget of {config.max_minutes} min reached at iteration {it}")
+        break
+      t0 = time.perf_counter()
+      jobs = [(tasks[k % len(tasks)], config.env.train_seed_offset + it * n + k) for k in range(n)]
+      stats = RolloutStats()
+      episodes = loop.run_until_complete(
+          run_episodes(policy.act, clients, jobs, parts.loop_cfg, parts.tokenizer, version=it, stats=stats))
+      episodes = [e for e in episodes if not e.lost]
+      t_roll = time.perf_counter() - t0
+      batch = collate(episodes, pad_id=parts.tokenizer.pad_id, max_images=config.env.max_turns,
+                      image_hw=parts.image_hw, length_multiple=config.length_multiple,
+                      batch_size=n).as_dict()
+      t1 = time.perf_counter()
+      state, train_m = ppo.ppo_update(state, batch, parts.table, policy_gd=parts.policy_gd,
+                                      critic_gd=parts.critic_gd, popt=parts.popt, copt=parts.copt, hp=hp,
+                                      epochs=config.rl.epochs, minibatch_size=config.rl.minibatch_size,
+                                      rng=rng, n_real=len(episodes))
+      policy.params = state["policy"]
+      t_train = time.perf_counter() - t1
+      train_tokens = float(batch["attn_mask"][: len(episodes)].sum()) * config.rl.epochs
+      m = episode_metrics(episodes, tasks)
+      m.update({f"train/{k}": v for k, v in train_m.items()})
+      m.update({f"reward_terms/{k}": v / max(1, len(episodes)) for k, v in stats.reward_terms.items()})
+      m.update({
+          "perf/env_steps_per_s": stats.env_steps / max(t_roll, 1e-9),
+          "perf/gen_tokens_per_s": stats.generated_tokens / max(stats.policy_time_s, 1e-9),
+          "perf/train_tokens_per_s": train_tokens / max(t_train, 1e-9),
+          "perf/rollout_s": t_roll, "perf/train_s": t_train,
+          "perf/env_wait_s": stats.env_time_s, "perf/policy_s": stats.policy_time_s,
+          "episodes_lost": stats.episodes_lost, "episodes_retried": stats.episodes_retried,
+          "episodes_total": (it + 1) * n,
+      })
+      writer.write(it + 1, m)
+      if config.log_trajectories and (it % config.save_trajectories_every == 0 or it + 1 == config.iterations):
+        save_episodes(os.path.join(workdir, "trajectories", f"iter_{it + 1:05d}"),
+                      episodes[: config.log_trajectories])
+      if (it + 1) % config.ckpt_every == 0 or it + 1 == config.iterations:
+        ckpt.save(mngr, it + 1, state, {"iteration": it + 1, "episodes": (it + 1) * n})
+      bar.update(1)
+      bar.set_postfix(success=f"{m['success_rate']:.2f}", reward=f"{m['reward']:.2f}",
+                      kl=f"{train_m['approx_kl']:.3f}", ev=f"{train_m['explained_variance']:.2f}")
+    else:
+      it = config.iterations
+    if mngr.latest_step() != it and it > start_iter:
+      ckpt.save(mngr, it, state, {"iteration": it, "episodes": it * n})
+  finally:
+    bar.close()
+    writer.close()
+    for c in clients:
+      loop.run_until_complete(c.aclose())
+    loop.close()
+    if server is not None:
+      server.stop()
+  print(f"[train] done: {it} iterations in {(time.time() - t_start) / 60:.1f} min | "
+        f"checkpoints: {mngr.directory} (latest {mngr.latest_step()}) | "
+        f"metrics: {writer.path} | tensorboard --logdir {writer.tb_dir} | "
+        f"trajectories: {os.path.join(workdir, 'trajectories')}")
+
+
+if __name__ == "__main__":
+  flags.mark_flags_as_required(["config"])
+  jax.config.update("jax_default_matmul_precision", "float32")
+  app.run(main)

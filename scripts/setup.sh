@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Idempotent set-up on a fresh machine: Debian chromium + xvfb, then .venv with pinned requirements.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+need_apt=()
+[[ -x /usr/bin/chromium ]] || need_apt+=(chromium)
+command -v Xvfb >/dev/null 2>&1 || need_apt+=(xvfb)
+if ((${#need_apt[@]})); then
+  echo "[setup] installing Debian packages: ${need_apt[*]}"
+  SUDO=""; [[ $(id -u) -eq 0 ]] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+if [[ ! -x .venv/bin/python ]]; then
+  echo "[setup] creating .venv"
+  python3 -m venv .venv
+fi
+stamp=.venv/.requirements.sha
+want=$(sha256sum requirements.txt | cut -d' ' -f1)
+if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
+  echo "[setup] installing requirements.txt into .venv"
+  .venv/bin/pip install -q --upgrade pip
+  .venv/bin/pip install -q -r requirements.txt
+  echo "$want" > "$stamp"
+fi

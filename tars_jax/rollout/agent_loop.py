@@ -1,0 +1,186 @@
+"""Multi-turn episodes against sandbox sessions: observe -> think/act -> step, many episodes in lockstep.
+
+Each turn, every live episode's full history (prefix, past turns, new screenshot) is sent to the
+policy in one batch; the replies go to their sessions concurrently over HTTP. An episode ends when
+the page says done, or after `max_turns` (truncated, step-budget penalty). A session that dies
+(`SessionLost`, `LeaseExpired`, transport errors) loses its episode, which is retried from the same
+seed and counted — nothing disappears silently (DESIGN.md, "Bad input").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+from envs_bridge import protocol
+from envs_bridge.client import SandboxClient
+from tars_jax.agent import prompts
+from tars_jax.agent.images import preprocess
+from tars_jax.agent.tokenizer import ByteTokenizer
+from tars_jax.agent.trajectory import Episode, Turn
+from tars_jax.rl.rewards import RewardConfig, turn_reward_terms
+
+# act(prompts, images) -> [(reply_ids incl. EOS, logprobs [n], states [n])], one per prompt.
+ActFn = Callable[[list[list[int]], list[list[np.ndarray]]], list[tuple[list[int], np.ndarray, np.ndarray]]]
+
+_LOST_ERRORS = (protocol.SandboxError,)
+
+
+@dataclasses.dataclass
+class LoopConfig:
+  max_turns: int = 3
+  image_hw: tuple[int, int] = (224, 168)  # (H, W) the policy sees
+  n_img_tokens: int = 48
+  system: str = ""
+  rewards: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+  max_retries: int = 2
+
+
+@dataclasses.dataclass
+class RolloutStats:
+  episodes: int = 0
+  episodes_lost: int = 0
+  episodes_retried: int = 0
+  env_steps: int = 0
+  env_time_s: float = 0.0
+  policy_time_s: float = 0.0
+  generated_tokens: int = 0
+  reward_terms: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+class _Live:
+  """Book-keeping of one episode in flight."""
+
+  def __init__(self, ep: Episode, client: SandboxClient, sid: str, image: np.ndarray, obs_text: str | None):
+    self.ep, self.client, self.sid = ep, client, sid
+    self.image, self.obs_text = image, obs_text
+    self.pending_obs_ids: list[int] = []
+
+
+async def _open(client: SandboxClient, task: str, seed: int, tok: ByteTokenizer, cfg: LoopConfig,
+                version: int) -> _Live:
+  sid, obs = await client.open(task, seed)
+  instruction = obs.info.get("instruction", "")
+  prefix = prompts.encode_episode_prefix(tok, instruction, cfg.system)
+  ep = Episode(task=task, seed=seed, instruction=instruction, prefix_ids=prefix, policy_version=version)
+  return _Live(ep, client, sid, preprocess(obs.image(), cfg.image_hw), None)
+
+
+async def _safe_close(live: _Live) -> None:
+  try:
+    await live.client.close(live.sid)
+  except Exception:  # closing a dead session is best-effort; the server reclaims it by lease anyway
+    pass
+
+
+async def run_episodes(act: ActFn, clients: Sequence[SandboxClient], jobs: Sequence[tuple[str, int]],
+                       cfg: LoopConfig, tok: ByteTokenizer, version: int = 0,
+                       stats: RolloutStats | None = None,
+                       on_turn: Callable[[int], None] | None = None) -> list[Episode]:
+  """Plays every (task, seed) job to the end, all concurrently; returns episodes in job order.
+
+  Episodes whose session is lost are retried from their seed up to `cfg.max_retries` times; if still
+  lost they are returned with `lost=True` (callers must not train on them).
+  """
+  stats = stats if stats is not None else RolloutStats()
+  results: list[Episode | None] = [None] * len(jobs)
+  pending = list(range(len(jobs)))
+  attempt = 0
+  while pending:
+    lost_now = await _run_round(act, clients, jobs, pending, cfg, tok, version, stats, results, on_turn)
+    stats.episodes_lost += len(lost_now)
+    if not lost_now or attempt >= cfg.max_retries:
+      break
+    attempt += 1
+    stats.episodes_retried += len(lost_now)
+    logging.warning("retrying %d lost episodes (attempt %d)", len(lost_now), attempt)
+    pending = lost_now
+  stats.episodes += sum(1 for r in results if r is not None and not r.lost)
+  return results  # type: ignore[return-value]
+
+
+async def _run_round(act, clients, jobs, idxs, cfg, tok, version, stats, results, on_turn) -> list[int]:
+  t0 = time.perf_counter()
+  opened = await asyncio.gather(
+      *[_open(clients[k % len(clients)], *jobs[i], tok, cfg, version) for k, i in enumerate(idxs)],
+      return_exceptions=True)
+  stats.env_time_s += time.perf_counter() - t0
+  live: dict[int, _Live] = {}
+  lost: list[int] = []
+  for i, o in zip(idxs, opened):
+    if isinstance(o, BaseException):
+      if not isinstance(o, _LOST_ERRORS + (OSError,)) and not _is_transport_error(o):
+        raise o
+      logging.warning("open %s failed: %s", jobs[i], o)
+      lost.append(i)
+    else:
+      live[i] = o
+
+  for turn_idx in range(cfg.max_turns):
+    if not live:
+      break
+    order = list(live)
+    prompts_ids, images = [], []
+    for i in order:
+      lv = live[i]
+      # The previous reply's TURN_END is environment-written, so it opens this observation.
+      obs_ids = ([tok.turn_end_id] if lv.ep.turns else []) + prompts.encode_observation(
+          tok, cfg.n_img_tokens, lv.obs_text)
+      lv.pending_obs_ids = obs_ids
+      prompts_ids.append(lv.ep.token_ids() + obs_ids)
+      images.append([t.image for t in lv.ep.turns] + [lv.image])
+    t0 = time.perf_counter()
+    replies = act(prompts_ids, images)
+    stats.policy_time_s += time.perf_counter() - t0
+    texts = []
+    for i, (ids, lp, st) in zip(order, replies):
+      stats.generated_tokens += len(ids)
+      texts.append(tok.decode(ids))
+    t0 = time.perf_counter()
+    outs = await asyncio.gather(*[live[i].client.step(live[i].sid, txt) for i, txt in zip(order, texts)],
+                                return_exceptions=True)
+    stats.env_time_s += time.perf_counter() - t0
+    stats.env_steps += len(order)
+    last_turn = turn_idx == cfg.max_turns - 1
+    for i, (ids, lp, st), txt, out in zip(order, replies, texts, outs):
+      lv = live[i]
+      if isinstance(out, BaseException):
+        if not isinstance(out, _LOST_ERRORS) and not _is_transport_error(out):
+          raise out
+        logging.warning("episode %s lost at turn %d: %s", jobs[i], turn_idx, out)
+        lv.ep.lost = True
+        results[i] = lv.ep
+        lost.append(i)
+        del live[i]
+        continue
+      error = out.info.get("error")
+      truncated = last_turn and not out.done
+      terms = turn_reward_terms(out.reward, error is not None, truncated, cfg.rewards)
+      for k, v in terms.items():
+        stats.reward_terms[k] = stats.reward_terms.get(k, 0.0) + v
+      lv.ep.turns.append(Turn(image=lv.image, obs_ids=lv.pending_obs_ids, reply_ids=list(ids),
+                              logprobs=np.asarray(lp, np.float32), states=np.asarray(st, np.int32),
+                              text=txt, reward=terms["total"], env_reward=float(out.reward),
+                              done=bool(out.done), error=error,
+                              info={k: v for k, v in out.info.items() if k != "instruction"}))
+      lv.ep.truncated = truncated
+      if out.done or last_turn:
+        results[i] = lv.ep
+        del live[i]
+        await _safe_close(lv)
+      else:
+        lv.image = preprocess(out.image(), cfg.image_hw)
+        lv.obs_text = error
+    if on_turn:
+      on_turn(turn_idx)
+  return lost
+
+
+def _is_transport_error(e: BaseException) -> bool:
+  import httpx  # local: only needed on the error path
+  return isinstance(e, httpx.TransportError)

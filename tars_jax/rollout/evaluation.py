@@ -1,0 +1,44 @@
+"""Held-out evaluation: per-task success over seeds never used in training."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tars_jax.agent.trajectory import Episode
+
+
+def eval_jobs(tasks: list[str], episodes: int, seed_offset: int) -> list[tuple[str, int]]:
+  """(task, seed) pairs: seeds `seed_offset + k`, k < episodes, for every task.
+
+  Training uses seeds `train_seed_offset + it * num_sessions + k`; configs keep `eval_seed_offset`
+  far above any seed a run can reach, so evaluation seeds are held out.
+  """
+  return [(t, seed_offset + k) for t in tasks for k in range(episodes)]
+
+
+def summarize(episodes: list[Episode]) -> dict[str, dict[str, float]]:
+  """{task: {success, episodes, mean_reward, mean_steps, invalid_rate, lost}} over finished episodes."""
+  out: dict[str, dict[str, float]] = {}
+  for task in sorted({e.task for e in episodes}):
+    eps = [e for e in episodes if e.task == task and not e.lost]
+    lost = sum(1 for e in episodes if e.task == task and e.lost)
+    turns = sum(len(e.turns) for e in eps)
+    out[task] = {
+        "success": float(np.mean([e.success for e in eps])) if eps else 0.0,
+        "episodes": len(eps),
+        "mean_reward": float(np.mean([e.env_return for e in eps])) if eps else 0.0,
+        "mean_steps": float(np.mean([len(e.turns) for e in eps])) if eps else 0.0,
+        "invalid_rate": float(sum(e.num_invalid for e in eps) / max(1, turns)),
+        "lost": lost,
+    }
+  return out
+
+
+def format_table(summary: dict[str, dict[str, float]]) -> str:
+  """Plain-text table of `summarize` output."""
+  head = f"{'task':32s} {'success':>8s} {'episodes':>9s} {'reward':>8s} {'steps':>6s} {'invalid':>8s}"
+  rows = [head, "-" * len(head)]
+  for task, r in summary.items():
+    rows.append(f"{task:32s} {r['success']:8.3f} {r['episodes']:9d} {r['mean_reward']:8.3f} "
+                f"{r['mean_steps']:6.2f} {r['invalid_rate']:8.3f}")
+  return "\n".join(rows)

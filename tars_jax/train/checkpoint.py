@@ -1,0 +1,46 @@
+"""Orbax checkpoints of the train state under `<workdir>/checkpoints/<step>/`.
+
+A run resumes from the last *complete* checkpoint: Orbax writes each step to a temporary directory
+and renames it when finished, so a run killed mid-save leaves the previous step as the latest.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+
+def manager(workdir: str, max_to_keep: int = 3) -> ocp.CheckpointManager:
+  """CheckpointManager over `<workdir>/checkpoints` keeping the last `max_to_keep` steps."""
+  path = os.path.abspath(os.path.join(workdir, "checkpoints"))
+  opts = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
+  return ocp.CheckpointManager(path, options=opts)
+
+
+def save(mngr: ocp.CheckpointManager, step: int, state: Any, meta: dict | None = None) -> None:
+  """Saves `state` (any pytree of arrays) and JSON `meta` at `step`; blocks until written."""
+  args = {"state": ocp.args.StandardSave(state)}
+  if meta is not None:
+    args["meta"] = ocp.args.JsonSave(meta)
+  mngr.save(step, args=ocp.args.Composite(**args))
+  mngr.wait_until_finished()
+
+
+def restore(mngr: ocp.CheckpointManager, target: Any, step: int | None = None) -> tuple[int, Any, dict]:
+  """Restores (step, state, meta) into the structure/shardings of `target`.
+
+  Args:
+    step: which step; None = latest complete one.
+  Raises:
+    FileNotFoundError: there is no checkpoint (or not that step).
+  """
+  step = mngr.latest_step() if step is None else step
+  if step is None or step not in mngr.all_steps():
+    raise FileNotFoundError(f"no checkpoint {'' if step is None else step} in {mngr.directory}")
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+  out = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                                   meta=ocp.args.JsonRestore()))
+  return step, out["state"], dict(out["meta"] or {})

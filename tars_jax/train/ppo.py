@@ -1,0 +1,170 @@
+"""PPO update for a token-level policy and critic over multi-turn episodes (functional, jitted).
+
+Pipeline of one iteration (UI-TARS-2 report section 2.5.4; verl `ray_trainer` ordering):
+  critic values of the rollout batch -> GAE over model tokens (observation tokens skipped) ->
+  advantage whitening -> `epochs` x minibatches of clipped policy + clipped value updates.
+
+The policy log-probs are those of the grammar-constrained, temperature-scaled distribution the
+sampler drew from (`models.sampler.generate`), rebuilt here from the grammar states of the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from tars_jax.models import rope_positions
+from tars_jax.models.policy import token_logprobs
+from tars_jax.rl import advantages as adv_lib
+from tars_jax.rl import losses
+from tars_jax.rl import metrics as rl_metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOHparams:
+  """Static hyper-parameters of the update (hashable: part of the jit cache key)."""
+
+  gamma: float = 1.0
+  lam_policy: float = 0.95
+  lam_critic: float = 0.95
+  whiten_advantages: bool = True
+  clip_low: float = 0.2
+  clip_high: float = 0.28
+  clip_c: float | None = None
+  value_clip: float | None = 0.2
+  vf_coef: float = 1.0
+  ent_coef: float = 0.0
+  aux_loss_coef: float = 0.01
+  loss_agg: str = "token-mean"
+  temperature: float = 1.0
+  image_token_id: int = 259
+  grid_hw: tuple[int, int] = (8, 6)
+
+
+def make_optimizer(lr: float, warmup_steps: int, max_grad_norm: float, weight_decay: float
+                   ) -> optax.GradientTransformation:
+  """Global-norm clipping + AdamW with linear warm-up to a constant `lr`."""
+  sched = optax.linear_schedule(0.0, lr, max(1, warmup_steps))
+  return optax.chain(optax.clip_by_global_norm(max_grad_norm),
+                     optax.adamw(sched, b1=0.9, b2=0.999, weight_decay=weight_decay))
+
+
+def _positions(tokens, attn_mask, hp: PPOHparams):
+  return rope_positions(tokens, attn_mask, hp.image_token_id, hp.grid_hw)
+
+
+def _allowed(table, states, mask):
+  """[B, T, V] bool: grammar-allowed tokens where mask=1, everything elsewhere (avoids -inf)."""
+  if table is None:
+    return None
+  allowed = jnp.asarray(table)[states] >= 0
+  return jnp.where(mask[..., None] > 0, allowed, True)
+
+
+def critic_values(critic_gd, critic_params, batch: dict, hp: PPOHparams) -> jax.Array:
+  """Values of the prefix ending at each input token j, i.e. V(s) before target token j+1.
+
+  Returns [B, T-1] float32.
+  """
+  critic = nnx.merge(critic_gd, critic_params)
+  pos = _positions(batch["tokens"], batch["attn_mask"], hp)
+  values, _ = critic(batch["tokens"], pos, batch["attn_mask"], batch["pixel_values"], batch["image_mask"])
+  return values[:, :-1]
+
+
+def compute_advantages(values: jax.Array, batch: dict, hp: PPOHparams) -> tuple[jax.Array, jax.Array]:
+  """(advantages [B,T-1], returns [B,T-1]) with decoupled lambdas (VC-PPO; report 2.5.4)."""
+  mask = batch["loss_mask"]
+  adv, _ = adv_lib.gae(batch["rewards"], values, mask, hp.gamma, hp.lam_policy)
+  _, ret = adv_lib.gae(batch["rewards"], values, mask, hp.gamma, hp.lam_critic)
+  if hp.whiten_advantages:
+    adv = adv_lib.masked_whiten(adv, mask)
+  return adv * mask, ret * mask
+
+
+def _policy_loss(params, gd, table, mb, hp: PPOHparams):
+  policy = nnx.merge(gd, params)
+  pos = _positions(mb["tokens"], mb["attn_mask"], hp)
+  logits, aux = policy(mb["tokens"], pos, mb["attn_mask"], mb["pixel_values"], mb["image_mask"])
+  logits = logits[:, :-1].astype(jnp.float32)
+  mask = mb["loss_mask"]
+  allowed = _allowed(table, mb["states"], mask)
+  logp = token_logprobs(logits, mb["tokens"][:, 1:], allowed, hp.temperature)
+  pg, m = losses.ppo_policy_loss(logp, mb["old_logp"], mb["advantages"], mask, hp.clip_low,
+                                 hp.clip_high, hp.clip_c, hp.loss_agg)
+  ent = losses.aggregate(losses.entropy(logits, mask, allowed, hp.temperature), mask, "token-mean")
+  loss = pg - hp.ent_coef * ent + hp.aux_loss_coef * aux
+  m = dict(m, pg_loss=pg, entropy=ent, moe_aux_loss=aux)
+  return loss, m
+
+
+def _value_loss(params, gd, mb, hp: PPOHparams):
+  critic = nnx.merge(gd, params)
+  pos = _positions(mb["tokens"], mb["attn_mask"], hp)
+  values, aux = critic(mb["tokens"], pos, mb["attn_mask"], mb["pixel_values"], mb["image_mask"])
+  vl, m = losses.value_loss(values[:, :-1], mb["old_values"], mb["returns"], mb["loss_mask"],
+                            hp.value_clip, hp.loss_agg)
+  return hp.vf_coef * vl + hp.aux_loss_coef * aux, dict(m, value_loss=vl)
+
+
+@functools.partial(jax.jit, static_argnames=("policy_gd", "critic_gd", "popt", "copt", "hp"),
+                   donate_argnames=("state",))
+def minibatch_step(state: dict, mb: dict, table, *, policy_gd, critic_gd, popt, copt, hp: PPOHparams):
+  """One PPO step on a minibatch: returns (new state, metrics dict of scalars).
+
+  `state` = {"step", "policy", "critic", "policy_opt", "critic_opt"} (nnx.State / optax pytrees).
+  """
+  (_, pm), pg = jax.value_and_grad(_policy_loss, has_aux=True)(state["policy"], policy_gd, table, mb, hp)
+  (_, vm), vg = jax.value_and_grad(_value_loss, has_aux=True)(state["critic"], critic_gd, mb, hp)
+  pu, popt_state = popt.update(pg, state["policy_opt"], state["policy"])
+  cu, copt_state = copt.update(vg, state["critic_opt"], state["critic"])
+  new = dict(state, step=state["step"] + 1, policy=optax.apply_updates(state["policy"], pu),
+             critic=optax.apply_updates(state["critic"], cu), policy_opt=popt_state, critic_opt=copt_state)
+  metrics = dict(pm, **vm, policy_grad_norm=optax.global_norm(pg), critic_grad_norm=optax.global_norm(vg))
+  return new, metrics
+
+
+@functools.partial(jax.jit, static_argnames=("critic_gd", "hp"))
+def prepare(critic_params, batch: dict, *, critic_gd, hp: PPOHparams):
+  """Values, advantages, returns and value diagnostics of a rollout batch (jitted)."""
+  values = critic_values(critic_gd, critic_params, batch, hp)
+  adv, ret = compute_advantages(values, batch, hp)
+  mask = batch["loss_mask"]
+  diag = dict(explained_variance=rl_metrics.explained_variance(ret, values, mask),
+              value_return_corr=rl_metrics.masked_corr(values, ret, mask),
+              value_mean=adv_lib.masked_mean(values, mask), return_mean=adv_lib.masked_mean(ret, mask))
+  return values * mask, adv, ret, diag
+
+
+def ppo_update(state: dict, batch: dict[str, np.ndarray], table, *, policy_gd, critic_gd, popt, copt,
+               hp: PPOHparams, epochs: int, minibatch_size: int, rng: np.random.Generator,
+               n_real: int) -> tuple[dict, dict[str, float]]:
+  """Full PPO update on one rollout batch; returns (state, mean metrics over minibatch steps).
+
+  Only the first `n_real` rows are real episodes; padding rows have zero masks and are never
+  placed in a minibatch of their own.
+  """
+  batch = {k: jnp.asarray(v) for k, v in batch.items()}
+  values, adv, ret, diag = prepare(state["critic"], batch, critic_gd=critic_gd, hp=hp)
+  batch.update(old_values=values, advantages=adv, returns=ret)
+  collected: list[dict] = []
+  for _ in range(epochs):
+    perm = rng.permutation(n_real)
+    for s in range(0, n_real, minibatch_size):
+      idx = perm[s:s + minibatch_size]
+      if len(idx) < minibatch_size:  # keep one jit shape: top up with random real rows
+        idx = np.concatenate([idx, rng.choice(n_real, minibatch_size - len(idx))])
+      mb = {k: v[idx] for k, v in batch.items()}
+      state, m = minibatch_step(state, mb, table, policy_gd=policy_gd, critic_gd=critic_gd,
+                                popt=popt, copt=copt, hp=hp)
+      collected.append(m)
+  out = {k: float(np.mean([float(m[k]) for m in collected])) for k in collected[0]}
+  out.update({k: float(v) for k, v in diag.items()})
+  return state, out

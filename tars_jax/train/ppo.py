@@ -21,7 +21,6 @@ import optax
 from flax import nnx
 
 from tars_jax.models import rope_positions
-from tars_jax.models.policy import token_logprobs
 from tars_jax.rl import advantages as adv_lib
 from tars_jax.rl import losses
 from tars_jax.rl import metrics as rl_metrics
@@ -96,7 +95,8 @@ def _policy_loss(params, gd, table, mb, hp: PPOHparams):
   logits = logits[:, :-1].astype(jnp.float32)
   mask = mb["loss_mask"]
   allowed = _allowed(table, mb["states"], mask)
-  logp = token_logprobs(logits, mb["tokens"][:, 1:], allowed, hp.temperature)
+  logp_all = losses.masked_log_softmax(logits, allowed, hp.temperature)
+  logp = jnp.take_along_axis(logp_all, mb["tokens"][:, 1:, None], axis=-1)[..., 0]
   pg, m = losses.ppo_policy_loss(logp, mb["old_logp"], mb["advantages"], mask, hp.clip_low,
                                  hp.clip_high, hp.clip_c, hp.loss_agg)
   ent = losses.aggregate(losses.entropy(logits, mask, allowed, hp.temperature), mask, "token-mean")

@@ -1,0 +1,281 @@
+"""The action grammar of DESIGN.md (UI-TARS, `bytedance/UI-TARS` `codes/ui_tars/action_parser.py`).
+
+`parse_action` turns one action string into a typed action; `parse_response` a whole
+`Thought: …\nAction: …` reply. Coordinates are converted ONCE, here, to floats in [0, 1] relative to
+the screenshot:
+  CoordSpec('relative1000')       integers on a 0–1000 grid relative to the screenshot (default);
+  CoordSpec('absolute', w, h)     pixels of the resized image the model saw (Qwen2.5-VL convention).
+Accepted point spellings: `start_box='(x,y)'`, `start_box='<|box_start|>(x,y)<|box_end|>'`,
+`start_box='(x1,y1,x2,y2)'` / `[x1,y1,x2,y2]` (box -> centre), `point='<point>x y</point>'`
+(`start_point` / `end_point` for drag).
+
+Every string either parses or raises `ActionParseError` (with a reason) — never another exception.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Union
+
+
+class ActionParseError(ValueError):
+  """A reply or action string that is not in the grammar; `.reason` says why."""
+
+  def __init__(self, reason: str):
+    super().__init__(reason)
+    self.reason = reason
+
+
+@dataclasses.dataclass(frozen=True)
+class Click:
+  x: float
+  y: float
+
+
+@dataclasses.dataclass(frozen=True)
+class LeftDouble:
+  x: float
+  y: float
+
+
+@dataclasses.dataclass(frozen=True)
+class RightSingle:
+  x: float
+  y: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Drag:
+  x1: float
+  y1: float
+  x2: float
+  y2: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Hotkey:
+  keys: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Type:
+  content: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Scroll:
+  x: float
+  y: float
+  direction: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Wait:
+  pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+  content: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class CallUser:
+  pass
+
+
+Action = Union[Click, LeftDouble, RightSingle, Drag, Hotkey, Type, Scroll, Wait, Finished, CallUser]
+_POINT_ACTIONS = {"click": Click, "left_single": Click, "left_double": LeftDouble, "right_single": RightSingle}
+DIRECTIONS = ("up", "down", "left", "right")
+
+
+@dataclasses.dataclass(frozen=True)
+class CoordSpec:
+  """How the model writes coordinates. mode: 'relative1000' or 'absolute' (needs width/height px)."""
+
+  mode: str = "relative1000"
+  width: int | None = None
+  height: int | None = None
+
+  def __post_init__(self):
+    if self.mode not in ("relative1000", "absolute"):
+      raise ValueError(f"unknown coordinate mode {self.mode!r}")
+    if self.mode == "absolute" and not (self.width and self.height):
+      raise ValueError("absolute coordinates need width and height (pixels of the resized image)")
+
+  def to_unit(self, x: float, y: float) -> tuple[float, float]:
+    """Model coordinates -> [0, 1] fractions; raises ActionParseError when off the screenshot."""
+    w, h = (1000.0, 1000.0) if self.mode == "relative1000" else (float(self.width), float(self.height))
+    if not (0 <= x <= w and 0 <= y <= h):
+      raise ActionParseError(f"coordinates ({x:g},{y:g}) outside the screenshot (0..{w:g}, 0..{h:g})")
+    return x / w, y / h
+
+  def from_unit(self, x: float, y: float) -> tuple[int, int]:
+    w, h = (1000, 1000) if self.mode == "relative1000" else (self.width, self.height)
+    return int(round(x * w)), int(round(y * h))
+
+
+_NUM = r"-?\d+(?:\.\d+)?"
+_CALL = re.compile(r"^\s*([A-Za-z_]\w*)\s*\((.*)\)\s*$", re.S)
+_KWARG = re.compile(r"\s*([A-Za-z_]\w*)\s*=\s*(?:'((?:[^'\\]|\\.)*)'|\"((?:[^\"\\]|\\.)*)\")\s*(?:,|$)", re.S)
+
+
+def _unescape(s: str) -> str:
+  out, i = [], 0
+  while i < len(s):
+    if s[i] == "\\" and i + 1 < len(s):
+      nxt = s[i + 1]
+      out.append({"n": "\n", "t": "\t", "'": "'", '"': '"', "\\": "\\"}.get(nxt, "\\" + nxt))
+      i += 2
+    else:
+      out.append(s[i])
+      i += 1
+  return "".join(out)
+
+
+def _kwargs(args: str) -> dict[str, str]:
+  out, pos, args = {}, 0, args.strip()
+  while pos < len(args):
+    m = _KWARG.match(args, pos)
+    if not m:
+      raise ActionParseError(f"cannot parse arguments {args[pos:pos + 40]!r}: expected name='value'")
+    key = m.group(1)
+    if key in out:
+      raise ActionParseError(f"argument {key!r} given twice")
+    val = m.group(2) if m.group(2) is not None else m.group(3)
+    out[key] = _unescape(val)
+    pos = m.end()
+  return out
+
+
+def _point(text: str, spec: CoordSpec) -> tuple[float, float]:
+  t = text.replace("<|box_start|>", "").replace("<|box_end|>", "").strip()
+  m = re.fullmatch(rf"<point>\s*({_NUM})\s+({_NUM})\s*</point>", t)
+  if m:
+    nums = [float(m.group(1)), float(m.group(2))]
+  else:
+    m = re.fullmatch(rf"[\(\[]\s*({_NUM})\s*,\s*({_NUM})\s*(?:,\s*({_NUM})\s*,\s*({_NUM})\s*)?[\)\]]", t)
+    if not m:
+      raise ActionParseError(f"bad point {text!r}: expected '(x,y)', '(x1,y1,x2,y2)' or '<point>x y</point>'")
+    nums = [float(g) for g in m.groups() if g is not None]
+  if len(nums) == 4:  # a box: act on its centre
+    nums = [(nums[0] + nums[2]) / 2, (nums[1] + nums[3]) / 2]
+  return spec.to_unit(nums[0], nums[1])
+
+
+def _get_point(kw: dict, names: tuple[str, ...], spec: CoordSpec, action: str) -> tuple[float, float]:
+  for n in names:
+    if n in kw:
+      return _point(kw.pop(n), spec)
+  raise ActionParseError(f"{action} needs {' or '.join(names)}")
+
+
+def parse_action(text: str, coords: CoordSpec = CoordSpec()) -> Action:
+  """One action string (e.g. `click(start_box='(120,455)')`) -> typed action.
+
+  Raises: ActionParseError with the reason (unknown action, bad or missing arguments, coordinates
+  off the screenshot).
+  """
+  if not isinstance(text, str):
+    raise ActionParseError(f"action must be a string, got {type(text).__name__}")
+  m = _CALL.match(text.strip())
+  if not m:
+    raise ActionParseError(f"not an action call: {text.strip()[:60]!r}")
+  name, kw = m.group(1), _kwargs(m.group(2))
+  if name in _POINT_ACTIONS:
+    x, y = _get_point(kw, ("start_box", "point", "start_point"), coords, name)
+    act: Action = _POINT_ACTIONS[name](x, y)
+  elif name in ("drag", "select"):
+    x1, y1 = _get_point(kw, ("start_box", "start_point"), coords, name)
+    x2, y2 = _get_point(kw, ("end_box", "end_point"), coords, name)
+    act = Drag(x1, y1, x2, y2)
+  elif name == "hotkey":
+    keys = tuple(k for k in re.split(r"[\s+]+", kw.pop("key", kw.pop("hotkey", "")).strip().lower()) if k)
+    if not keys:
+      raise ActionParseError("hotkey needs key='...' with at least one key")
+    act = Hotkey(keys)
+  elif name == "type":
+    if "content" not in kw:
+      raise ActionParseError("type needs content='...'")
+    act = Type(kw.pop("content"))
+  elif name == "scroll":
+    x, y = _get_point(kw, ("start_box", "point", "start_point"), coords, name)
+    d = kw.pop("direction", "").strip().lower()
+    if d not in DIRECTIONS:
+      raise ActionParseError(f"scroll direction {d!r} not in {DIRECTIONS}")
+    act = Scroll(x, y, d)
+  elif name == "wait":
+    act = Wait()
+  elif name == "finished":
+    act = Finished(kw.pop("content", ""))
+  elif name == "call_user":
+    act = CallUser()
+  else:
+    raise ActionParseError(f"unknown action {name!r}")
+  if kw:
+    raise ActionParseError(f"unexpected arguments for {name}: {sorted(kw)}")
+  return act
+
+
+def parse_response(text: str, coords: CoordSpec = CoordSpec()) -> tuple[str, Action]:
+  """`Thought: …\\nAction: …` (or just `Action: …`) -> (thought, action).
+
+  Raises: ActionParseError when there is no `Action:` or the action does not parse.
+  """
+  if not isinstance(text, str):
+    raise ActionParseError(f"reply must be a string, got {type(text).__name__}")
+  i = text.rfind("Action:")
+  if i < 0:
+    raise ActionParseError("no 'Action:' in the reply")
+  head, action = text[:i], text[i + len("Action:"):]
+  thought = head.strip()
+  if thought.startswith("Thought:"):
+    thought = thought[len("Thought:"):].strip()
+  return thought, parse_action(action, coords)
+
+
+def parse(text: str, coords: CoordSpec = CoordSpec()) -> Action:
+  """A reply (`… Action: …`) or a bare action string -> action (what the sandbox executes)."""
+  return parse_response(text, coords)[1] if "Action:" in text else parse_action(text, coords)
+
+
+def _q(s: str) -> str:
+  return s.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n")
+
+
+def format_action(a: Action, coords: CoordSpec = CoordSpec()) -> str:
+  """Canonical UI-TARS text of an action (parse(format(a)) == a up to grid rounding)."""
+  def pt(x, y):
+    px, py = coords.from_unit(x, y)
+    return f"'({px},{py})'"
+  if isinstance(a, Click):
+    return f"click(start_box={pt(a.x, a.y)})"
+  if isinstance(a, LeftDouble):
+    return f"left_double(start_box={pt(a.x, a.y)})"
+  if isinstance(a, RightSingle):
+    return f"right_single(start_box={pt(a.x, a.y)})"
+  if isinstance(a, Drag):
+    return f"drag(start_box={pt(a.x1, a.y1)}, end_box={pt(a.x2, a.y2)})"
+  if isinstance(a, Hotkey):
+    return f"hotkey(key='{' '.join(a.keys)}')"
+  if isinstance(a, Type):
+    return f"type(content='{_q(a.content)}')"
+  if isinstance(a, Scroll):
+    return f"scroll(start_box={pt(a.x, a.y)}, direction='{a.direction}')"
+  if isinstance(a, Wait):
+    return "wait()"
+  if isinstance(a, Finished):
+    return f"finished(content='{_q(a.content)}')"
+  if isinstance(a, CallUser):
+    return "call_user()"
+  raise TypeError(f"not an action: {a!r}")
+
+
+def to_pixels(a: Action, width: int, height: int) -> dict[str, float]:
+  """Pixel coordinates of an action's points on a `width` x `height` page (float pixels)."""
+  if isinstance(a, Drag):
+    return {"x1": a.x1 * width, "y1": a.y1 * height, "x2": a.x2 * width, "y2": a.y2 * height}
+  if hasattr(a, "x"):
+    return {"x": a.x * width, "y": a.y * height}
+  return {}

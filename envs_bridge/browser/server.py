@@ -1,0 +1,91 @@
+r"""Browser sandbox server: FastAPI app over one Chromium with many sessions (DESIGN.md protocol).
+
+  python -m envs_bridge.browser.server --port 8765 [--host 127.0.0.1] [--step-ms 1000] [--lease-s 300]
+
+OpenAPI schema at /openapi.json; see `envs_bridge/protocol.py` for the calls and error bodies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from envs_bridge import protocol as P
+from envs_bridge.browser import miniwob_tasks as mw
+from envs_bridge.browser.sessions import BrowserSandbox
+
+
+def create_app(step_ms: int = 1000, lease_s: float = 300.0, max_sessions: int = 64) -> FastAPI:
+  """The FastAPI app; the sandbox (Chromium) starts with the app's lifespan."""
+  sandbox = BrowserSandbox(step_ms=step_ms, lease_s=lease_s, max_sessions=max_sessions)
+
+  @contextlib.asynccontextmanager
+  async def lifespan(app):
+    await sandbox.start()
+    yield
+    await sandbox.stop()
+
+  app = FastAPI(title="tars_jax browser sandbox", lifespan=lifespan)
+  app.state.sandbox = sandbox
+
+  @app.exception_handler(P.SandboxError)
+  async def _typed(request: Request, exc: P.SandboxError):
+    return JSONResponse(status_code=exc.status, content=exc.body())
+
+  @app.get("/health")
+  async def health():
+    return {"ok": True, "sessions": len(sandbox.sessions), "step_ms": sandbox.step_ms,
+            "lease_s": sandbox.lease_s, **sandbox.counters}
+
+  @app.get("/tasks")
+  async def tasks():
+    return {"tasks": list(mw.task_names())}
+
+  @app.post("/sessions", response_model=P.OpenResponse)
+  async def open_session(req: P.OpenRequest):
+    sid, obs = await sandbox.open(req.task, req.seed, req.coords)
+    return P.OpenResponse(session_id=sid, observation=obs)
+
+  @app.post("/sessions/{sid}/step", response_model=P.Observation)
+  async def step(sid: str, req: P.StepRequest):
+    return await sandbox.step(sid, req.action)
+
+  @app.get("/sessions/{sid}/observe", response_model=P.Observation)
+  async def observe(sid: str):
+    return await sandbox.observe(sid)
+
+  @app.delete("/sessions/{sid}")
+  async def close(sid: str):
+    await sandbox.close(sid)
+    return {"closed": sid}
+
+  @app.get("/sessions/{sid}/element_box")
+  async def element_box(sid: str, selector: str):
+    """Pixel bounding box of a DOM element: an inspection aid for tests and debugging, never
+    shown to the agent (which sees only screenshots)."""
+    return {"box": await sandbox.element_box(sid, selector)}
+
+  return app
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--host", default="127.0.0.1")
+  ap.add_argument("--port", type=int, default=8765)
+  ap.add_argument("--step-ms", type=int, default=1000, help="virtual ms advanced per step")
+  ap.add_argument("--lease-s", type=float, default=300.0, help="idle seconds before a session is reclaimed")
+  ap.add_argument("--max-sessions", type=int, default=64)
+  ap.add_argument("--log-level", default="warning")
+  a = ap.parse_args(argv)
+  logging.basicConfig(level=a.log_level.upper())
+  uvicorn.run(create_app(a.step_ms, a.lease_s, a.max_sessions), host=a.host, port=a.port,
+              log_level=a.log_level)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,8 @@
+"""Policy / critic models (Flax NNX) and the KV-cache sampler."""
+
+from tars_jax.models.config import ModelConfig
+from tars_jax.models.policy import Policy, Trunk
+from tars_jax.models.rope import next_position, rope_positions
+from tars_jax.models.value import ValueModel
+
+__all__ = ["ModelConfig", "Policy", "Trunk", "ValueModel", "rope_positions", "next_position"]

@@ -1,0 +1,78 @@
+"""Rotary position embeddings: 3-axis M-RoPE positions and their application.
+
+`rope_positions` follows Qwen2-VL `get_rope_index`: text tokens have t = h = w = consecutive
+integers; an image block of (gh x gw) merged tokens starting at position s has t = s, h = s + row,
+w = s + col; the next text token starts at s + max(gh, gw). Padding gets position 0.
+`apply_mrope` rotates with per-frequency axes interleaved as Qwen3-VL (`apply_interleaved_mrope`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _increments(tokens, attn_mask, image_token_id, grid_hw):
+  gh, gw = grid_hw
+  n = gh * gw
+  valid = attn_mask.astype(bool)
+  is_img = (tokens == image_token_id) & valid
+  k = (jnp.cumsum(is_img, axis=-1) - 1) % n  # index inside the current image block
+  last_of_block = is_img & (k == n - 1)
+  incr = jnp.where(valid & ~is_img, 1, 0) + jnp.where(last_of_block, max(gh, gw), 0)
+  return incr.astype(jnp.int32), is_img, k
+
+
+def rope_positions(tokens: jax.Array, attn_mask: jax.Array, image_token_id: int,
+                   grid_hw: tuple[int, int]) -> jax.Array:
+  """Positions [3, B, T] int32 (t, h, w) for tokens [B, T] with attn_mask [B, T] (left or right pad).
+
+  Each image must appear as exactly gh*gw consecutive `image_token_id` tokens.
+  """
+  gh, gw = grid_hw
+  incr, is_img, k = _increments(tokens, attn_mask, image_token_id, grid_hw)
+  start = jnp.cumsum(incr, axis=-1) - incr  # exclusive cumsum: position where each token starts
+  row, col = k // gw, k % gw
+  t = start
+  h = jnp.where(is_img, start + row, start)
+  w = jnp.where(is_img, start + col, start)
+  pos = jnp.stack([t, h, w]) * attn_mask.astype(jnp.int32)[None]
+  return pos.astype(jnp.int32)
+
+
+def next_position(tokens, attn_mask, image_token_id, grid_hw) -> jax.Array:
+  """[B] int32: position of the first token after the sequence (for decoding)."""
+  incr, _, _ = _increments(tokens, attn_mask, image_token_id, grid_hw)
+  return incr.sum(-1).astype(jnp.int32)
+
+
+def mrope_cos_sin(positions: jax.Array, head_dim: int, theta: float, sections: tuple[int, int, int]):
+  """cos, sin [B, T, head_dim] for positions [3, B, T] with interleaved (t, h, w) frequencies."""
+  half = head_dim // 2
+  inv = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
+  ang = positions.astype(jnp.float32)[..., None] * inv  # [3, B, T, half]
+  idx = jnp.arange(half)
+  _, s_h, s_w = sections
+  use_h = (idx % 3 == 1) & (idx < 3 * s_h)
+  use_w = (idx % 3 == 2) & (idx < 3 * s_w)
+  a = jnp.where(use_h, ang[1], jnp.where(use_w, ang[2], ang[0]))
+  a = jnp.concatenate([a, a], axis=-1)
+  return jnp.cos(a), jnp.sin(a)
+
+
+def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """x [B, T, H, D] rotated by cos/sin [B, T, D] (rotate-half convention of transformers)."""
+  d = x.shape[-1] // 2
+  rot = jnp.concatenate([-x[..., d:], x[..., :d]], axis=-1)
+  return x * cos[:, :, None] + rot * sin[:, :, None]
+
+
+def rope_2d_cos_sin(gh: int, gw: int, head_dim: int, theta: float):
+  """cos, sin [gh*gw, head_dim] of a 2D rotary embedding (half the frequencies per axis), as the
+  Qwen2-VL vision tower."""
+  quarter = head_dim // 4
+  inv = 1.0 / (theta ** (jnp.arange(quarter, dtype=jnp.float32) / quarter))
+  r, c = jnp.meshgrid(jnp.arange(gh), jnp.arange(gw), indexing="ij")
+  ang = jnp.concatenate([r.reshape(-1, 1) * inv, c.reshape(-1, 1) * inv], axis=-1)  # [N, half]
+  ang = jnp.concatenate([ang, ang], axis=-1)
+  return jnp.cos(ang), jnp.sin(ang)

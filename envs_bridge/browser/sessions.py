@@ -3,6 +3,10 @@
 Time is virtual (Playwright `page.clock`): the clock is installed and paused before the task page
 loads and only moves when a step advances it by `step_ms`, so the same seed and the same actions give
 the same screenshots and rewards, and MiniWoB's 10 s episode time-out takes 10 steps, not 10 s.
+
+Pages are reused across episodes of the same task, as MiniWoB itself does: a closed session's page
+goes back to an idle pool and the next `open` only re-seeds it and calls `core.startEpisodeReal()`
+(no new context, no page load), which is what makes resets cheap.
 """
 
 from __future__ import annotations
@@ -55,16 +59,19 @@ class BrowserSandbox:
   """
 
   def __init__(self, step_ms: int = 1000, lease_s: float = 300.0, max_sessions: int = 64,
-               executable: str = "/usr/bin/chromium"):
+               executable: str = "/usr/bin/chromium", max_idle_pages: int = 64):
     self.step_ms, self.lease_s, self.max_sessions, self.executable = step_ms, lease_s, max_sessions, executable
     self.sessions: dict[str, Session] = {}
+    self.max_idle_pages = max_idle_pages
+    self.idle: dict[str, list[tuple[object, object, int]]] = {}  # task -> [(context, page, generation)]
     self.expired: dict[str, str] = {}  # id -> reason, so late callers get a typed error
     self._pw = None
     self._browser = None
     self._generation = 0
     self._launch_lock = asyncio.Lock()
     self._reaper: asyncio.Task | None = None
-    self.counters = {"steps": 0, "opened": 0, "closed": 0, "expired": 0, "lost": 0, "browser_restarts": 0}
+    self.counters = {"steps": 0, "opened": 0, "closed": 0, "expired": 0, "lost": 0, "browser_restarts": 0,
+                     "pages_created": 0, "pages_reused": 0}
 
   # -- lifecycle --------------------------------------------------------------------------------
   async def start(self) -> None:
@@ -125,15 +132,26 @@ class BrowserSandbox:
     spec = A.CoordSpec(coords, mw.WIDTH, mw.HEIGHT) if coords == "absolute" else A.CoordSpec()
     browser = await self._ensure_browser()
     gen = self._generation
+    pool = self.idle.setdefault(task, [])
+    while pool and pool[-1][2] != gen:  # pages of a dead browser
+      pool.pop()
+    ctx = page = None
     try:
-      ctx = await browser.new_context(viewport={"width": mw.WIDTH, "height": mw.HEIGHT})
-      page = await ctx.new_page()
-      await page.clock.install(time=0)
-      await page.clock.pause_at(1000)
-      await page.goto(mw.task_url(task))
+      if pool:
+        ctx, page, _ = pool.pop()
+        self.counters["pages_reused"] += 1
+      else:
+        ctx = await browser.new_context(viewport={"width": mw.WIDTH, "height": mw.HEIGHT})
+        page = await ctx.new_page()
+        await page.clock.install(time=0)
+        await page.clock.pause_at(1000)
+        await page.goto(mw.task_url(task))
+        self.counters["pages_created"] += 1
       await page.evaluate(mw.start_script(seed))
       instruction = await page.evaluate(mw.UTTERANCE_SCRIPT)
     except PlaywrightError as e:
+      if ctx is not None:
+        await self._close_context(ctx)
       await self._ensure_browser()
       raise P.SessionLost(f"could not open {task}: {e}") from e
     sid = uuid.uuid4().hex
@@ -194,7 +212,11 @@ class BrowserSandbox:
       return
     self.expired[sid] = "session closed"
     self.counters["closed"] += 1
-    await self._close_page(s)
+    pool = self.idle.setdefault(s.task, [])
+    if s.generation == self._generation and sum(map(len, self.idle.values())) < self.max_idle_pages:
+      pool.append((s.context, s.page, s.generation))  # reused by the next open of this task
+    else:
+      await self._close_page(s)
 
   async def element_box(self, sid: str, selector: str) -> dict | None:
     """Bounding box (pixels) of the first element matching `selector` (inspection/test aid)."""
@@ -232,7 +254,11 @@ class BrowserSandbox:
     raise P.SessionLost(reason)
 
   async def _close_page(self, s: Session) -> None:
+    await self._close_context(s.context)
+
+  @staticmethod
+  async def _close_context(ctx) -> None:
     try:
-      await s.context.close()
+      await ctx.close()
     except PlaywrightError:
       pass

@@ -11,6 +11,16 @@ from tars_jax.models.config import ModelConfig
 from tars_jax.models.rope import rope_2d_cos_sin, rotate
 
 
+def sincos_2d(gh: int, gw: int, d: int) -> jax.Array:
+  """[gh*gw, d] float32 2D sin-cos position table (half the channels per axis; MAE, He et al. 2021)."""
+  q = d // 4
+  omega = 1.0 / (10000.0 ** (jnp.arange(q, dtype=jnp.float32) / q))
+  r, c = jnp.meshgrid(jnp.arange(gh, dtype=jnp.float32), jnp.arange(gw, dtype=jnp.float32), indexing="ij")
+  parts = [f(a.reshape(-1, 1) * omega) for a in (r, c) for f in (jnp.sin, jnp.cos)]
+  table = jnp.concatenate(parts, axis=-1)
+  return jnp.pad(table, ((0, 0), (0, d - table.shape[1])))
+
+
 class VisionBlock(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     d = cfg.vision_hidden
@@ -42,7 +52,9 @@ class VisionEncoder(nnx.Module):
     p, d = cfg.patch_size, cfg.vision_hidden
     self.gh, self.gw = cfg.image_h // p, cfg.image_w // p
     self.patch_embed = nnx.Linear(p * p * 3, d, rngs=rngs)
-    self.pos_embed = nnx.Param(0.02 * jax.random.normal(rngs.params(), (self.gh * self.gw, d)))
+    # Learned absolute positions, initialised to a 2D sin-cos table (MAE) so that where a patch is
+    # is readable from the first step: an RL policy trained from scratch must point at things.
+    self.pos_embed = nnx.Param(sincos_2d(self.gh, self.gw, d))
     self.blocks = nnx.List([VisionBlock(cfg, rngs) for _ in range(cfg.vision_depth)])
     self.merge_norm = nnx.LayerNorm(d, rngs=rngs)
     self.merge_fc1 = nnx.Linear(4 * d, 4 * d, rngs=rngs)

@@ -1,36 +1,76 @@
-"""Start a sandbox server as a subprocess on a free loopback port, wait for /health, stop it."""
+"""Start a sandbox server as a subprocess on a free loopback port, wait for /health, stop it.
+
+  with launch_server(step_ms=1000) as h:      # h.url == 'http://127.0.0.1:<port>'
+    ...SandboxClient(h.url)...
+
+The server runs in its own process group, so `stop()` also takes down its Chromium if the server
+does not exit cleanly; servers still running when the interpreter exits are stopped.
+"""
 
 from __future__ import annotations
 
+import atexit
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
 
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_RUNNING: set["ServerHandle"] = set()
 
-def free_port() -> int:
+
+def free_port(host: str = "127.0.0.1") -> int:
+  """A TCP port free on `host` right now (the OS picks it)."""
   with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
+    s.bind((host, 0))
     return s.getsockname()[1]
 
 
 class ServerHandle:
-  """A running server subprocess. `.url`; `.stop()` (also as a context manager)."""
+  """A running server subprocess: `.url`, `.proc`, `.log_path`, `.stop()`; a context manager."""
 
-  def __init__(self, proc: subprocess.Popen, url: str, log_path: str | None):
-    self.proc, self.url, self.log_path = proc, url, log_path
+  def __init__(self, proc: subprocess.Popen, url: str, log_path: str, own_log: bool):
+    self.proc, self.url, self.log_path, self._own_log = proc, url, log_path, own_log
+    _RUNNING.add(self)
+
+  def alive(self) -> bool:
+    return self.proc.poll() is None
+
+  def log_tail(self, n: int = 4000) -> str:
+    """The last `n` characters of the server's stdout + stderr."""
+    try:
+      with open(self.log_path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        f.seek(max(0, f.tell() - n))
+        return f.read().decode(errors="replace")
+    except OSError:
+      return ""
 
   def stop(self, timeout: float = 10.0) -> None:
+    """SIGTERM (graceful: the server closes Chromium), then SIGKILL to the process group."""
+    _RUNNING.discard(self)
     if self.proc.poll() is None:
       self.proc.terminate()
       try:
         self.proc.wait(timeout)
       except subprocess.TimeoutExpired:
-        self.proc.kill()
-        self.proc.wait()
+        pass
+    try:  # whatever is left of the group (Playwright driver, Chromium)
+      os.killpg(self.proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+      pass
+    if self.proc.poll() is None:
+      self.proc.wait()
+    if self._own_log:
+      try:
+        os.unlink(self.log_path)
+      except OSError:
+        pass
 
   def __enter__(self):
     return self
@@ -39,30 +79,49 @@ class ServerHandle:
     self.stop()
 
 
-def launch_server(module: str = "envs_bridge.browser.server", port: int | None = None,
-                  step_ms: int = 1000, lease_s: float = 300.0, max_sessions: int = 64,
-                  wait_s: float = 60.0, log_path: str | None = None) -> ServerHandle:
-  """Launches `python -m <module> --port N ...` and waits until GET /health answers.
+@atexit.register
+def _stop_all():
+  for h in list(_RUNNING):
+    h.stop(timeout=3.0)
 
-  Raises: RuntimeError if the server exits or does not answer within `wait_s` seconds.
+
+def launch_server(module: str = "envs_bridge.browser.server", port: int | None = None,
+                  host: str = "127.0.0.1", step_ms: int = 1000, lease_s: float = 300.0,
+                  max_sessions: int = 64, wait_s: float = 30.0, log_path: str | None = None,
+                  extra_args: tuple[str, ...] = ()) -> ServerHandle:
+  """Runs `python -m <module> --host H --port N --step-ms .. --lease-s .. --max-sessions ..` and waits
+  until GET /health answers 200.
+
+  Args:
+    port: None picks a free port. host: interface to bind (the URL uses it; 0.0.0.0 -> 127.0.0.1).
+    wait_s: seconds to wait for /health. log_path: server stdout+stderr (default: a temp file,
+      deleted on stop). extra_args: more command-line flags for the module.
+  Raises: RuntimeError (with the server's log tail) if it exits or does not answer within wait_s.
   """
-  port = port or free_port()
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  out = open(log_path, "ab") if log_path else subprocess.DEVNULL
-  cmd = [sys.executable, "-m", module, "--port", str(port), "--step-ms", str(int(step_ms)),
-         "--lease-s", str(lease_s), "--max-sessions", str(max_sessions)]
-  proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if log_path else subprocess.DEVNULL)
-  url = f"http://127.0.0.1:{port}"
+  port = port or free_port(host)
+  own_log = log_path is None
+  if own_log:
+    fd, log_path = tempfile.mkstemp(prefix="sandbox-server-", suffix=".log")
+    os.close(fd)
+  env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  cmd = [sys.executable, "-m", module, "--host", host, "--port", str(port), "--step-ms", str(int(step_ms)),
+         "--lease-s", str(lease_s), "--max-sessions", str(max_sessions), *extra_args]
+  with open(log_path, "ab") as out:
+    proc = subprocess.Popen(cmd, env=env, cwd=_ROOT, stdout=out, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+  h = ServerHandle(proc, f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}", log_path, own_log)
   deadline = time.monotonic() + wait_s
   while time.monotonic() < deadline:
     if proc.poll() is not None:
-      raise RuntimeError(f"sandbox server exited with code {proc.returncode} ({' '.join(cmd)})")
+      tail = h.log_tail()
+      h.stop()
+      raise RuntimeError(f"sandbox server exited with code {proc.returncode} ({' '.join(cmd)}):\n{tail}")
     try:
-      if httpx.get(url + "/health", timeout=1.0).status_code == 200:
-        return ServerHandle(proc, url, log_path)
+      if httpx.get(h.url + "/health", timeout=1.0).status_code == 200:
+        return h
     except httpx.HTTPError:
       pass
     time.sleep(0.1)
-  proc.kill()
-  raise RuntimeError(f"sandbox server did not answer /health within {wait_s} s")
+  tail = h.log_tail()
+  h.stop()
+  raise RuntimeError(f"sandbox server did not answer /health within {wait_s} s:\n{tail}")

@@ -1,13 +1,33 @@
-"""Sandbox protocol shared by servers and clients (DESIGN.md, "Sandbox protocol").
+"""Sandbox protocol shared by servers and clients (DESIGN.md "Sandbox protocol", docs/INTERFACES.md).
 
 HTTP/JSON over FastAPI; the OpenAPI schema is served at `/openapi.json`.
   POST   /sessions              OpenRequest  -> OpenResponse   (404 UnknownTask with the task list)
-  POST   /sessions/{id}/step    StepRequest  -> Observation    (unparseable action: 200, info.error set)
-  GET    /sessions/{id}/observe              -> Observation
+  POST   /sessions/{id}/step    StepRequest  -> Observation
+  GET    /sessions/{id}/observe              -> Observation    (no action, no time passes)
   DELETE /sessions/{id}                      -> {"closed": id}
-  GET    /health, GET /tasks
+  GET    /health                             -> {"ok": true, "sessions": n, ...counters}
+  GET    /tasks                              -> {"tasks": [name, ...]}
+  GET    /debug/sessions/{id}/element_box?selector=css  (tests/debugging only; never shown to agents)
+
+Observation: `screenshot_png_b64` (PNG of the 160 x 210 MiniWoB #wrap), `reward` (the page's reward,
+non-zero only on the step that ends the episode), `done`, `info` with always the keys
+  instruction  task text (core.getUtterance())
+  step         actions taken so far (invalid ones included)
+  elapsed_ms   virtual milliseconds since the episode started (step_ms per step)
+  raw_reward   the page's reward before time discounting (0.0 until done)
+  reason       the page's reward reason (e.g. 'timed out') or None
+  error        None, "invalid action: <reason>" (HTTP 200, reward 0, the episode goes on: a format
+               signal, never a crash) or "episode already done"
+plus task, seed and, after a parsed action, `action` (its canonical text).
+
+Done: an episode is done when the page ends it (success, failure, 10 s virtual time-out) or after
+`finished()` / `call_user()`. Steps after that are answered with the current screenshot, done=True,
+reward 0 and error "episode already done"; they are not counted.
+
 Errors are JSON `{"error": <type name>, "reason": str, ...}` with the status codes below; the client
-raises the matching exception class.
+raises the matching exception class. A closed (or never opened) session is `UnknownSession`; a session
+reclaimed after `lease_s` idle seconds is `LeaseExpired`; one whose page or browser died is
+`SessionLost` (Chromium is relaunched on the next request). Malformed requests get FastAPI's 422.
 """
 
 from __future__ import annotations
@@ -19,7 +39,8 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, Field
 
-MAX_ACTION_CHARS = 4096
+MAX_ACTION_CHARS = 4096  # longer actions are invalid actions (an observation), not HTTP errors
+MAX_REQUEST_CHARS = 1 << 20  # beyond this the request itself is rejected (422)
 
 
 class OpenRequest(BaseModel):
@@ -27,21 +48,28 @@ class OpenRequest(BaseModel):
   seed: int = Field(0, ge=0, le=2**31 - 1, description="task seed (MiniWoB: Math.seedrandom(seed))")
   coords: str = Field("relative1000", pattern="^(relative1000|absolute)$",
                       description="coordinate convention of actions (tars_jax.agent.actions.CoordSpec)")
+  data_mode: str = Field("train", pattern="^(train|test)$", description="MiniWoB core.setDataMode")
 
 
 class StepRequest(BaseModel):
-  action: str = Field(..., max_length=MAX_ACTION_CHARS,
+  action: str = Field(..., max_length=MAX_REQUEST_CHARS,
                       description="reply 'Thought: ...\\nAction: ...' or a bare action string")
 
 
 class Observation(BaseModel):
+  """One observation; see the module docstring for `info`."""
+
   screenshot_png_b64: str
   reward: float = 0.0
   done: bool = False
   info: dict[str, Any] = Field(default_factory=dict)
 
+  def png(self) -> bytes:
+    """Screenshot as PNG bytes."""
+    return base64.b64decode(self.screenshot_png_b64)
+
   def image(self) -> np.ndarray:
-    """Screenshot as [H, W, 3] uint8 RGB."""
+    """Screenshot as [H, W, 3] uint8 RGB (MiniWoB: [210, 160, 3])."""
     from PIL import Image  # local: servers never decode
     return np.asarray(Image.open(io.BytesIO(base64.b64decode(self.screenshot_png_b64))).convert("RGB"))
 
@@ -81,14 +109,21 @@ class SessionLost(SandboxError):
 
 
 class InvalidAction(SandboxError):
+  """A request the server cannot carry out (e.g. a debug selector that does not parse). Unparseable
+  agent actions are NOT this: they come back as observations with `info.error`."""
+
   status = 422
 
 
 class TaskError(SandboxError):
+  """The task page itself failed (a JavaScript error while starting an episode)."""
+
   status = 500
 
 
 class ServerBusy(SandboxError):
+  """`max_sessions` sessions are open."""
+
   status = 503
 
 

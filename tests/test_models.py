@@ -1,134 +1,244 @@
-"""Model family: M-RoPE positions by hand, MoE against a naive loop, padding invariance, KV-cache
-sampling against full recomputation, constrained log-probs against a manual computation."""
+"""Model family: M-RoPE positions by hand and against transformers' `get_rope_index`, router and
+load-balance loss by hand / numpy, MoE against a naive per-token loop, image splicing order,
+padding invariance, gradients into the vision tower, critic, config."""
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
 
-from tars_jax.agent.grammar import build_grammar
-from tars_jax.agent.tokenizer import BOS, EOS, IMAGE, PAD
+from tars_jax.agent.tokenizer import BOS, IMAGE, PAD, VISION_END, VISION_START
 from tars_jax.models import ModelConfig, Policy, ValueModel, rope_positions
-from tars_jax.models import sampler
-from tars_jax.models.moe import MoE, load_balance_loss, route
-from tars_jax.rl.losses import masked_log_softmax
+from tars_jax.models.moe import DenseMLP, MoE, load_balance_loss, route
+from tars_jax.models.rope import mrope_cos_sin, next_position
 
 CFG = ModelConfig(image_h=56, image_w=84, patch_size=14, vision_hidden=32, vision_depth=1, vision_heads=2,
                   vision_mlp=64, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, experts=4, top_k=2,
                   moe_intermediate=32)  # merged grid 2 x 3
 
 
+@nnx.jit
+def fwd(model, *args):
+  """Jitted forward (op-by-op eager NNX is several times slower on CPU)."""
+  return model(*args)
+
+
+# --- M-RoPE positions --------------------------------------------------------------------------------
+
 def test_rope_positions_by_hand():
-  # text(2) + image 2x3 + text(2); then the same row left-padded by 2
+  # text(2) + image 2x3 + text(2); then the same row left-padded by 2 (its last 2 tokens cut)
   toks = jnp.array([[BOS, 65] + [IMAGE] * 6 + [66, 67], [PAD, PAD, BOS, 65] + [IMAGE] * 6])
   mask = toks != PAD
   pos = np.asarray(rope_positions(toks, mask, IMAGE, (2, 3)))
-  np.testing.assert_array_equal(pos[0, 0], [0, 1, 2, 2, 2, 2, 2, 2, 5, 6])  # t
+  assert pos.shape == (3, 2, 10) and pos.dtype == np.int32
+  np.testing.assert_array_equal(pos[0, 0], [0, 1, 2, 2, 2, 2, 2, 2, 5, 6])  # t = start
   np.testing.assert_array_equal(pos[1, 0], [0, 1, 2, 2, 2, 3, 3, 3, 5, 6])  # h = start + row
   np.testing.assert_array_equal(pos[2, 0], [0, 1, 2, 3, 4, 2, 3, 4, 5, 6])  # w = start + col
-  np.testing.assert_array_equal(pos[:, 1, 2:], pos[:, 0, :8])
+  np.testing.assert_array_equal(pos[:, 1, 2:], pos[:, 0, :8])  # starts at 0 at the first real token
   np.testing.assert_array_equal(pos[:, 1, :2], 0)
+  # next text token after each row: 7 (after "66 67") and 5 (right after the image: 2 + max(2, 3))
+  np.testing.assert_array_equal(next_position(toks, mask, IMAGE, (2, 3)), [7, 5])
 
+
+def test_rope_positions_match_transformers_get_rope_index():
+  torch = pytest.importorskip("torch")
+  from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel
+  from types import SimpleNamespace
+  gh, gw = 3, 2
+  img = [VISION_START] + [IMAGE] * (gh * gw) + [VISION_END]
+  rows = [[BOS, 1, 2] + img + [3] + img + [4, 5], [BOS] + img + [7], [BOS, 9] + img]
+  t = max(len(r) for r in rows)
+  toks = np.full((3, t), PAD, np.int64)
+  mask = np.zeros((3, t), np.int64)
+  for i, r in enumerate(rows):
+    toks[i, t - len(r):], mask[i, t - len(r):] = r, 1  # left padding
+  fake = SimpleNamespace(config=SimpleNamespace(vision_config=SimpleNamespace(spatial_merge_size=2)))
+  fake.get_vision_position_ids = lambda *a, **k: Qwen2VLModel.get_vision_position_ids(fake, *a, **k)
+  ids = torch.tensor(toks)
+  grids = torch.tensor([[1, 2 * gh, 2 * gw]] * 4)  # in patches (before the 2x2 merge)
+  want, _ = Qwen2VLModel.get_rope_index(fake, ids, (ids == IMAGE).int(), grids, None, torch.tensor(mask))
+  got = rope_positions(jnp.asarray(toks, jnp.int32), jnp.asarray(mask, bool), IMAGE, (gh, gw))
+  np.testing.assert_array_equal(np.asarray(got), want.numpy())
+
+
+# --- MoE ---------------------------------------------------------------------------------------------
 
 def test_router_and_aux_loss_by_hand():
   logits = jnp.log(jnp.array([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]]))
   probs, w, idx = route(logits, 2, True)
   np.testing.assert_allclose(w, [[0.5 / 0.8, 0.3 / 0.8], [0.8 / 0.9, 0.1 / 0.9]], rtol=1e-5)
   np.testing.assert_allclose(w.sum(-1), 1.0, rtol=1e-6)
-  # f[k, e]: share of tokens whose k-th choice is e; P[e]: mean prob
-  f = np.array([[0.5, 0, 0.5], [0.5, 0.5, 0]])  # token0 -> (0,1), token1 -> (2, 0 or 1: tie -> lowest idx 0)
-  pe = np.array([0.3, 0.2, 0.5])
-  want = 3 * (f * pe[None]).sum()
+  _, w_raw, _ = route(logits, 2, False)
+  np.testing.assert_allclose(w_raw, [[0.5, 0.3], [0.8, 0.1]], rtol=1e-5)
+  # token0 -> {0, 1}; token1 -> {2, 0} (0.1 tie between experts 0 and 1: lower index)
+  # f_e = assignments / tokens = [2, 1, 1] / 2; P_e = mean prob = [0.3, 0.2, 0.5]
+  want = 3 * (1.0 * 0.3 + 0.5 * 0.2 + 0.5 * 0.5)
   assert float(load_balance_loss(probs, idx, 3)) == pytest.approx(want, rel=1e-5)
+  # masking token1 out: f = [1, 1, 0], P = [0.5, 0.3, 0.2]
+  assert float(load_balance_loss(probs, idx, 3, jnp.array([1, 0]))) == pytest.approx(3 * 0.8, rel=1e-5)
+
+
+def _np_switch_loss(layer_logits, top_k, e, mask):
+  """transformers `load_balancing_loss_func` in numpy: counts and probs pooled over all layers."""
+  counts, psum, rows = np.zeros(e), np.zeros(e), 0.0
+  for lg in layer_logits:
+    p = np.exp(lg - lg.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    sel = np.argsort(-p, axis=-1, kind="stable")[:, :top_k]
+    for n in range(p.shape[0]):
+      counts[sel[n]] += mask[n]
+    psum += (p * mask[:, None]).sum(0)
+    rows += mask.sum()
+  return e * np.sum(counts / rows * psum / rows)
+
+
+def test_trunk_aux_loss_pools_layers_like_transformers():
+  pol = Policy(CFG, nnx.Rngs(5))
+  toks = jnp.array([[PAD, BOS, 1, 2, 3], [BOS, 4, 5, 6, 7]])
+  mask = toks != PAD
+  pos = rope_positions(toks, mask, IMAGE, CFG.merged_grid)
+  _, aux = fwd(pol, toks, pos, mask)
+
+  @nnx.jit
+  def router_logits(pol):  # each MoE layer's router logits on its own input, re-running layers by hand
+    x = pol.trunk.embed_tokens(toks)
+    cos, sin = mrope_cos_sin(pos, CFG.head_dim, CFG.rope_theta, CFG.sections)
+    out = []
+    for layer in pol.trunk.decoder.layers:
+      h = x + layer.self_attn(layer.input_layernorm(x), cos, sin, mask)[0]
+      out.append(layer.mlp.router(layer.post_attention_layernorm(h)).reshape(-1, CFG.experts))
+      x = layer(x, cos, sin, mask)[0]
+    return out
+  layer_logits = [np.asarray(lg) for lg in router_logits(pol)]
+  want = _np_switch_loss(layer_logits, CFG.top_k, CFG.experts, np.asarray(mask).reshape(-1).astype(float))
+  assert float(aux) == pytest.approx(want, rel=1e-5)
+  per_layer_mean = np.mean([_np_switch_loss([lg], 2, 4, np.asarray(mask).reshape(-1).astype(float))
+                            for lg in layer_logits])
+  assert abs(want - per_layer_mean) > 1e-7  # pooling differs from averaging per layer: the test can tell
 
 
 def test_moe_equals_naive_loop():
   moe = MoE(CFG, nnx.Rngs(1))
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 3, CFG.hidden))
-  y, _ = moe(x)
+  y, (probs, idx) = moe(x)
   flat = np.asarray(x).reshape(-1, CFG.hidden)
-  _, w, idx = route(moe.router(jnp.asarray(flat)), CFG.top_k, True)
+  lg = np.asarray(moe.router(jnp.asarray(flat)))
   wg, wu, wd = (np.asarray(p[...]) for p in (moe.w_gate, moe.w_up, moe.w_down))
   want = np.zeros_like(flat)
   for n in range(flat.shape[0]):
-    for j in range(CFG.top_k):
-      e = int(idx[n, j])
-      h = jax.nn.silu(flat[n] @ wg[e]) * (flat[n] @ wu[e])
-      want[n] += float(w[n, j]) * np.asarray(h @ wd[e])
-  np.testing.assert_allclose(np.asarray(y).reshape(-1, CFG.hidden), want, atol=1e-4)
+    p = np.exp(lg[n] - lg[n].max())
+    p /= p.sum()
+    sel = np.argsort(-p)[:CFG.top_k]
+    ws = p[sel] / p[sel].sum()
+    for e, wt in zip(sel, ws):
+      g = flat[n] @ wg[e]
+      want[n] += wt * ((g / (1 + np.exp(-g))) * (flat[n] @ wu[e])) @ wd[e]
+  np.testing.assert_allclose(np.asarray(y).reshape(-1, CFG.hidden), want, rtol=1e-4, atol=1e-5)
+  assert float(np.abs(want).mean()) > 1e-3
 
 
-def _batch(rng, lens):
+def test_decoder_sparse_step_mixes_dense_layers():
+  cfg = ModelConfig(**{**CFG.to_dict(), "decoder_sparse_step": 2})
+  pol = Policy(cfg, nnx.Rngs(0))
+  kinds = [type(l.mlp) for l in pol.trunk.decoder.layers]
+  assert kinds == [DenseMLP, MoE]
+
+
+# --- Policy / critic ---------------------------------------------------------------------------------
+
+def _batch(rng, lens, n_images=1):
   n = CFG.n_img_tokens
-  rows = [[BOS] + list(rng.integers(0, 255, l)) + [IMAGE] * n + [10] for l in lens]
+  rows = []
+  for l in lens:
+    r = [BOS] + list(rng.integers(0, 255, l))
+    for _ in range(n_images):
+      r += [VISION_START] + [IMAGE] * n + [VISION_END] + [10]
+    rows.append(r)
   p = max(len(r) for r in rows)
   toks = np.full((len(rows), p), PAD, np.int32)
   mask = np.zeros_like(toks, bool)
   for i, r in enumerate(rows):
     toks[i, p - len(r):], mask[i, p - len(r):] = r, True
-  pix = rng.random((len(rows), 1, CFG.image_h, CFG.image_w, 3)).astype(np.float32)
+  pix = rng.random((len(rows), n_images, CFG.image_h, CFG.image_w, 3)).astype(np.float32)
   return jnp.asarray(toks), jnp.asarray(mask), jnp.asarray(pix)
+
+
+def test_image_features_fill_image_blocks_in_order():
+  pol = Policy(CFG, nnx.Rngs(0))
+  toks, mask, pix = _batch(np.random.default_rng(0), [2, 4], n_images=2)
+  img_mask = jnp.array([[True, True], [True, False]])
+  x = nnx.jit(lambda t: t.embed_inputs(toks, pix, img_mask))(pol.trunk)
+  alone = nnx.jit(lambda v: v(pix.reshape((-1,) + pix.shape[2:])))(pol.trunk.visual).reshape(2, 2, -1, CFG.hidden)
+  n = CFG.n_img_tokens
+  for b in range(2):
+    where = np.nonzero(np.asarray(toks[b]) == IMAGE)[0]
+    for m in range(2):
+      want = alone[b, m] * float(img_mask[b, m])
+      np.testing.assert_allclose(x[b, where[m * n:(m + 1) * n]], want, atol=1e-5)
+    text = np.asarray(toks[b]) != IMAGE
+    np.testing.assert_array_equal(x[b, text], pol.trunk.embed_tokens(toks[b, text]))
+  assert float(jnp.abs(x[1, where[n:]]).max()) == 0.0  # slot 1 of row 1 is not real
 
 
 def test_padding_invariance_and_vision_gradient():
   pol = Policy(CFG, nnx.Rngs(0))
   toks, mask, pix = _batch(np.random.default_rng(0), [3, 9])
   pos = rope_positions(toks, mask, IMAGE, CFG.merged_grid)
-  logits, _ = pol(toks, pos, mask, pix)
-  r = toks[0][mask[0]][None]
+  logits, aux = fwd(pol, toks, pos, mask, pix)
+  assert logits.dtype == jnp.float32 and logits.shape == toks.shape + (CFG.vocab_size,)
+  r = toks[0][mask[0]][None]  # row 0 without its left padding
   m1 = jnp.ones_like(r, bool)
-  alone, _ = pol(r, rope_positions(r, m1, IMAGE, CFG.merged_grid), m1, pix[:1])
-  np.testing.assert_allclose(logits[0][mask[0]], alone[0], atol=1e-4)
+  alone, _ = fwd(pol, r, rope_positions(r, m1, IMAGE, CFG.merged_grid), m1, pix[:1])
+  np.testing.assert_allclose(logits[0][mask[0]], alone[0], atol=1e-5)
+  # changing a padding token's id changes nothing
+  toks2 = toks.at[0, 0].set(77)
+  logits2, _ = fwd(pol, toks2, pos, mask, pix)
+  np.testing.assert_allclose(logits2[0][mask[0]], logits[0][mask[0]], atol=1e-6)
 
-  def loss(model):
+  def lm_loss(model):
     lg, aux = model(toks, pos, mask, pix)
-    return jnp.mean(lg[..., 65]) + aux
-  grads = nnx.grad(loss)(pol)
-  assert float(jnp.abs(grads.trunk.vision.patch_embed.kernel[...]).sum()) > 0
+    lp = jax.nn.log_softmax(lg[:, :-1])
+    nll = -jnp.take_along_axis(lp, toks[:, 1:, None], -1)[..., 0]
+    m = mask[:, 1:] & mask[:, :-1]
+    return jnp.sum(nll * m) / m.sum() + 0.01 * aux
+  loss, grads = nnx.jit(nnx.value_and_grad(lm_loss))(pol)
+  assert np.isfinite(float(loss))
+  vis = grads.trunk.visual
+  for g in (vis.patch_embed.kernel, vis.pos_embed, vis.blocks[0].attn.qkv.kernel, vis.merger.linear_fc2.kernel):
+    g = np.asarray(g[...])
+    assert np.all(np.isfinite(g)) and np.abs(g).sum() > 0
+  # the router gets gradient through the aux loss and the routing weights
+  assert float(jnp.abs(grads.trunk.decoder.layers[0].mlp.router.kernel[...]).sum()) > 0
+
+
+def test_value_model_separate_params_zero_init_head():
+  toks, mask, pix = _batch(np.random.default_rng(3), [2, 5])
+  pos = rope_positions(toks, mask, IMAGE, CFG.merged_grid)
   val = ValueModel(CFG, nnx.Rngs(2))
-  v, _ = val(toks, pos, mask, pix)
-  assert v.shape == toks.shape
+  v, aux = fwd(val, toks, pos, mask, pix)
+  assert v.shape == toks.shape and v.dtype == jnp.float32
+  np.testing.assert_array_equal(v, 0.0)  # zero-initialised head
+  val.value_head.bias[...] = jnp.array([0.5])
+  val.value_head.kernel[...] = jnp.ones_like(val.value_head.kernel[...])
+  h, _ = nnx.jit(lambda m: m.features(toks, pos, mask, pix))(val)
+  np.testing.assert_allclose(fwd(val, toks, pos, mask, pix)[0], h.sum(-1) + 0.5, rtol=1e-5, atol=1e-5)
+  pol = Policy(CFG, nnx.Rngs(2))
+  hp, _ = nnx.jit(lambda m: m.features(toks, pos, mask, pix))(pol)
+  assert hp.shape == h.shape
+  assert not np.allclose(pol.trunk.embed_tokens.embedding[...], 0)
 
 
-def test_kv_cache_sampling_matches_full_forward_with_grammar():
-  pol = Policy(CFG, nnx.Rngs(3))
-  gd, params = nnx.split(pol)
-  toks, mask, pix = _batch(np.random.default_rng(1), [2, 7, 4])
-  g = build_grammar(actions=("click",), max_thought_bytes=3, coord_format="fixed3")
-  table = jnp.asarray(g.table)
-  n = 20
-  out = sampler.generate(gd, params, toks, mask, pix, None, jax.random.PRNGKey(0), max_new_tokens=n,
-                         temperature=0.7, grammar_table=table,
-                         start_state=jnp.full((3,), g.start, jnp.int32), eos_id=EOS, pad_id=PAD)
-  # recompute every step without cache: same masked, tempered log-probs of the sampled tokens
-  full = jnp.concatenate([toks, out.tokens], axis=1)
-  fmask = jnp.concatenate([mask, jnp.ones_like(out.tokens, bool)], axis=1)
-  logits, _ = pol(full, rope_positions(full, fmask, IMAGE, CFG.merged_grid), fmask, pix)
-  p = toks.shape[1]
-  lg = logits[:, p - 1:p - 1 + n]
-  allowed = table[jnp.maximum(out.states, 0)] >= 0
-  lp = masked_log_softmax(lg, allowed, 0.7)
-  want = jnp.take_along_axis(lp, out.tokens[..., None], axis=-1)[..., 0]
-  live = jnp.arange(n)[None] < out.lengths[:, None]
-  np.testing.assert_allclose(np.where(live, out.logprobs, 0), np.where(live, want, 0), atol=2e-4)
-  # every sampled token was allowed, and forced tokens (one option) have log-prob exactly 0
-  assert bool(jnp.all(jnp.where(live, jnp.take_along_axis(allowed, out.tokens[..., None], -1)[..., 0], True)))
-  forced = allowed.sum(-1) == 1
-  assert bool(jnp.all(jnp.where(live & forced, out.logprobs == 0, True)))
-  assert float(out.logprobs.min()) < 0
-
-
-def test_tiny_grammar_forces_exact_output():
-  pol = Policy(CFG, nnx.Rngs(4))
-  gd, params = nnx.split(pol)
-  tab = np.full((4, CFG.vocab_size), -1, np.int32)
-  tab[0, ord("a")] = 1; tab[1, ord("b")] = 2; tab[2, EOS] = 3; tab[3, PAD] = 3
-  toks, mask, pix = _batch(np.random.default_rng(2), [1, 2])
-  out = sampler.generate(gd, params, toks, mask, pix, None, jax.random.PRNGKey(1), max_new_tokens=5,
-                         grammar_table=jnp.asarray(tab), start_state=jnp.zeros((2,), jnp.int32),
-                         eos_id=EOS, pad_id=PAD)
-  np.testing.assert_array_equal(out.tokens, [[97, 98, EOS, PAD, PAD]] * 2)
-  np.testing.assert_array_equal(out.logprobs, 0.0)
-  np.testing.assert_array_equal(out.lengths, [3, 3])
-  np.testing.assert_array_equal(out.states[:, :3], [[0, 1, 2]] * 2)
+def test_config_from_dict_and_presets():
+  c = ml_collections.ConfigDict({"hidden": 64, "mrope_section": [4, 2, 2], "head_dim": 16})
+  cfg = ModelConfig.from_dict(c)
+  assert cfg.hidden == 64 and cfg.sections == (4, 2, 2)
+  with pytest.raises(ValueError, match="nonsense"):
+    ModelConfig.from_dict({"nonsense": 1})
+  with pytest.raises(ValueError):
+    ModelConfig(mrope_section=(1, 1, 1))
+  tiny = ModelConfig.tiny()
+  assert tiny.merged_grid == (8, 6) and tiny.n_img_tokens == 48 and tiny.sections == (6, 5, 5)
+  with pytest.raises(ValueError):
+    ModelConfig(image_h=100).merged_grid

@@ -1,8 +1,10 @@
 r"""Browser sandbox server: FastAPI app over one Chromium with many sessions (DESIGN.md protocol).
 
-  python -m envs_bridge.browser.server --port 8765 [--host 127.0.0.1] [--step-ms 1000] [--lease-s 300]
+  python -m envs_bridge.browser.server --port 8765 [--host 127.0.0.1] [--step-ms 1000] \
+      [--lease-s 300] [--max-sessions 64]
 
-OpenAPI schema at /openapi.json; see `envs_bridge/protocol.py` for the calls and error bodies.
+OpenAPI schema at /openapi.json; `envs_bridge/protocol.py` documents the calls, the observation and
+the error bodies. `envs_bridge.launch.launch_server` starts this as a subprocess.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from envs_bridge import protocol as P
 from envs_bridge.browser import miniwob_tasks as mw
 from envs_bridge.browser.sessions import BrowserSandbox
 
+log = logging.getLogger("envs_bridge.browser")
+
 
 def create_app(step_ms: int = 1000, lease_s: float = 300.0, max_sessions: int = 64) -> FastAPI:
-  """The FastAPI app; the sandbox (Chromium) starts with the app's lifespan."""
+  """The FastAPI app; the sandbox (Chromium) starts and stops with the app's lifespan."""
   sandbox = BrowserSandbox(step_ms=step_ms, lease_s=lease_s, max_sessions=max_sessions)
 
   @contextlib.asynccontextmanager
@@ -37,10 +41,16 @@ def create_app(step_ms: int = 1000, lease_s: float = 300.0, max_sessions: int = 
   async def _typed(request: Request, exc: P.SandboxError):
     return JSONResponse(status_code=exc.status, content=exc.body())
 
+  @app.exception_handler(Exception)
+  async def _unexpected(request: Request, exc: Exception):
+    # A bug must cost one request, not the server (and its other sessions).
+    log.exception("unexpected error in %s %s", request.method, request.url.path)
+    return JSONResponse(status_code=500, content={"error": "InternalError", "reason": repr(exc)[:500]})
+
   @app.get("/health")
   async def health():
     return {"ok": True, "sessions": len(sandbox.sessions), "step_ms": sandbox.step_ms,
-            "lease_s": sandbox.lease_s, **sandbox.counters}
+            "lease_s": sandbox.lease_s, "max_sessions": sandbox.max_sessions, **sandbox.counters}
 
   @app.get("/tasks")
   async def tasks():
@@ -48,7 +58,7 @@ def create_app(step_ms: int = 1000, lease_s: float = 300.0, max_sessions: int = 
 
   @app.post("/sessions", response_model=P.OpenResponse)
   async def open_session(req: P.OpenRequest):
-    sid, obs = await sandbox.open(req.task, req.seed, req.coords)
+    sid, obs = await sandbox.open(req.task, req.seed, req.coords, req.data_mode)
     return P.OpenResponse(session_id=sid, observation=obs)
 
   @app.post("/sessions/{sid}/step", response_model=P.Observation)
@@ -64,10 +74,10 @@ def create_app(step_ms: int = 1000, lease_s: float = 300.0, max_sessions: int = 
     await sandbox.close(sid)
     return {"closed": sid}
 
-  @app.get("/sessions/{sid}/element_box")
+  @app.get("/debug/sessions/{sid}/element_box", tags=["debug"])
   async def element_box(sid: str, selector: str):
-    """Pixel bounding box of a DOM element: an inspection aid for tests and debugging, never
-    shown to the agent (which sees only screenshots)."""
+    """DEBUG / TESTS ONLY: pixel bounding box of a DOM element (CSS selector), or null. Lets tests
+    find the right button of a task; agents never use it (they see only screenshots)."""
     return {"box": await sandbox.element_box(sid, selector)}
 
   return app
@@ -79,7 +89,7 @@ def main(argv=None):
   ap.add_argument("--port", type=int, default=8765)
   ap.add_argument("--step-ms", type=int, default=1000, help="virtual ms advanced per step")
   ap.add_argument("--lease-s", type=float, default=300.0, help="idle seconds before a session is reclaimed")
-  ap.add_argument("--max-sessions", type=int, default=64)
+  ap.add_argument("--max-sessions", type=int, default=64, help="concurrent sessions (ServerBusy beyond)")
   ap.add_argument("--log-level", default="warning")
   a = ap.parse_args(argv)
   logging.basicConfig(level=a.log_level.upper())

@@ -5,8 +5,14 @@ loads and only moves when a step advances it by `step_ms`, so the same seed and 
 the same screenshots and rewards, and MiniWoB's 10 s episode time-out takes 10 steps, not 10 s.
 
 Pages are reused across episodes of the same task, as MiniWoB itself does: a closed session's page
-goes back to an idle pool and the next `open` only re-seeds it and calls `core.startEpisodeReal()`
-(no new context, no page load), which is what makes resets cheap.
+goes back to an idle pool and the next `open` only cleans it (focus, scroll, pointer, wall-clock
+date) and restarts the episode with the seed (no new context, no page load), which is what makes
+resets cheap. A reused page gives the same screenshots as a fresh one (tested).
+
+Concurrency: one asyncio loop; each session has its own lock (a step and an observe of the same
+session never interleave) and nothing locks across sessions, so N sessions step in parallel.
+Failures: a Playwright error on a page -> that session is `SessionLost`; a dead Chromium is relaunched
+on the next request and every session on it is `SessionLost`.
 """
 
 from __future__ import annotations
@@ -28,7 +34,19 @@ from tars_jax.agent import actions as A
 
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
+# Wall-clock date every episode starts at (2024-01-01T00:00:00Z): tasks that print dates (terminal)
+# look the same on fresh and reused pages. Timers run on the clock's ticks, which this does not move.
+EPOCH_MS = 1_704_067_200_000
+MAX_PAGE_STEPS = 20_000  # a page is retired after this many steps (each clock call adds an init script)
 log = logging.getLogger("envs_bridge.browser")
+
+
+@dataclasses.dataclass
+class _Page:
+  context: object
+  page: object
+  generation: int  # browser generation the page belongs to
+  steps: int = 0  # over its whole life, all episodes
 
 
 @dataclasses.dataclass
@@ -37,15 +55,17 @@ class Session:
   task: str
   seed: int
   coords: A.CoordSpec
-  context: object
-  page: object
-  generation: int  # browser generation the page belongs to
+  pg: _Page
   last_used: float
   step: int = 0
   done: bool = False
   instruction: str = ""
-  virtual_ms: int = 0
+  elapsed_ms: int = 0
   lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+
+  @property
+  def page(self):
+    return self.pg.page
 
 
 class BrowserSandbox:
@@ -56,6 +76,7 @@ class BrowserSandbox:
     lease_s: a session untouched this long is reclaimed (its page closed) -> LeaseExpired.
     max_sessions: concurrent sessions allowed (ServerBusy beyond).
     executable: Chromium binary.
+    max_idle_pages: pages kept for reuse after their session closed (over all tasks).
   """
 
   def __init__(self, step_ms: int = 1000, lease_s: float = 300.0, max_sessions: int = 64,
@@ -63,8 +84,8 @@ class BrowserSandbox:
     self.step_ms, self.lease_s, self.max_sessions, self.executable = step_ms, lease_s, max_sessions, executable
     self.sessions: dict[str, Session] = {}
     self.max_idle_pages = max_idle_pages
-    self.idle: dict[str, list[tuple[object, object, int]]] = {}  # task -> [(context, page, generation)]
-    self.expired: dict[str, str] = {}  # id -> reason, so late callers get a typed error
+    self.idle: dict[str, list[_Page]] = {}  # task -> pages ready for the next episode
+    self.gone: dict[str, P.SandboxError] = {}  # id -> the typed error late callers get
     self._pw = None
     self._browser = None
     self._generation = 0
@@ -82,8 +103,6 @@ class BrowserSandbox:
   async def stop(self) -> None:
     if self._reaper:
       self._reaper.cancel()
-    for sid in list(self.sessions):
-      await self.close(sid)
     if self._browser is not None:
       try:
         await self._browser.close()
@@ -97,168 +116,206 @@ class BrowserSandbox:
       if self._browser is not None and self._browser.is_connected():
         return self._browser
       if self._browser is not None:  # Chromium died: every page on it is gone
+        log.warning("chromium disconnected; relaunching")
         self.counters["browser_restarts"] += 1
         for sid, s in list(self.sessions.items()):
-          if s.generation == self._generation:
-            self._forget(sid, "browser crashed and was restarted")
+          if s.pg.generation == self._generation:
+            self._forget(sid, P.SessionLost("browser crashed and was restarted"))
             self.counters["lost"] += 1
+        self.idle.clear()
       self._browser = await self._pw.chromium.launch(executable_path=self.executable, args=CHROMIUM_ARGS)
       self._generation += 1
       return self._browser
 
-  def _forget(self, sid: str, reason: str) -> None:
+  def _forget(self, sid: str, err: P.SandboxError) -> None:
     self.sessions.pop(sid, None)
-    self.expired[sid] = reason
-    if len(self.expired) > 10_000:  # bounded memory of dead ids
-      self.expired.pop(next(iter(self.expired)))
+    self.gone[sid] = err
+    if len(self.gone) > 10_000:  # bounded memory of dead ids
+      self.gone.pop(next(iter(self.gone)))
 
   async def _reap_loop(self):
     while True:
       await asyncio.sleep(max(0.05, min(5.0, self.lease_s / 4)))
-      now = time.monotonic()
-      for sid, s in list(self.sessions.items()):
-        if now - s.last_used > self.lease_s and not s.lock.locked():
-          log.info("lease expired: %s", sid)
-          self.counters["expired"] += 1
-          self._forget(sid, f"lease expired after {self.lease_s:g} s idle")
-          await self._close_page(s)
+      try:
+        now = time.monotonic()
+        for sid, s in list(self.sessions.items()):
+          if now - s.last_used > self.lease_s and not s.lock.locked():
+            log.info("lease expired: %s", sid)
+            self.counters["expired"] += 1
+            self._forget(sid, P.LeaseExpired(f"session {sid} reclaimed after {self.lease_s:g} s idle"))
+            await _close_context(s.pg.context)
+      except Exception:  # the reaper must outlive any one failure
+        log.exception("lease reaper")
 
   # -- session API ------------------------------------------------------------------------------
-  async def open(self, task: str, seed: int, coords: str = "relative1000") -> tuple[str, P.Observation]:
+  async def open(self, task: str, seed: int, coords: str = "relative1000",
+                 data_mode: str = "train") -> tuple[str, P.Observation]:
+    """Starts an episode of `task` with `seed` on a fresh or reused page -> (id, first observation).
+
+    Raises: UnknownTask, ServerBusy, TaskError (the page failed to start), SessionLost (browser died).
+    """
     if task not in mw.task_names():
       raise P.UnknownTask(f"unknown task {task!r}", tasks=list(mw.task_names()))
     if len(self.sessions) >= self.max_sessions:
       raise P.ServerBusy(f"{len(self.sessions)} sessions open (max {self.max_sessions})")
     spec = A.CoordSpec(coords, mw.WIDTH, mw.HEIGHT) if coords == "absolute" else A.CoordSpec()
     browser = await self._ensure_browser()
-    gen = self._generation
     pool = self.idle.setdefault(task, [])
-    while pool and pool[-1][2] != gen:  # pages of a dead browser
-      pool.pop()
-    ctx = page = None
-    try:
-      if pool:
-        ctx, page, _ = pool.pop()
-        self.counters["pages_reused"] += 1
-      else:
-        ctx = await browser.new_context(viewport={"width": mw.WIDTH, "height": mw.HEIGHT})
-        page = await ctx.new_page()
-        await page.clock.install(time=0)
-        await page.clock.pause_at(1000)
-        await page.goto(mw.task_url(task))
-        self.counters["pages_created"] += 1
-      await page.evaluate(mw.start_script(seed))
-      instruction = await page.evaluate(mw.UTTERANCE_SCRIPT)
-    except PlaywrightError as e:
-      if ctx is not None:
-        await self._close_context(ctx)
-      await self._ensure_browser()
-      raise P.SessionLost(f"could not open {task}: {e}") from e
+    while True:
+      reused = bool(pool)
+      pg = pool.pop() if reused else None
+      try:
+        if pg is None:
+          pg = await self._new_page(browser, task)
+        instruction = await self._start_episode(pg.page, seed, data_mode)
+        break
+      except PlaywrightError as e:
+        if pg is not None:
+          await _close_context(pg.context)
+        if reused:  # an idle page that went bad (e.g. its renderer crashed): try another
+          continue
+        if self._browser is not None and self._browser.is_connected():
+          raise P.TaskError(f"could not start {task}: {e}") from e
+        await self._ensure_browser()
+        raise P.SessionLost(f"browser died while opening {task}: {e}") from e
+    self.counters["pages_reused" if reused else "pages_created"] += 1
     sid = uuid.uuid4().hex
-    s = Session(sid, task, seed, spec, ctx, page, gen, time.monotonic(), instruction=instruction)
+    s = Session(sid, task, seed, spec, pg, time.monotonic(), instruction=instruction)
     self.sessions[sid] = s
     self.counters["opened"] += 1
-    return sid, await self._observation(s, 0.0, False, {})
+    async with s.lock:
+      return sid, await self._observation(s, 0.0, {})
+
+  async def _new_page(self, browser, task: str) -> _Page:
+    ctx = await browser.new_context(viewport={"width": mw.WIDTH, "height": mw.HEIGHT}, device_scale_factor=1,
+                                    timezone_id="UTC", locale="en-US")
+    try:
+      page = await ctx.new_page()
+      await page.clock.install(time=EPOCH_MS)
+      await page.clock.pause_at(EPOCH_MS + 1000)  # paused: from now on only steps move time
+      await page.goto(mw.task_url(task))
+      await page.add_style_tag(content=mw.LOCK_VIEWPORT_CSS)
+    except PlaywrightError:
+      await _close_context(ctx)
+      raise
+    return _Page(ctx, page, self._generation)
+
+  @staticmethod
+  async def _start_episode(page, seed: int, data_mode: str) -> str:
+    """Cleans what a previous episode may have left on the page, then restarts it with `seed`."""
+    await page.clock.set_system_time(EPOCH_MS)
+    await page.evaluate(mw.CLEAN_SCRIPT)
+    await page.mouse.move(0, 0)  # no element stays hovered (the instruction bar has no hover style)
+    await page.evaluate(mw.start_script(seed, data_mode))
+    return await page.evaluate(mw.UTTERANCE_SCRIPT)
 
   def _get(self, sid: str) -> Session:
     s = self.sessions.get(sid)
     if s is None:
-      reason = self.expired.get(sid)
-      if reason is None:
-        raise P.UnknownSession(f"no session {sid!r}")
-      if reason.startswith("lease expired"):
-        raise P.LeaseExpired(reason)
-      raise P.SessionLost(reason)
+      raise self.gone.get(sid) or P.UnknownSession(f"no session {sid!r}")
     s.last_used = time.monotonic()
     return s
 
   async def step(self, sid: str, text: str) -> P.Observation:
+    """Parses and executes one action string, advances virtual time by step_ms, observes.
+
+    Unparseable actions (and unknown keys) give an observation with info.error, reward 0.
+    Raises: UnknownSession, LeaseExpired, SessionLost.
+    """
     s = self._get(sid)
     async with s.lock:
       if s.done:
-        return await self._observation(s, 0.0, True, {"error": "episode already done"})
+        return await self._observation(s, 0.0, {"error": "episode already done"})
       s.step += 1
+      s.pg.steps += 1
       self.counters["steps"] += 1
+      info: dict = {}
+      end = False
       try:
-        action = A.parse(text, s.coords)
-      except A.ActionParseError as e:
-        # A malformed action is an observation (and a format signal), never a crash.
-        await self._advance(s)
-        st = await self._state(s)
-        return await self._finish(s, st, {"error": f"invalid action: {e.reason}"})
-      try:
-        end = await executor.execute(s.page, action, mw.WIDTH, mw.HEIGHT)
-        await self._advance(s)
-        st = await self._state(s)
+        try:
+          if len(text) > P.MAX_ACTION_CHARS:
+            raise A.ActionParseError(f"action longer than {P.MAX_ACTION_CHARS} characters")
+          action = A.parse(text, s.coords)
+          info["action"] = A.format_action(action, s.coords)
+          end = await executor.execute(s.page, action, mw.WIDTH, mw.HEIGHT)
+        except (A.ActionParseError, executor.InvalidKey) as e:
+          # A malformed action is an observation (and a format signal), never a crash.
+          info["error"] = f"invalid action: {getattr(e, 'reason', None) or e}"
+        await s.page.clock.run_for(self.step_ms)
+        s.elapsed_ms += self.step_ms
+        st = await s.page.evaluate(mw.STATE_SCRIPT)
       except PlaywrightError as e:
         await self._lost(s, f"page failed during step: {e}")
-      if end:  # finished()/call_user(): the episode ends with whatever the page has scored
-        st["done"] = True
-      return await self._finish(s, st, {"action": A.format_action(action, s.coords)})
+      s.done = bool(st["done"]) or end  # finished()/call_user(): ends with what the page has scored
+      reward = float(st["reward"]) if st["done"] else 0.0
+      info.update(raw_reward=float(st["raw_reward"]) if st["done"] else 0.0, reason=st["reason"])
+      return await self._observation(s, reward, info)
 
   async def observe(self, sid: str) -> P.Observation:
+    """The current screenshot; no action, no time passes; reward 0 (rewards come with steps)."""
+    s = self._get(sid)
+    async with s.lock:
+      return await self._observation(s, 0.0, {})
+
+  async def close(self, sid: str) -> None:
+    """Ends a session; its page goes back to the idle pool of its task (or is closed).
+
+    Idempotent for sessions that already ended (closed, expired, lost). Raises: UnknownSession for
+    ids never opened.
+    """
+    s = self.sessions.get(sid)
+    if s is None:
+      if sid in self.gone:
+        return
+      raise P.UnknownSession(f"no session {sid!r}")
+    self._forget(sid, P.UnknownSession(f"session {sid} was closed"))
+    self.counters["closed"] += 1
+    async with s.lock:  # let a step in flight finish before the page changes hands
+      pg = s.pg
+      if (pg.generation == self._generation and not pg.page.is_closed() and pg.steps < MAX_PAGE_STEPS
+          and sum(map(len, self.idle.values())) < self.max_idle_pages):
+        self.idle.setdefault(s.task, []).append(pg)
+      else:
+        await _close_context(pg.context)
+
+  async def element_box(self, sid: str, selector: str) -> dict | None:
+    """Bounding box {x, y, width, height} (px) of the first element matching a CSS `selector`, or
+    None. An inspection aid for tests and debugging; agents only ever see screenshots.
+
+    Raises: InvalidAction for a selector that does not parse; the typed session errors.
+    """
     s = self._get(sid)
     async with s.lock:
       try:
-        st = await self._state(s)
+        el = await s.page.query_selector(selector)
+        return None if el is None else await el.bounding_box()
       except PlaywrightError as e:
-        await self._lost(s, f"page failed: {e}")
-      return await self._observation(s, st["reward"] if st["done"] else 0.0, s.done, {})
-
-  async def close(self, sid: str) -> None:
-    s = self.sessions.pop(sid, None)
-    if s is None:
-      self._get(sid)  # raises the right typed error
-      return
-    self.expired[sid] = "session closed"
-    self.counters["closed"] += 1
-    pool = self.idle.setdefault(s.task, [])
-    if s.generation == self._generation and sum(map(len, self.idle.values())) < self.max_idle_pages:
-      pool.append((s.context, s.page, s.generation))  # reused by the next open of this task
-    else:
-      await self._close_page(s)
-
-  async def element_box(self, sid: str, selector: str) -> dict | None:
-    """Bounding box (pixels) of the first element matching `selector` (inspection/test aid)."""
-    s = self._get(sid)
-    el = await s.page.query_selector(selector)
-    return None if el is None else await el.bounding_box()
+        if s.page.is_closed():
+          await self._lost(s, f"page failed: {e}")
+        raise P.InvalidAction(f"selector {selector!r}: {e}") from e
 
   # -- internals --------------------------------------------------------------------------------
-  async def _advance(self, s: Session) -> None:
-    await s.page.clock.run_for(self.step_ms)
-    s.virtual_ms += self.step_ms
-
-  async def _state(self, s: Session) -> dict:
-    return await s.page.evaluate(mw.STATE_SCRIPT)
-
-  async def _finish(self, s: Session, st: dict, info: dict) -> P.Observation:
-    s.done = bool(st["done"])
-    reward = float(st["reward"]) if s.done else 0.0
-    info.update(raw_reward=float(st["raw_reward"]) if s.done else 0.0, reason=st["reason"])
-    return await self._observation(s, reward, s.done, info)
-
-  async def _observation(self, s: Session, reward: float, done: bool, info: dict) -> P.Observation:
+  async def _observation(self, s: Session, reward: float, info: dict) -> P.Observation:
     try:
-      png = await s.page.screenshot(type="png")
+      png = await s.page.screenshot(type="png")  # the viewport is exactly MiniWoB's #wrap
     except PlaywrightError as e:
       await self._lost(s, f"screenshot failed: {e}")
-    info = dict(info, instruction=s.instruction, step=s.step, virtual_ms=s.virtual_ms, task=s.task, seed=s.seed)
-    return P.Observation(screenshot_png_b64=base64.b64encode(png).decode(), reward=reward, done=done, info=info)
+    full = {"instruction": s.instruction, "step": s.step, "elapsed_ms": s.elapsed_ms, "raw_reward": 0.0,
+            "reason": None, "error": None, "task": s.task, "seed": s.seed}
+    full.update(info)
+    return P.Observation(screenshot_png_b64=base64.b64encode(png).decode(), reward=reward, done=s.done,
+                         info=full)
 
   async def _lost(self, s: Session, reason: str):
     self.counters["lost"] += 1
-    self._forget(s.id, reason)
-    await self._close_page(s)
+    self._forget(s.id, P.SessionLost(reason))
+    await _close_context(s.pg.context)
     await self._ensure_browser()
     raise P.SessionLost(reason)
 
-  async def _close_page(self, s: Session) -> None:
-    await self._close_context(s.context)
 
-  @staticmethod
-  async def _close_context(ctx) -> None:
-    try:
-      await ctx.close()
-    except PlaywrightError:
-      pass
+async def _close_context(ctx) -> None:
+  try:
+    await ctx.close()
+  except PlaywrightError:
+    pass

@@ -27,7 +27,7 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.env.num_sessions = 32  # concurrent episodes per rollout (= episodes per iteration)
   c.env.step_ms = 1000  # virtual milliseconds advanced per step (Playwright page.clock)
   c.env.lease_s = 600.0
-  c.env.max_turns = 3  # step budget per episode
+  c.env.max_turns = 2  # step budget per episode
   c.env.train_seed_offset = 0  # training seeds: offset + k, k = 0, 1, 2, ...
   c.env.eval_seed_offset = 10_000_000  # held-out seeds never reached by training
 
@@ -67,7 +67,7 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   # --- RL ------------------------------------------------------------------------------------------
   c.rl = mlc.ConfigDict()
   c.rl.algo = "ppo"
-  c.rl.lr = 3e-4
+  c.rl.lr = 1e-3
   c.rl.critic_lr = 1e-3
   c.rl.warmup_steps = 10
   c.rl.weight_decay = 0.0
@@ -81,7 +81,7 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.rl.clip_c = None  # dual-clip constant (None = off)
   c.rl.value_clip = 0.2
   c.rl.vf_coef = 1.0
-  c.rl.ent_coef = 0.0
+  c.rl.ent_coef = 0.01
   c.rl.aux_loss_coef = 0.01  # MoE load-balance loss
   c.rl.loss_agg = "token-mean"
   c.rl.epochs = 2
@@ -91,7 +91,7 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.rl.truncation_reward = -1.0
 
   # --- Run -----------------------------------------------------------------------------------------
-  c.iterations = 200
+  c.iterations = 400
   c.max_minutes = 25.0  # stop training (and checkpoint) after this wall-clock budget
   c.ckpt_every = 10
   c.keep_checkpoints = 3

@@ -112,6 +112,7 @@ class CoordSpec:
     return x / w, y / h
 
   def from_unit(self, x: float, y: float) -> tuple[int, int]:
+    """[0, 1] fractions -> integer model coordinates (rounded to the grid)."""
     w, h = (1000, 1000) if self.mode == "relative1000" else (self.width, self.height)
     return int(round(x * w)), int(round(y * h))
 
@@ -157,7 +158,7 @@ def _point(text: str, spec: CoordSpec) -> tuple[float, float]:
   else:
     m = re.fullmatch(rf"[\(\[]\s*({_NUM})\s*,\s*({_NUM})\s*(?:,\s*({_NUM})\s*,\s*({_NUM})\s*)?[\)\]]", t)
     if not m:
-      raise ActionParseError(f"bad point {text!r}: expected '(x,y)', '(x1,y1,x2,y2)' or '<point>x y</point>'")
+      raise ActionParseError(f"bad point {text[:60]!r}: expected '(x,y)', '(x1,y1,x2,y2)' or '<point>x y</point>'")
     nums = [float(g) for g in m.groups() if g is not None]
   if len(nums) == 4:  # a box: act on its centre
     nums = [(nums[0] + nums[2]) / 2, (nums[1] + nums[3]) / 2]
@@ -218,26 +219,45 @@ def parse_action(text: str, coords: CoordSpec = CoordSpec()) -> Action:
   return act
 
 
+_DELIM = "Action:"
+_DELIM_AT_LINE = re.compile(r"(?:^|\n)[ \t]*Action:")
+
+
 def parse_response(text: str, coords: CoordSpec = CoordSpec()) -> tuple[str, Action]:
   """`Thought: …\\nAction: …` (or just `Action: …`) -> (thought, action).
+
+  The action starts at the first `Action:` that begins a line (else the first `Action:` anywhere),
+  so a typed content like `type(content='Action: x')` stays intact. The thought is the text before
+  it, without a leading `Thought:`, stripped (may be '').
 
   Raises: ActionParseError when there is no `Action:` or the action does not parse.
   """
   if not isinstance(text, str):
     raise ActionParseError(f"reply must be a string, got {type(text).__name__}")
-  i = text.rfind("Action:")
-  if i < 0:
-    raise ActionParseError("no 'Action:' in the reply")
-  head, action = text[:i], text[i + len("Action:"):]
-  thought = head.strip()
+  m = _DELIM_AT_LINE.search(text)
+  if m:
+    start, end = m.end() - len(_DELIM), m.end()
+  else:
+    start = text.find(_DELIM)
+    if start < 0:
+      raise ActionParseError("no 'Action:' in the reply")
+    end = start + len(_DELIM)
+  thought = text[:start].strip()
   if thought.startswith("Thought:"):
     thought = thought[len("Thought:"):].strip()
-  return thought, parse_action(action, coords)
+  return thought, parse_action(text[end:], coords)
 
 
 def parse(text: str, coords: CoordSpec = CoordSpec()) -> Action:
-  """A reply (`… Action: …`) or a bare action string -> action (what the sandbox executes)."""
-  return parse_response(text, coords)[1] if "Action:" in text else parse_action(text, coords)
+  """A reply (`Thought: …` / `… Action: …`) or a bare action string -> action (what sandboxes run).
+
+  Raises: ActionParseError (see parse_response / parse_action).
+  """
+  if not isinstance(text, str):
+    raise ActionParseError(f"action must be a string, got {type(text).__name__}")
+  if text.lstrip().startswith("Thought:") or _DELIM in text:
+    return parse_response(text, coords)[1]
+  return parse_action(text, coords)
 
 
 def _q(s: str) -> str:
@@ -245,7 +265,11 @@ def _q(s: str) -> str:
 
 
 def format_action(a: Action, coords: CoordSpec = CoordSpec()) -> str:
-  """Canonical UI-TARS text of an action (parse(format(a)) == a up to grid rounding)."""
+  """Canonical UI-TARS text of an action, points as `'(x,y)'` integers of `coords`.
+
+  parse_action(format_action(a, c), c) == a up to rounding to the integer grid of `c`.
+  Raises: TypeError if `a` is not an action.
+  """
   def pt(x, y):
     px, py = coords.from_unit(x, y)
     return f"'({px},{py})'"
@@ -273,7 +297,11 @@ def format_action(a: Action, coords: CoordSpec = CoordSpec()) -> str:
 
 
 def to_pixels(a: Action, width: int, height: int) -> dict[str, float]:
-  """Pixel coordinates of an action's points on a `width` x `height` page (float pixels)."""
+  """Pixel coordinates (float px) of an action's points on a `width` x `height` page.
+
+  Returns {'x', 'y'} for Click/LeftDouble/RightSingle/Scroll, {'x1', 'y1', 'x2', 'y2'} for Drag,
+  {} for actions without a point.
+  """
   if isinstance(a, Drag):
     return {"x1": a.x1 * width, "y1": a.y1 * height, "x2": a.x2 * width, "y2": a.y2 * height}
   if hasattr(a, "x"):

@@ -1,25 +1,41 @@
 """Byte automaton of the reply language, for grammar-constrained decoding.
 
-The reply language is UI-TARS's `Thought: <thought>\nAction: <action>` (DESIGN.md, action grammar).
-It is written as a regular expression, compiled to a DFA with `interegular`, pruned of dead states
-and laid out as a dense table `[S, V] int32` (next state, -1 = token not allowed) that the sampler
-indexes inside jit: the allowed tokens of a row are `table[state] >= 0`.
+The reply language is UI-TARS's `Thought: <thought>\\nAction: <action>` (DESIGN.md, action grammar;
+`bytedance/UI-TARS` `codes/ui_tars/action_parser.py`), with actions written exactly as UI-TARS writes
+them:
+
+  click(start_box='(x,y)')          left_double(start_box='(x,y)')     right_single(start_box='(x,y)')
+  drag(start_box='(x1,y1)', end_box='(x2,y2)')                         hotkey(key='ctrl c')  (1-3 KEYS)
+  type(content='...')               scroll(start_box='(x,y)', direction='up|down|left|right')
+  wait()                            finished(content='...')            call_user()
+
+<thought> is 0..max_thought_bytes characters of `thought_charset` (default printable ASCII, never a
+newline); content is 0..max_content_bytes printable ASCII without quote, backslash or newline (so no
+escaping is ever needed). On top of the regular expression, the literal `Action:` may occur only once
+(as the delimiter): a thought or content containing it would make the split at `Action:` depend on
+the parser's rule (first / last / line-start occurrence, as UI-TARS parsers variously do), so the
+language excludes it and every accepted reply parses the same way under all of them.
+
+Pipeline: regular expression -> DFA (`interegular`) -> byte table -> product with a small "count
+`Action:`" automaton -> dead states pruned -> minimised (Moore partition refinement) -> dense table
+`[S, V] int32` (next state, -1 = token not allowed) that the sampler indexes inside jit: the allowed
+tokens of a row are `table[state] >= 0`. Every state reachable from `start` has an allowed token and
+can still reach `done`, so a constrained sampler never ends up with every token masked.
 
 Special tokens: from an accepting state `EOS` leads to `done`; in `done` only `PAD` is allowed (so a
-finished row keeps emitting forced PADs with log-prob 0).
+finished row keeps emitting forced PADs with log-prob 0). No other special token is ever allowed.
 
-`coord_format`:
+`coord_format` (both parse to the same 0-1000 relative grid, `actions.CoordSpec('relative1000')`):
   'int'    integers 0..1000 without leading zeros, as UI-TARS writes them;
-  'fixed3' exactly three digits 000..999 (same 0-1000 grid once parsed). An exploration aid for
-           policies trained from scratch: a uniformly random constrained policy then clicks
-           uniformly over the screen instead of favouring short numbers near the top-left corner.
+  'fixed3' exactly three digits 000..999. An exploration aid for policies trained from scratch: a
+           uniformly random constrained policy then clicks uniformly over the screen (each digit is
+           one uniform choice) instead of favouring short numbers near the top-left corner.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 
 import interegular
 import numpy as np
@@ -28,17 +44,26 @@ from tars_jax.agent.tokenizer import ByteTokenizer
 
 ALL_ACTIONS = ("click", "left_double", "right_single", "drag", "hotkey", "type", "scroll", "wait",
                "finished", "call_user")
-KEYS = (["ctrl", "shift", "alt", "enter", "tab", "backspace", "escape", "space", "up", "down", "left",
-         "right", "delete", "home", "end", "pageup", "pagedown"] + [chr(c) for c in range(97, 123)]
-        + [str(d) for d in range(10)] + [f"f{i}" for i in range(1, 13)])
-# Printable ASCII without newline; free text inside quotes also excludes quote and backslash.
-_THOUGHT_CHARS = r"[ -~]"
-_CONTENT_CHARS = r"[ -&(-\[\]-~]"
+KEYS = tuple(["ctrl", "shift", "alt", "enter", "tab", "backspace", "escape", "space", "up", "down", "left",
+              "right", "delete", "home", "end", "pageup", "pagedown"] + [chr(c) for c in range(97, 123)]
+             + [str(d) for d in range(10)] + [f"f{i}" for i in range(1, 13)])
+DIRECTIONS = ("up", "down", "left", "right")
+PRINTABLE = "".join(chr(c) for c in range(0x20, 0x7f))  # default thought charset
+CONTENT_CHARSET = "".join(c for c in PRINTABLE if c not in "'\\")
+DELIMITER = "Action:"  # may occur exactly once in a reply
+_ASCII = 128  # only ASCII bytes can occur in the language
 
 
 @dataclasses.dataclass(frozen=True)
 class Grammar:
-  """Dense automaton over token ids. table: [S, V] int32; start/done: state ids; accepting: [S] bool."""
+  """Dense automaton over token ids (arrays are read-only: builds are cached and shared).
+
+  table: [S, V] int32 next state for (state, token), -1 = not allowed.
+  start: state before the first reply token; done: state after EOS (only PAD -> done allowed).
+  accepting: [S] bool, states where EOS is allowed (done itself is not accepting).
+  regex: the reply language as a regular expression (documentation; the single-`Action:` rule and
+    the special tokens are applied on top of it).
+  """
 
   table: np.ndarray
   start: int
@@ -51,6 +76,11 @@ class Grammar:
     return int(self.table.shape[0])
 
 
+def _char_class(chars: str) -> str:
+  """Regex character class matching exactly `chars` (each written as \\xHH: no escaping rules)."""
+  return "[" + "".join(f"\\x{ord(c):02x}" for c in sorted(set(chars))) + "]"
+
+
 def _coord(fmt: str) -> str:
   if fmt == "int":
     return r"(1000|[1-9][0-9]{0,2}|0)"
@@ -60,12 +90,22 @@ def _coord(fmt: str) -> str:
 
 
 def reply_regex(actions=ALL_ACTIONS, max_thought_bytes: int = 32, max_content_bytes: int = 32,
-                coord_format: str = "int") -> str:
-  """The reply language as a regular expression (interegular syntax)."""
+                coord_format: str = "int", thought_charset: str | None = None) -> str:
+  """The reply language as a regular expression (interegular / Python `re` syntax).
+
+  Raises: ValueError for unknown or no actions, unknown coord_format, negative lengths, or a
+  thought_charset with characters outside printable ASCII.
+  """
+  if max_thought_bytes < 0 or max_content_bytes < 0:
+    raise ValueError(f"lengths must be >= 0, got {max_thought_bytes}, {max_content_bytes}")
+  charset = PRINTABLE if thought_charset is None else thought_charset
+  bad = sorted(set(c for c in charset if c not in PRINTABLE))
+  if bad:
+    raise ValueError(f"thought_charset must be printable ASCII without newline; got {bad!r}")
   c = _coord(coord_format)
   pt = rf"'\({c},{c}\)'"
-  key = "(" + "|".join(sorted(KEYS, key=len, reverse=True)) + ")"
-  text = rf"{_CONTENT_CHARS}{{0,{max_content_bytes}}}"
+  key = "(" + "|".join(KEYS) + ")"
+  text = rf"{_char_class(CONTENT_CHARSET)}{{0,{max_content_bytes}}}"
   templates = {
       "click": rf"click\(start_box={pt}\)",
       "left_double": rf"left_double\(start_box={pt}\)",
@@ -73,83 +113,221 @@ def reply_regex(actions=ALL_ACTIONS, max_thought_bytes: int = 32, max_content_by
       "drag": rf"drag\(start_box={pt}, end_box={pt}\)",
       "hotkey": rf"hotkey\(key='{key}( {key}){{0,2}}'\)",
       "type": rf"type\(content='{text}'\)",
-      "scroll": rf"scroll\(start_box={pt}, direction='(up|down|left|right)'\)",
+      "scroll": rf"scroll\(start_box={pt}, direction='({'|'.join(DIRECTIONS)})'\)",
       "wait": r"wait\(\)",
       "finished": rf"finished\(content='{text}'\)",
       "call_user": r"call_user\(\)",
   }
-  unknown = set(actions) - set(templates)
+  unknown = sorted(set(actions) - set(templates))
   if unknown or not actions:
-    raise ValueError(f"unknown actions {sorted(unknown)}; expected a non-empty subset of {ALL_ACTIONS}")
+    raise ValueError(f"unknown actions {unknown}; expected a non-empty subset of {ALL_ACTIONS}")
   body = "(" + "|".join(templates[a] for a in actions) + ")"
-  return rf"Thought: {_THOUGHT_CHARS}{{0,{max_thought_bytes}}}\nAction: {body}"
+  thought = f"{_char_class(charset)}{{0,{max_thought_bytes}}}" if charset and max_thought_bytes else ""
+  return rf"Thought: {thought}\nAction: {body}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Automaton construction on numpy byte tables: (table [S, 128] int32, start, accepting [S] bool).
+
+
+def _fsm_table(regex: str):
+  """interegular DFA -> byte table [S, 128] (any dead states it has are pruned later)."""
+  fsm = interegular.parse_pattern(regex).to_fsm()
+  states = sorted(fsm.states)
+  idx = {s: i for i, s in enumerate(states)}
+  sym = [fsm.alphabet[chr(b)] for b in range(_ASCII)]  # unknown chars -> anything_else symbol
+  table = np.full((len(states), _ASCII), -1, np.int32)
+  for s in states:
+    row = fsm.map.get(s, {})
+    for b in range(_ASCII):
+      n = row.get(sym[b])
+      if n is not None and n in idx:
+        table[idx[s], b] = idx[n]
+  acc = np.array([s in fsm.finals for s in states], bool)
+  return table, idx[fsm.initial], acc
+
+
+def _count_automaton(pattern: str, max_count: int) -> np.ndarray:
+  """[M, 128] int32 automaton counting occurrences of `pattern` (KMP DFA); -1 once > max_count.
+
+  State m = count * L + k, where k < L is the length of the pattern prefix matched so far.
+  """
+  p = [ord(ch) for ch in pattern]
+  L = len(p)
+  kmp = np.zeros((L, _ASCII), np.int32)  # k -> matched length after one more byte, in 0..L
+  kmp[0, p[0]] = 1
+  border = 0  # state the automaton would be in had it read p[1:k]
+  for k in range(1, L):
+    kmp[k] = kmp[border]
+    kmp[k, p[k]] = k + 1
+    border = kmp[border, p[k]]
+  # After a full match, continue from the pattern's longest proper border (overlapping matches).
+  out = np.full(((max_count + 1) * L, _ASCII), -1, np.int32)
+  for c in range(max_count + 1):
+    for k in range(L):
+      full = kmp[k] == L
+      nc = c + full
+      nk = np.where(full, border, kmp[k])
+      out[c * L + k] = np.where(nc <= max_count, nc * L + nk, -1)
+  return out
+
+
+def _product(table, start, acc, counter):
+  """Intersection of the table's language with 'the counter automaton never overflows'."""
+  s0, m = table.shape[0], counter.shape[0]
+  ids = np.full(s0 * m, -1, np.int64)
+  ids[start * m] = 0
+  order = [np.array([start * m], np.int64)]
+  frontier, n = order[0], 1
+  while frontier.size:
+    s, c = np.divmod(frontier, m)
+    ns, nc = table[s], counter[c]
+    nxt = np.where((ns >= 0) & (nc >= 0), ns.astype(np.int64) * m + nc, -1)
+    cand = np.unique(nxt[nxt >= 0])
+    new = cand[ids[cand] < 0]
+    ids[new] = np.arange(n, n + new.size)
+    n += new.size
+    order.append(new)
+    frontier = new
+  pairs = np.concatenate(order)
+  s, c = np.divmod(pairs, m)
+  ns, nc = table[s], counter[c]
+  nxt = np.where((ns >= 0) & (nc >= 0), ns.astype(np.int64) * m + nc, -1)
+  out = np.where(nxt >= 0, ids[np.maximum(nxt, 0)], -1).astype(np.int32)
+  return out, 0, acc[s]
+
+
+def _prune(table, start, acc):
+  """Keeps the states reachable from start that can still reach acceptance (no dead ends)."""
+  live = acc.copy()
+  while True:
+    succ_live = np.where(table >= 0, live[np.maximum(table, 0)], False).any(1)
+    new = live | succ_live
+    if (new == live).all():
+      break
+    live = new
+  if not live[start]:
+    raise ValueError("the reply language is empty")
+  table = np.where((table >= 0) & live[np.maximum(table, 0)], table, -1)
+  reach = np.zeros_like(live)
+  reach[start] = True
+  while True:
+    new = reach.copy()
+    nxt = table[reach]
+    new[nxt[nxt >= 0]] = True
+    if (new == reach).all():
+      break
+    reach = new
+  return _renumber(table, start, acc, reach)
+
+
+def _renumber(table, start, acc, keep):
+  """Restricts to `keep` states, numbered in BFS order from start (start = 0)."""
+  order, seen, frontier = [start], {start}, [start]
+  while frontier:
+    nxt = []
+    for s in frontier:
+      for n in table[s]:
+        n = int(n)
+        if n >= 0 and keep[n] and n not in seen:
+          seen.add(n)
+          nxt.append(n)
+    nxt.sort()
+    order += nxt
+    frontier = nxt
+  new_id = np.full(table.shape[0], -1, np.int32)
+  new_id[order] = np.arange(len(order))
+  t = table[order]
+  t = np.where(t >= 0, new_id[np.maximum(t, 0)], -1)
+  return t.astype(np.int32), 0, acc[order]
+
+
+def _minimise(table, start, acc):
+  """Moore partition refinement: merges states with the same future (language-preserving)."""
+  cls = acc.astype(np.int64)
+  n = len(np.unique(cls))
+  while True:
+    succ = np.where(table >= 0, cls[np.maximum(table, 0)], -1)
+    _, cls2 = np.unique(np.concatenate([cls[:, None], succ], 1), axis=0, return_inverse=True)
+    cls2 = cls2.reshape(-1)
+    n2 = int(cls2.max()) + 1
+    cls = cls2
+    if n2 == n:
+      break
+    n = n2
+  # One representative per class; transitions map to classes.
+  rep = np.zeros(n, np.int64)
+  rep[cls[::-1]] = np.arange(len(cls))[::-1]  # first state of each class
+  t = np.where(table[rep] >= 0, cls[np.maximum(table[rep], 0)], -1).astype(np.int32)
+  return _renumber(t, int(cls[start]), acc[rep], np.ones(n, bool))
 
 
 @functools.lru_cache(maxsize=32)
-def build_grammar(tokenizer: ByteTokenizer = ByteTokenizer(), actions=ALL_ACTIONS, max_thought_bytes: int = 32,
-                  max_content_bytes: int = 32, coord_format: str = "int") -> Grammar:
-  """Compiles the reply language to a dense `[S, V]` table (see module docstring).
+def _build(tokenizer: ByteTokenizer, actions: tuple, max_thought_bytes: int, max_content_bytes: int,
+           coord_format: str, thought_charset: str | None) -> Grammar:
+  regex = reply_regex(actions, max_thought_bytes, max_content_bytes, coord_format, thought_charset)
+  table, start, acc = _fsm_table(regex)
+  table, start, acc = _product(table, start, acc, _count_automaton(DELIMITER, 1))
+  table, start, acc = _prune(table, start, acc)
+  table, start, acc = _minimise(table, start, acc)
+  s = table.shape[0]
+  done = s
+  full = np.full((s + 1, tokenizer.vocab_size), -1, np.int32)
+  full[:s, :_ASCII] = table
+  full[:s, tokenizer.eos_id] = np.where(acc, done, -1)
+  full[done, tokenizer.pad_id] = done
+  accepting = np.concatenate([acc, [False]])
+  full.setflags(write=False)
+  accepting.setflags(write=False)
+  return Grammar(table=full, start=start, done=done, accepting=accepting, regex=regex)
 
-  Raises: ValueError for unknown actions or coord_format.
+
+def build_grammar(tokenizer: ByteTokenizer = ByteTokenizer(), actions=ALL_ACTIONS, max_thought_bytes: int = 32,
+                  max_content_bytes: int = 32, coord_format: str = "int",
+                  thought_charset: str | None = None) -> Grammar:
+  """Compiles the reply language to a dense `[S, V]` automaton (see module docstring). Cached.
+
+  Args:
+    tokenizer: byte-level tokenizer (ids 0..255 are bytes; eos_id, pad_id, vocab_size are used).
+    actions: the allowed action names, a non-empty subset of ALL_ACTIONS.
+    max_thought_bytes / max_content_bytes: length caps of the thought and of type/finished content.
+    coord_format: 'int' (0..1000, no leading zeros) or 'fixed3' (000..999), see module docstring.
+    thought_charset: the characters a thought may use (a string, printable ASCII); None = all of
+      printable ASCII.
+
+  Returns: Grammar with table [S, V] int32, S = the minimal number of states + 1 (done).
+  Raises: ValueError for unknown actions or coord_format, negative lengths, a bad charset.
   """
-  regex = reply_regex(tuple(actions), max_thought_bytes, max_content_bytes, coord_format)
-  fsm = interegular.parse_pattern(regex).to_fsm()
-  states = sorted(fsm.states)
-  # Byte -> alphabet symbol (only ASCII can occur in the language).
-  sym = {b: fsm.alphabet[chr(b)] for b in range(128)}
-  trans = {s: {b: fsm.map.get(s, {}).get(sym[b]) for b in range(128)} for s in states}
-  trans = {s: {b: n for b, n in d.items() if n is not None} for s, d in trans.items()}
-  # Keep states reachable from the start that can still reach acceptance (no dead ends).
-  live = set(fsm.finals)
-  changed = True
-  while changed:
-    changed = False
-    for s in states:
-      if s not in live and any(n in live for n in trans[s].values()):
-        live.add(s)
-        changed = True
-  reach, frontier = {fsm.initial}, [fsm.initial]
-  while frontier:
-    s = frontier.pop()
-    for n in trans[s].values():
-      if n in live and n not in reach:
-        reach.add(n)
-        frontier.append(n)
-  keep = sorted(reach & live)
-  idx = {s: i for i, s in enumerate(keep)}
-  done = len(keep)
-  table = np.full((done + 1, tokenizer.vocab_size), -1, np.int32)
-  accepting = np.zeros((done + 1,), bool)
-  for s in keep:
-    for b, n in trans[s].items():
-      if n in idx:
-        table[idx[s], b] = idx[n]
-    if s in fsm.finals:
-      table[idx[s], tokenizer.eos_id] = done
-      accepting[idx[s]] = True
-  table[done, tokenizer.pad_id] = done
-  return Grammar(table=table, start=idx[fsm.initial], done=done, accepting=accepting, regex=regex)
+  if isinstance(actions, str):
+    actions = (actions,)
+  actions = tuple(dict.fromkeys(actions))  # hashable for the cache; duplicates dropped
+  return _build(tokenizer, actions, int(max_thought_bytes), int(max_content_bytes), coord_format,
+                thought_charset)
 
 
 def walk(grammar: Grammar, ids) -> np.ndarray:
-  """States before each token of `ids` ([len(ids)] int32); -1 from the first disallowed token on."""
+  """States before each token of `ids`: [len(ids)] int32; -1 after the first disallowed token.
+
+  The state before a disallowed token is still reported (it is where the token was rejected).
+  """
   out, s = np.full((len(ids),), -1, np.int32), grammar.start
   for i, t in enumerate(ids):
     if s < 0:
       break
     out[i] = s
-    s = int(grammar.table[s, int(t)])
+    t = int(t)
+    s = int(grammar.table[s, t]) if 0 <= t < grammar.table.shape[1] else -1
   return out
 
 
-def allowed_mask(grammar: Grammar, states: np.ndarray) -> np.ndarray:
-  """[..., V] bool allowed tokens for an array of states (negative states allow nothing)."""
+def allowed_mask(grammar: Grammar, states) -> np.ndarray:
+  """[..., V] bool allowed tokens for an int array of states [...] (negative states allow nothing)."""
   states = np.asarray(states)
   return np.where((states >= 0)[..., None], grammar.table[np.maximum(states, 0)] >= 0, False)
 
 
 def accepts(grammar: Grammar, text: str, tokenizer: ByteTokenizer = ByteTokenizer()) -> bool:
-  """True if `text` followed by EOS is a complete reply of the language."""
+  """True if `text` (UTF-8 bytes) followed by EOS is a complete reply of the language."""
   s = grammar.start
   for t in tokenizer.encode(text) + [tokenizer.eos_id]:
     s = int(grammar.table[s, t])

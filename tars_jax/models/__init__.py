@@ -1,8 +1,11 @@
 """Policy / critic models (Flax NNX) and the KV-cache sampler."""
 
 from tars_jax.models.config import ModelConfig
+from tars_jax.models.decoder import KVCache, init_cache
 from tars_jax.models.policy import Policy, Trunk
 from tars_jax.models.rope import next_position, rope_positions
+from tars_jax.models.sampler import Generation, constrained_log_softmax, generate, token_logprobs
 from tars_jax.models.value import ValueModel
 
-__all__ = ["ModelConfig", "Policy", "Trunk", "ValueModel", "rope_positions", "next_position"]
+__all__ = ["ModelConfig", "Policy", "Trunk", "ValueModel", "KVCache", "init_cache", "rope_positions",
+           "next_position", "Generation", "generate", "token_logprobs", "constrained_log_softmax"]

@@ -1,20 +1,35 @@
-"""Model configuration of the policy/critic family (structure of transformers' `qwen3_vl_moe`)."""
+"""Model configuration of the policy/critic family (structure of transformers' `qwen3_vl_moe`).
+
+Field <-> transformers `Qwen3VLMoeConfig` names (for the later weight-import issue):
+  vision: patch_size, vision_hidden = hidden_size, vision_depth = depth, vision_heads = num_heads,
+          vision_mlp = intermediate_size (spatial_merge_size = 2, temporal_patch_size = 1 here);
+  text:   vocab_size, hidden = hidden_size, layers = num_hidden_layers, heads = num_attention_heads,
+          kv_heads = num_key_value_heads, head_dim, experts = num_experts, top_k = num_experts_per_tok,
+          moe_intermediate = moe_intermediate_size, dense_intermediate = intermediate_size,
+          decoder_sparse_step, norm_topk_prob, mrope_section (rope_scaling), rope_theta, rms_eps.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
+import jax.numpy as jnp
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Fields of the vision encoder and the MoE decoder.
 
-  Images are [image_h, image_w] pixels cut into `patch_size` patches; a 2x2 merger makes
-  `merged_grid = (image_h / 2p, image_w / 2p)` decoder tokens per image.
-  `decoder_sparse_step`: every k-th layer is MoE (1 = all); other layers use a dense SwiGLU MLP of
-  width `dense_intermediate`. `mrope_section` splits head_dim / 2 rotary frequencies over (t, h, w),
-  interleaved as Qwen3-VL; None = an even split.
+  Images are `image_h` x `image_w` pixels (height x width; the defaults 224 x 168 are portrait, like
+  MiniWoB's 160 x 210 screen) cut into `patch_size` patches; a 2x2 merger makes
+  `merged_grid = (image_h / 2p, image_w / 2p)` decoder tokens per image (8 x 6 = 48 by default).
+  `decoder_sparse_step`: layer i (0-based) is MoE iff (i + 1) % step == 0 (1 = all, as transformers);
+  other layers use a dense SwiGLU MLP of width `dense_intermediate`. `experts = 0` = dense model.
+  `mrope_section` splits the head_dim / 2 rotary frequencies over (t, h, w), interleaved as
+  Qwen3-VL; None = an even split. `dtype` is the activation/compute dtype ("float32" or "bfloat16");
+  parameters are always float32 and logits are returned in float32.
+  The defaults are the `tiny()` preset (1.48M parameters: 0.42M vision, 1.05M text) for RL on CPU.
   """
 
   vocab_size: int = 264
@@ -40,21 +55,51 @@ class ModelConfig:
   vision_rope_theta: float = 10000.0
   rms_eps: float = 1e-6
   mrope_section: tuple[int, int, int] | None = None
+  dtype: str = "float32"
+
+  def __post_init__(self):
+    if self.heads % self.kv_heads:
+      raise ValueError(f"heads={self.heads} not a multiple of kv_heads={self.kv_heads}")
+    if self.vision_hidden % self.vision_heads or (self.vision_hidden // self.vision_heads) % 4:
+      raise ValueError("vision head dim (vision_hidden / vision_heads) must be a multiple of 4 (2D rope)")
+    if self.experts and not 0 < self.top_k <= self.experts:
+      raise ValueError(f"top_k={self.top_k} must be in [1, experts={self.experts}]")
+    if self.head_dim % 2:
+      raise ValueError(f"head_dim={self.head_dim} must be even")
+    if self.mrope_section is not None and sum(self.mrope_section) != self.head_dim // 2:
+      raise ValueError(f"mrope_section {self.mrope_section} must sum to head_dim / 2 = {self.head_dim // 2}")
+    jnp.dtype(self.dtype)  # raises TypeError for an unknown dtype name
 
   @classmethod
-  def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
-    """From a (ConfigDict-derived) dict; unknown keys raise ValueError naming them."""
+  def tiny(cls, **overrides) -> "ModelConfig":
+    """The CPU-RL preset (the defaults): ViT 2 x 96 on 224x168 (H x W) images, 48 image tokens;
+    4-layer MoE decoder, hidden 128, 4 heads / 2 KV heads, 4 experts top-2."""
+    return cls(**overrides)
+
+  @classmethod
+  def from_dict(cls, d: Any) -> "ModelConfig":
+    """From a dict or an `ml_collections.ConfigDict`; unknown keys raise ValueError naming them."""
+    if hasattr(d, "to_dict"):
+      d = d.to_dict()
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = set(d) - names
     if unknown:
       raise ValueError(f"unknown model config fields {sorted(unknown)}")
     d = dict(d)
     if d.get("mrope_section") is not None:
-      d["mrope_section"] = tuple(d["mrope_section"])
+      d["mrope_section"] = tuple(int(x) for x in d["mrope_section"])
     return cls(**d)
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  @property
+  def jdtype(self):
+    return jnp.dtype(self.dtype)
 
   @property
   def merged_grid(self) -> tuple[int, int]:
+    """(rows, cols) of merged vision tokens per image. Raises ValueError if not divisible."""
     p2 = 2 * self.patch_size
     if self.image_h % p2 or self.image_w % p2:
       raise ValueError(f"image {self.image_h}x{self.image_w} not divisible by 2*patch_size={p2}")
@@ -67,8 +112,12 @@ class ModelConfig:
 
   @property
   def sections(self) -> tuple[int, int, int]:
+    """(t, h, w) counts of rotary frequencies; sums to head_dim / 2."""
     if self.mrope_section is not None:
-      return self.mrope_section
+      return tuple(self.mrope_section)
     half = self.head_dim // 2
     h = w = half // 3
     return (half - h - w, h, w)
+
+  def is_sparse(self, layer_idx: int) -> bool:
+    return self.experts > 0 and (layer_idx + 1) % self.decoder_sparse_step == 0

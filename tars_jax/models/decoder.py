@@ -1,7 +1,10 @@
-"""MoE decoder (Qwen3-MoE structure): RMSNorm, GQA attention with qk-norm and interleaved M-RoPE,
-MoE (or dense) SwiGLU MLPs, with an explicit KV cache pytree for prefill/decode."""
+"""MoE decoder (Qwen3-VL-MoE text model structure): RMSNorm, GQA attention with qk-norm and
+interleaved M-RoPE, MoE (or dense) SwiGLU MLPs, final norm; with an explicit KV-cache pytree for
+prefill/decode (transformers `Qwen3VLMoeTextModel`)."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -9,60 +12,122 @@ from flax import nnx
 
 from tars_jax.models.config import ModelConfig
 from tars_jax.models.moe import DenseMLP, MoE
-from tars_jax.models.rope import rotate
+from tars_jax.models.rope import mrope_cos_sin, rotate
 
-_NEG = -1e9  # finite mask value: fully masked (padding) query rows stay NaN-free
+_NEG = -1e9  # finite mask value: fully masked (padding) query rows stay NaN-free; exp() is exactly 0
+
+
+class KVCache(NamedTuple):
+  """Explicit KV cache (a pytree, static shapes).
+
+  k, v: one [B, S, KV, head_dim] array per layer (activation dtype); mask: [B, S] bool, True on
+  slots holding a real (non-padding) token that later queries may attend to.
+  """
+  k: tuple
+  v: tuple
+  mask: jax.Array
+
+
+def init_cache(cfg: ModelConfig, batch: int, length: int) -> KVCache:
+  """Empty cache of `length` slots: zeros, mask all False."""
+  shape = (batch, length, cfg.kv_heads, cfg.head_dim)
+  z = tuple(jnp.zeros(shape, cfg.jdtype) for _ in range(cfg.layers))
+  return KVCache(z, z, jnp.zeros((batch, length), bool))
 
 
 class Attention(nnx.Module):
+  """GQA self-attention with RMS qk-norm (per head, before rotary), as `Qwen3VLMoeTextAttention`."""
+
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-    d, h, kv, hd = cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim
+    d, h, kv, hd, dt = cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.jdtype
     self.h, self.kv, self.hd = h, kv, hd
-    self.q_proj = nnx.Linear(d, h * hd, use_bias=False, rngs=rngs)
-    self.k_proj = nnx.Linear(d, kv * hd, use_bias=False, rngs=rngs)
-    self.v_proj = nnx.Linear(d, kv * hd, use_bias=False, rngs=rngs)
-    self.o_proj = nnx.Linear(h * hd, d, use_bias=False, rngs=rngs)
-    self.q_norm = nnx.RMSNorm(hd, epsilon=cfg.rms_eps, rngs=rngs)
-    self.k_norm = nnx.RMSNorm(hd, epsilon=cfg.rms_eps, rngs=rngs)
+    self.q_proj = nnx.Linear(d, h * hd, use_bias=False, dtype=dt, rngs=rngs)
+    self.k_proj = nnx.Linear(d, kv * hd, use_bias=False, dtype=dt, rngs=rngs)
+    self.v_proj = nnx.Linear(d, kv * hd, use_bias=False, dtype=dt, rngs=rngs)
+    self.o_proj = nnx.Linear(h * hd, d, use_bias=False, dtype=dt, rngs=rngs)
+    self.q_norm = nnx.RMSNorm(hd, epsilon=cfg.rms_eps, dtype=dt, rngs=rngs)
+    self.k_norm = nnx.RMSNorm(hd, epsilon=cfg.rms_eps, dtype=dt, rngs=rngs)
 
-  def __call__(self, x, cos, sin, key_mask, cache=None, write_index=0):
-    """x [B, L, D]; cos/sin [B, L, hd]; key_mask [B, S] bool over key slots (S = L without cache).
+  def __call__(self, x, cos, sin, key_mask, kv=None, write_index=0):
+    """x [B, L, D]; cos/sin [B, L, hd]; key_mask [B, S] bool over key slots.
 
-    With `cache = {"k", "v"}` ([B, S, KV, hd]) the new keys/values are written at slots
-    write_index .. write_index + L - 1 and the queries attend causally over all cache slots.
-    Returns (y [B, L, D], new cache or None).
+    Without `kv` the keys are these L tokens (S = L, query j at slot j). With `kv = (k, v)`
+    ([B, S, KV, hd]) the new keys/values are written at slots write_index .. write_index + L - 1
+    and query j (slot write_index + j) attends to slots <= its own. Returns (y [B, L, D], (k, v) | None).
     """
     b, l, _ = x.shape
     q = self.q_norm(self.q_proj(x).reshape(b, l, self.h, self.hd))
     k = self.k_norm(self.k_proj(x).reshape(b, l, self.kv, self.hd))
     v = self.v_proj(x).reshape(b, l, self.kv, self.hd)
-    q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-    if cache is not None:
-      k = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), (0, write_index, 0, 0))
-      v = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), (0, write_index, 0, 0))
-      cache = {"k": k, "v": v}
+    q, k = rotate(q, cos, sin).astype(x.dtype), rotate(k, cos, sin).astype(x.dtype)
+    if kv is not None:
+      ck, cv = kv
+      k = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, write_index, 0, 0))
+      v = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, write_index, 0, 0))
+      kv = (k, v)
     s = k.shape[1]
     q_slot = write_index + jnp.arange(l)
     allowed = (jnp.arange(s)[None, :] <= q_slot[:, None])[None] & key_mask[:, None, :]  # [B, L, S]
-    g = self.h // self.kv
+    g = self.h // self.kv  # query heads per KV head (head i uses KV head i // g, as repeat_kv)
     qg = q.reshape(b, l, self.kv, g, self.hd)
-    att = jnp.einsum("blkgd,bskd->bkgls", qg, k) / jnp.sqrt(jnp.float32(self.hd))
-    att = jnp.where(allowed[:, None, None], att.astype(jnp.float32), _NEG)
+    att = jnp.einsum("blkgd,bskd->bkgls", qg, k).astype(jnp.float32) / jnp.sqrt(jnp.float32(self.hd))
+    att = jnp.where(allowed[:, None, None], att, _NEG)
     p = jax.nn.softmax(att, axis=-1).astype(v.dtype)
     o = jnp.einsum("bkgls,bskd->blkgd", p, v).reshape(b, l, self.h * self.hd)
-    return self.o_proj(o), cache
+    return self.o_proj(o), kv
 
 
 class DecoderLayer(nnx.Module):
-  def __init__(self, cfg: ModelConfig, layer_idx: int, rngs: nnx.Rngs):
-    self.attn_norm = nnx.RMSNorm(cfg.hidden, epsilon=cfg.rms_eps, rngs=rngs)
-    self.attn = Attention(cfg, rngs)
-    self.mlp_norm = nnx.RMSNorm(cfg.hidden, epsilon=cfg.rms_eps, rngs=rngs)
-    sparse = cfg.experts > 0 and (layer_idx + 1) % cfg.decoder_sparse_step == 0
-    self.mlp = MoE(cfg, rngs) if sparse else DenseMLP(cfg.hidden, cfg.dense_intermediate, rngs)
+  """Pre-norm block: x + attn(norm(x)); x + mlp(norm(x)). MLP is MoE iff `cfg.is_sparse(idx)`."""
 
-  def __call__(self, x, cos, sin, key_mask, token_mask, cache=None, write_index=0):
-    a, cache = self.attn(self.attn_norm(x), cos, sin, key_mask, cache, write_index)
+  def __init__(self, cfg: ModelConfig, layer_idx: int, rngs: nnx.Rngs):
+    dt = cfg.jdtype
+    self.input_layernorm = nnx.RMSNorm(cfg.hidden, epsilon=cfg.rms_eps, dtype=dt, rngs=rngs)
+    self.self_attn = Attention(cfg, rngs)
+    self.post_attention_layernorm = nnx.RMSNorm(cfg.hidden, epsilon=cfg.rms_eps, dtype=dt, rngs=rngs)
+    self.mlp = (MoE(cfg, rngs) if cfg.is_sparse(layer_idx)
+                else DenseMLP(cfg.hidden, cfg.dense_intermediate, rngs, dtype=dt))
+
+  def __call__(self, x, cos, sin, key_mask, kv=None, write_index=0):
+    """Returns (x [B, L, D], router (probs, idx) or None, new (k, v) or None)."""
+    a, kv = self.self_attn(self.input_layernorm(x), cos, sin, key_mask, kv, write_index)
     x = x + a
-    m, aux = self.mlp(self.mlp_norm(x), token_mask)
-    return x + m, aux, cache
+    m, router = self.mlp(self.post_attention_layernorm(x))
+    return x + m, router, kv
+
+
+class Decoder(nnx.Module):
+  """Embedded inputs -> decoder layers -> final RMSNorm (no embedding, no head)."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.layers = nnx.List([DecoderLayer(cfg, i, rngs) for i in range(cfg.layers)])
+    self.norm = nnx.RMSNorm(cfg.hidden, epsilon=cfg.rms_eps, dtype=cfg.jdtype, rngs=rngs)
+
+  def __call__(self, x, positions, attn_mask, cache: KVCache | None = None, cache_index=0):
+    """x [B, L, D]; positions [3, B, L] int32; attn_mask [B, L] bool (real tokens).
+
+    Without cache: causal attention over the L tokens restricted to `attn_mask` keys.
+    With cache: the L tokens go to slots cache_index.. (their `attn_mask` is recorded in
+    `cache.mask`) and attend causally over all valid cache slots.
+    Returns (hidden [B, L, D], routers: list of (probs [B*L, E], idx [B*L, k]) of MoE layers,
+    new cache or None).
+    """
+    cfg = self.cfg
+    cos, sin = mrope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, cfg.sections)
+    attn_mask = attn_mask.astype(bool)
+    if cache is not None:
+      key_mask = jax.lax.dynamic_update_slice(cache.mask, attn_mask, (0, cache_index))
+    else:
+      key_mask = attn_mask
+    routers, ks, vs = [], [], []
+    for i, layer in enumerate(self.layers):
+      kv = None if cache is None else (cache.k[i], cache.v[i])
+      x, r, kv = layer(x, cos, sin, key_mask, kv, cache_index)
+      if r is not None:
+        routers.append(r)
+      if cache is not None:
+        ks.append(kv[0])
+        vs.append(kv[1])
+    new_cache = None if cache is None else KVCache(tuple(ks), tuple(vs), key_mask)
+    return self.norm(x), routers, new_cache

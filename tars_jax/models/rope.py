@@ -25,9 +25,15 @@ def _increments(tokens, attn_mask, image_token_id, grid_hw):
 
 def rope_positions(tokens: jax.Array, attn_mask: jax.Array, image_token_id: int,
                    grid_hw: tuple[int, int]) -> jax.Array:
-  """Positions [3, B, T] int32 (t, h, w) for tokens [B, T] with attn_mask [B, T] (left or right pad).
+  """M-RoPE positions [3, B, T] int32 (t, h, w), Qwen2-VL `get_rope_index` semantics.
 
-  Each image must appear as exactly gh*gw consecutive `image_token_id` tokens.
+  Args:
+    tokens: [B, T] int32; attn_mask: [B, T] bool (padding anywhere, e.g. left: positions start at 0
+      at a row's first real token; padding gets 0 and does not advance positions).
+    image_token_id: the placeholder id; each image must appear as exactly gh*gw consecutive
+      placeholder tokens (raster order); grid_hw: (gh, gw) merged grid of every image.
+  Text token: t = h = w = running position. Image block starting at s: t = s, h = s + row,
+  w = s + col; the next token starts at s + max(gh, gw). Pure jnp, jittable.
   """
   gh, gw = grid_hw
   incr, is_img, k = _increments(tokens, attn_mask, image_token_id, grid_hw)
@@ -41,7 +47,7 @@ def rope_positions(tokens: jax.Array, attn_mask: jax.Array, image_token_id: int,
 
 
 def next_position(tokens, attn_mask, image_token_id, grid_hw) -> jax.Array:
-  """[B] int32: position of the first token after the sequence (for decoding)."""
+  """[B] int32: position of the token that would follow each row's real tokens (decode start)."""
   incr, _, _ = _increments(tokens, attn_mask, image_token_id, grid_hw)
   return incr.sum(-1).astype(jnp.int32)
 

@@ -1,13 +1,15 @@
-"""KV-cache sampling (jitted prefill + `lax.scan` decode) with temperature, top-p and
-grammar-constrained decoding.
+"""KV-cache sampling (jitted prefill + `lax.while_loop` decode that stops when every row is done)
+with temperature, top-p and grammar-constrained decoding.
 
 Constrained decoding: `grammar_table [S, V] int32` gives the next automaton state for (state, token),
--1 = not allowed (see `tars_jax/agent/grammar.py`). Each step masks the logits to the row's allowed
-tokens, samples, and advances the state. The returned log-probs are those of the distribution
-actually sampled from — log_softmax((logits / temperature) masked to the allowed set) — which is
-exactly what PPO recomputes in training (`rl.losses.masked_log_softmax`). With top_p < 1 the
-returned log-probs are still those of the un-truncated constrained distribution (PPO off-policy
-caveat; configs keep top_p = 1 for training).
+-1 = not allowed (`tars_jax/agent/grammar.py`). Each step masks the logits to the row's allowed
+tokens, samples, and advances the row's state. The returned log-probs are those of the constrained,
+temperature-scaled distribution, log_softmax((logits / temperature) masked to the allowed set) —
+exactly what PPO recomputes in training (`token_logprobs`, `rl.losses.masked_log_softmax`).
+With top_p < 1 the token is drawn from the nucleus of that distribution but the returned log-prob
+is still the un-truncated one (PPO off-policy caveat; training configs keep top_p = 1, which is
+exactly plain sampling). temperature = 0 is greedy decoding (argmax of the masked logits) and
+returns temperature-1 log-probs.
 """
 
 from __future__ import annotations
@@ -19,90 +21,134 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tars_jax.agent.tokenizer import IMAGE
+from tars_jax.agent.tokenizer import EOS, IMAGE, PAD
 from tars_jax.models.rope import next_position, rope_positions
 from tars_jax.rl.losses import masked_log_softmax
 
 
 class Generation(NamedTuple):
-  tokens: jax.Array  # [B, N] int32 (PAD after EOS)
-  logprobs: jax.Array  # [B, N] float32 (0 after EOS)
+  tokens: jax.Array  # [B, N] int32; PAD after EOS
+  logprobs: jax.Array  # [B, N] float32; 0 after EOS
   states: jax.Array  # [B, N] int32 grammar state before each token (-1 without grammar)
   lengths: jax.Array  # [B] int32 tokens up to and including EOS (N if no EOS)
 
 
-def _top_p_filter(logp: jax.Array, top_p: float) -> jax.Array:
-  """Keeps the smallest set of tokens with cumulative probability >= top_p (others -> -1e9)."""
+def constrained_log_softmax(logits: jax.Array, allowed: jax.Array | None, temperature: float) -> jax.Array:
+  """[..., V] float32 log-probs of softmax((logits / T) restricted to `allowed` [..., V] bool).
+
+  T = 0 (greedy) uses T = 1. Disallowed tokens get about -1e9 (probability exactly 0).
+  """
+  return masked_log_softmax(logits, allowed, 1.0 if temperature == 0 else temperature)
+
+
+def token_logprobs(logits: jax.Array, targets: jax.Array, allowed_mask: jax.Array | None = None,
+                   temperature: float = 1.0) -> jax.Array:
+  """Log-probs [B, T] float32 of `targets` [B, T] int32 under the sampler's distribution.
+
+  Args:
+    logits: [B, T, V] (logits[:, j] predicts targets[:, j]); allowed_mask: None or [B, T, V] bool
+      (`grammar_table[states] >= 0`); temperature: as given to `generate`.
+  """
+  logp = constrained_log_softmax(logits, allowed_mask, temperature)
+  return jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+
+def top_p_filter(logp: jax.Array, top_p: float) -> jax.Array:
+  """Keeps the smallest set of most likely tokens whose probability sums to >= top_p; the others
+  get -1e9. logp [..., V] normalised log-probs -> [..., V] (Holtzman et al. 2020, nucleus sampling)."""
   sorted_lp = jnp.sort(logp, axis=-1)[..., ::-1]
   cum = jnp.cumsum(jnp.exp(sorted_lp), axis=-1)
-  cutoff_idx = jnp.sum(cum < top_p, axis=-1, keepdims=True)
+  cutoff_idx = jnp.minimum(jnp.sum(cum < top_p, axis=-1, keepdims=True), logp.shape[-1] - 1)
   cutoff = jnp.take_along_axis(sorted_lp, cutoff_idx, axis=-1)
   return jnp.where(logp >= cutoff, logp, -1e9)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_p",
                                              "eos_id", "pad_id", "image_token_id"))
-def _generate(params, tokens, attn_mask, pixel_values, key, table, start_state, *, graphdef,
+def _generate(params, tokens, attn_mask, pixel_values, image_mask, key, table, start_state, *, graphdef,
               max_new_tokens, temperature, top_p, eos_id, pad_id, image_token_id):
   model = nnx.merge(graphdef, params)
   cfg = model.cfg
   b, p = tokens.shape
   n = max_new_tokens
-  s = p + n
   grid = cfg.merged_grid
   attn_mask = attn_mask.astype(bool)
-  pos = rope_positions(tokens, attn_mask, image_token_id, grid)
-  key_mask = jnp.concatenate([attn_mask, jnp.zeros((b, n), bool)], axis=1)
-  cache = model.trunk.init_cache(b, s)
-  logits, cache = model.step(tokens, pos, attn_mask, cache, 0, key_mask, pixel_values)
-  last = logits[:, -1]  # left padding: the last slot is every row's last real token
-  next_pos = next_position(tokens, attn_mask, image_token_id, grid)
   use_grammar = table is not None
-  state0 = start_state if use_grammar else jnp.full((b,), -1, jnp.int32)
 
-  def body(carry, i):
-    cache, last, state, done, key_mask, npos, key = carry
-    key, sub = jax.random.split(key)
+  # Prefill: the whole prompt (with images) into slots 0..P-1 of a P+N slot cache.
+  pos = rope_positions(tokens, attn_mask, image_token_id, grid)
+  cache = model.init_cache(b, p + n)
+  logits, _, cache = model(tokens, pos, attn_mask, pixel_values, image_mask, cache=cache, cache_index=0)
+  last = logits[:, -1]  # left padding: the last slot is every row's last real token
+
+  def cond(c):
+    return (c["i"] < n) & ~jnp.all(c["done"])
+
+  def body(c):
+    i, state, done = c["i"], c["state"], c["done"]
+    key, sub = jax.random.split(c["key"])
     allowed = table[jnp.maximum(state, 0)] >= 0 if use_grammar else None
-    logp = masked_log_softmax(last, allowed, temperature)
-    sample_lp = _top_p_filter(logp, top_p) if top_p < 1.0 else logp
-    tok = jax.random.categorical(sub, sample_lp, axis=-1).astype(jnp.int32)
-    tok = jnp.where(done, pad_id, tok)
+    logp = constrained_log_softmax(c["last"], allowed, temperature)
+    if temperature == 0:
+      tok = jnp.argmax(logp, axis=-1)
+    else:
+      tok = jax.random.categorical(sub, top_p_filter(logp, top_p) if top_p < 1.0 else logp, axis=-1)
+    tok = jnp.where(done, pad_id, tok.astype(jnp.int32))
     lp = jnp.where(done, 0.0, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0])
-    st_before = state
-    if use_grammar:
-      state = jnp.where(done, state, table[jnp.maximum(state, 0), tok])
-    new_done = done | (tok == eos_id)
-    slot = p + i
-    key_mask = key_mask.at[:, slot].set(True)
-    positions = jnp.broadcast_to(npos[None, :, None], (3, b, 1))
-    logits, cache = model.step(tok[:, None], positions, jnp.ones((b, 1), bool), cache, slot, key_mask)
-    carry = (cache, logits[:, -1], state, new_done, key_mask, npos + 1, key)
-    return carry, (tok, lp, st_before, done)
+    new_state = jnp.where(done, state, table[jnp.maximum(state, 0), tok]) if use_grammar else state
+    positions = jnp.broadcast_to(c["npos"][None, :, None], (3, b, 1))
+    logits, _, cache = model(tok[:, None], positions, jnp.ones((b, 1), bool), cache=c["cache"],
+                             cache_index=p + i)
+    put = lambda buf, x: jax.lax.dynamic_update_slice(buf, x[:, None].astype(buf.dtype), (0, i))
+    return dict(i=i + 1, cache=cache, last=logits[:, -1], state=new_state, done=done | (tok == eos_id),
+                npos=c["npos"] + 1, key=key, lengths=c["lengths"] + (~done).astype(jnp.int32),
+                toks=put(c["toks"], tok), lps=put(c["lps"], lp), states=put(c["states"], state))
 
-  init = (cache, last, state0, jnp.zeros((b,), bool), key_mask, next_pos, key)
-  _, (toks, lps, states, was_done) = jax.lax.scan(body, init, jnp.arange(n))
-  toks, lps, states, was_done = toks.T, lps.T, states.T, was_done.T
-  lengths = jnp.sum(~was_done, axis=1).astype(jnp.int32)
-  return Generation(toks, lps, states, lengths)
+  state0 = start_state.astype(jnp.int32) if use_grammar else jnp.full((b,), -1, jnp.int32)
+  init = dict(i=jnp.zeros((), jnp.int32), cache=cache, last=last, state=state0, done=jnp.zeros((b,), bool),
+              npos=next_position(tokens, attn_mask, image_token_id, grid), key=key,
+              lengths=jnp.zeros((b,), jnp.int32), toks=jnp.full((b, n), pad_id, jnp.int32),
+              lps=jnp.zeros((b, n), jnp.float32), states=jnp.full((b, n), -1, jnp.int32))
+  c = jax.lax.while_loop(cond, body, init)
+  # Steps skipped after every row finished: PAD, log-prob 0, the row's final (done) state.
+  states = jnp.where(jnp.arange(n)[None] >= c["i"], c["state"][:, None], c["states"])
+  return Generation(c["toks"], c["lps"], states, c["lengths"])
 
 
-def generate(graphdef, params, tokens, attn_mask, pixel_values, image_mask, key, *, max_new_tokens: int,
+def generate(policy, tokens, attn_mask, pixel_values, image_mask, key, *rest, max_new_tokens: int,
              temperature: float = 1.0, top_p: float = 1.0, grammar_table=None, start_state=None,
-             eos_id: int, pad_id: int, image_token_id: int = IMAGE) -> Generation:
+             eos_id: int = EOS, pad_id: int = PAD, image_token_id: int = IMAGE) -> Generation:
   """Samples up to `max_new_tokens` tokens after LEFT-padded prompts.
 
   Args:
-    graphdef, params: `nnx.split(policy)`.
-    tokens: [B, P] int32 left-padded prompts; attn_mask [B, P] bool.
-    pixel_values: [B, M, H, W, 3] float32 in [0, 1] (images of the prompt's IMAGE blocks), or None;
-    image_mask: [B, M] bool (unused slots are never referenced).
-    grammar_table: [S, V] int32 automaton or None; start_state: [B] int32.
-  Returns: `Generation` (see class). Compiles once per (B, P, N, M) shape.
+    policy: a `Policy`; or its `nnx.GraphDef` followed by its params, i.e.
+      `generate(graphdef, params, tokens, attn_mask, pixel_values, image_mask, key, ...)` (cheaper:
+      no split per call).
+    tokens: [B, P] int32 left-padded prompts; attn_mask: [B, P] bool (True = real token).
+    pixel_values: [B, M, H, W, 3] float32 in [0, 1] (images of the prompt's IMAGE blocks) or None;
+    image_mask: [B, M] bool or None.
+    key: PRNG key.
+    max_new_tokens: N; temperature: > 0, or 0 for greedy; top_p: nucleus mass (1.0 = plain sampling).
+    grammar_table: [S, V] int32 automaton or None; start_state: [B] int32 (required with a table).
+    eos_id, pad_id: a row is done after EOS and then emits PAD with log-prob 0.
+  Returns:
+    `Generation` (see class). Compiles once per (B, P, N, M) shape and sampling settings.
+  Raises:
+    ValueError: grammar_table without start_state, or temperature < 0.
   """
-  del image_mask
+  if isinstance(policy, nnx.GraphDef):
+    graphdef, params = policy, tokens
+    tokens, attn_mask, pixel_values, image_mask, (key, *rest) = attn_mask, pixel_values, image_mask, key, rest
+  else:
+    graphdef, params = nnx.split(policy)
+  if rest:
+    raise TypeError(f"generate() got {len(rest)} unexpected positional arguments")
   if grammar_table is not None and start_state is None:
     raise ValueError("grammar_table needs start_state")
-  return _generate(params, tokens, attn_mask, pixel_values, key, grammar_table, start_state,
-                   graphdef=graphdef, max_new_tokens=max_new_tokens, temperature=float(temperature),
-                   top_p=float(top_p), eos_id=eos_id, pad_id=pad_id, image_token_id=image_token_id)
+  if temperature < 0:
+    raise ValueError(f"temperature must be >= 0, got {temperature}")
+  start = None if grammar_table is None else jnp.asarray(start_state, jnp.int32)
+  return _generate(params, jnp.asarray(tokens, jnp.int32), jnp.asarray(attn_mask, bool), pixel_values,
+                   image_mask, key, grammar_table, start, graphdef=graphdef, max_new_tokens=int(max_new_tokens),
+                   temperature=float(temperature), top_p=float(top_p), eos_id=int(eos_id), pad_id=int(pad_id),
+                   image_token_id=int(image_token_id))

@@ -1,4 +1,5 @@
-"""The critic: the policy's trunk architecture (separate parameters) with a scalar value head."""
+"""The critic: the policy's trunk class (separate parameters) with a scalar value head
+(report section 2.5.4: a value model of the same architecture as the policy)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ from tars_jax.models.policy import Trunk
 
 
 class ValueModel(nnx.Module):
-  """__call__(tokens, positions, attn_mask, pixel_values, image_mask) -> (values [B, T] f32, aux).
+  """__call__(tokens, positions, attn_mask, pixel_values, image_mask) -> (values [B, T] float32, aux).
 
-  values[:, j] estimates the return from the state after token j (report section 2.5.4: value model
-  of the same architecture as the policy).
+  values[:, j] estimates the return from the state after token j. The head starts at zero so
+  initial values are 0 (no spurious advantages before value pretraining).
   """
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
@@ -21,6 +22,11 @@ class ValueModel(nnx.Module):
     self.trunk = Trunk(cfg, rngs)
     self.value_head = nnx.Linear(cfg.hidden, 1, kernel_init=nnx.initializers.zeros_init(), rngs=rngs)
 
-  def __call__(self, tokens, positions, attn_mask, pixel_values=None, image_mask=None):
+  def features(self, tokens, positions, attn_mask, pixel_values=None, image_mask=None):
+    """Final hidden states: (hidden [B, T, D], aux_loss)."""
     h, aux, _ = self.trunk(tokens, positions, attn_mask, pixel_values, image_mask)
-    return self.value_head(h)[..., 0].astype(jnp.float32), aux
+    return h, aux
+
+  def __call__(self, tokens, positions, attn_mask, pixel_values=None, image_mask=None):
+    h, aux = self.features(tokens, positions, attn_mask, pixel_values, image_mask)
+    return self.value_head(h.astype(jnp.float32))[..., 0], aux

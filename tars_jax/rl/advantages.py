@@ -3,7 +3,10 @@
 `mask` is 1 on model-written tokens and 0 on observation / prompt / padding tokens. Token-level GAE
 skips masked tokens: on them the running advantage and the next value carry across unchanged, so a
 multi-turn trajectory is one MDP over the model's tokens (verl `compute_gae_advantage_return` with a
-response mask; tunix `compute_gae_advantages`). UI-TARS-2 report section 2.5.4.
+response mask; tunix `compute_gae_advantages`). UI-TARS-2 report section 2.5.4 (decoupled and
+length-adaptive GAE, from VC-PPO and VAPO).
+
+Everything here is jittable and vmappable (no Python branching on values), float32.
 """
 
 from __future__ import annotations
@@ -12,45 +15,77 @@ import jax
 import jax.numpy as jnp
 
 
+def _f32(x) -> jax.Array:
+  return jnp.asarray(x, jnp.float32)
+
+
 def masked_mean(x: jax.Array, mask: jax.Array, axis=None) -> jax.Array:
-  """Mean of x over entries where mask = 1 (0 if there are none)."""
+  """Mean of x over entries where mask = 1 (0 where there are none).
+
+  Args:
+    x: float array; mask: {0, 1} array (bool or float) broadcastable to x.shape.
+    axis: None (all axes) or the axes to reduce, as in `jnp.sum`.
+  Returns:
+    float32 array of x.shape without `axis`. Source: verl `verl/utils/torch_functional.py:masked_mean`.
+  """
+  x = _f32(x)
+  mask = jnp.broadcast_to(_f32(mask), x.shape)
   return (x * mask).sum(axis) / jnp.maximum(mask.sum(axis), 1e-8)
 
 
 def masked_var(x: jax.Array, mask: jax.Array, unbiased: bool = True) -> jax.Array:
-  """Variance over masked entries; Bessel-corrected like verl `masked_var`."""
+  """Variance of x over all entries where mask = 1; scalar float32.
+
+  unbiased=True applies Bessel's correction n / (n - 1) like verl `masked_var`. Where verl raises
+  (n <= 1), this returns the biased value instead (0 for n = 1, 0 for n = 0) so it stays jittable.
+  """
+  x = _f32(x)
+  mask = jnp.broadcast_to(_f32(mask), x.shape)
   mean = masked_mean(x, mask)
   var = masked_mean((x - mean) ** 2, mask)
   if unbiased:
     n = mask.sum()
-    var = var * n / jnp.maximum(n - 1, 1)
+    var = var * jnp.where(n > 1, n / jnp.maximum(n - 1, 1.0), 1.0)
   return var
 
 
 def masked_whiten(x: jax.Array, mask: jax.Array, shift_mean: bool = True) -> jax.Array:
-  """(x - mean) / std over masked entries (verl `masked_whiten`); mean added back if not shift_mean."""
+  """(x - mean) / sqrt(var + 1e-8) with mean and unbiased var over masked entries.
+
+  Returns an array of x.shape (float32); unmasked entries are transformed too (multiply by the mask
+  if they must be 0). shift_mean=False adds the mean back (scale only). Source: verl `masked_whiten`.
+  """
+  x = _f32(x)
   mean, var = masked_mean(x, mask), masked_var(x, mask)
   w = (x - mean) * jax.lax.rsqrt(var + 1e-8)
   return w if shift_mean else w + mean
 
 
-def _per_row(v, b):
-  return jnp.broadcast_to(jnp.asarray(v, jnp.float32), (b,))
+def _per_row(v, b: int) -> jax.Array:
+  return jnp.broadcast_to(_f32(v), (b,))
 
 
 def gae(rewards: jax.Array, values: jax.Array, mask: jax.Array, gamma, lam
         ) -> tuple[jax.Array, jax.Array]:
-  """Token-level GAE that skips masked tokens (a reverse `lax.scan` over time).
+  """Token-level GAE that skips masked tokens, as a reverse `jax.lax.scan` over time.
+
+  Going backwards over t:  delta_t = r_t + gamma * V_next - V_t;  A_t = delta_t + gamma * lam * A_next;
+  then, only where mask_t = 1, V_next <- V_t and A_next <- A_t (on masked tokens both carry across,
+  so the TD error of the last token of a turn bootstraps from the first token of the next turn).
+  The value after the last position is 0 (the sequence ends the episode); rewards on masked tokens
+  are ignored (put each turn's reward on one of its model-written tokens, e.g. its EOS).
 
   Args:
-    rewards, values, mask: [B, T] float32. values[t] = V(state before token t).
-    gamma, lam: scalars or per-sequence [B] arrays.
+    rewards, values, mask: [B, T] (cast to float32). values[t] = V(state before token t).
+    gamma, lam: python floats, scalars, or per-sequence [B] arrays.
   Returns:
-    (advantages, returns) [B, T] float32; returns = advantages + values. At masked positions both
-    hold the carried quantities (as verl); callers multiply by the mask.
-  Source: GAE (Schulman et al. 2016) eq. 16; masking as verl `core_algos.compute_gae_advantage_return`.
+    (advantages, returns), [B, T] float32, returns = advantages + values; no whitening.
+    At masked positions the advantage is the carried one (that of the next model token, 0 after the
+    last one), exactly as verl; multiply by the mask if you need zeros there.
+  Source: Schulman et al. 2016 (arXiv 1506.02438) eq. 16; masking as verl
+    `verl/trainer/ppo/core_algos.py:compute_gae_advantage_return`.
   """
-  rewards, values, mask = (jnp.asarray(a, jnp.float32) for a in (rewards, values, mask))
+  rewards, values, mask = _f32(rewards), _f32(values), _f32(mask)
   b = rewards.shape[0]
   gamma, lam = _per_row(gamma, b), _per_row(lam, b)
 
@@ -70,48 +105,70 @@ def gae(rewards: jax.Array, values: jax.Array, mask: jax.Array, gamma, lam
 
 
 def length_adaptive_lambda(lengths: jax.Array, alpha: float) -> jax.Array:
-  """VAPO length-adaptive λ = 1 - 1/(alpha * lengths), clipped to [0, 1] (arXiv 2504.05118 eq. 7).
+  """VAPO length-adaptive λ_policy = 1 - 1 / (alpha * length), clipped to [0, 1].
 
-  lengths: [B] number of model-written tokens per sequence.
+  Args:
+    lengths: [B] number of model-written tokens per sequence (e.g. `mask.sum(-1)`); 0 gives λ = 0.
+    alpha: VAPO's α (the paper uses 0.05).
+  Returns: [B] float32. Source: VAPO (arXiv 2504.05118) section 4.2.
   """
-  lengths = jnp.asarray(lengths, jnp.float32)
+  lengths = _f32(lengths)
   return jnp.clip(1.0 - 1.0 / jnp.maximum(alpha * lengths, 1e-8), 0.0, 1.0)
 
 
-def decoupled_gae(rewards, values, mask, gamma, lam_policy, lam_critic) -> tuple[jax.Array, jax.Array]:
-  """Decoupled GAE (VC-PPO, arXiv 2503.01491): advantages with lam_policy, returns with lam_critic."""
+def decoupled_gae(rewards, values, mask, gamma, lam_policy, lam_critic
+                  ) -> tuple[jax.Array, jax.Array]:
+  """Decoupled GAE: (advantages computed with lam_policy, returns computed with lam_critic).
+
+  Shapes and masking as `gae`; each λ a scalar or a [B] array (e.g. `length_adaptive_lambda`).
+  Source: VC-PPO (arXiv 2503.01491) section 4.2 — λ_critic = 1 gives unbiased value targets.
+  """
   adv, _ = gae(rewards, values, mask, gamma, lam_policy)
   _, ret = gae(rewards, values, mask, gamma, lam_critic)
   return adv, ret
 
 
-def _group_stats(scores, group_ids, num_groups):
-  ones = jnp.ones_like(scores)
-  cnt = jax.ops.segment_sum(ones, group_ids, num_groups)
-  s = jax.ops.segment_sum(scores, group_ids, num_groups)
-  mean = s / jnp.maximum(cnt, 1)
-  sq = jax.ops.segment_sum((scores - mean[group_ids]) ** 2, group_ids, num_groups)
-  std = jnp.sqrt(sq / jnp.maximum(cnt - 1, 1))  # unbiased, as torch.std in verl
+def _group_stats(scores: jax.Array, group_ids: jax.Array):
+  """Per-element (group size, group sum, group mean, unbiased group std); any int ids allowed."""
+  b = scores.shape[0]
+  # Dense ids in [0, B) with a static output size, so arbitrary ids (e.g. prompt hashes) jit.
+  _, seg = jnp.unique(jnp.asarray(group_ids), return_inverse=True, size=b)
+  seg = seg.reshape(b)
+  cnt = jax.ops.segment_sum(jnp.ones_like(scores), seg, b)[seg]
+  s = jax.ops.segment_sum(scores, seg, b)[seg]
+  mean = s / cnt
+  sq = jax.ops.segment_sum((scores - mean) ** 2, seg, b)[seg]
+  std = jnp.sqrt(sq / jnp.maximum(cnt - 1, 1))  # torch.std (Bessel) as verl
   return cnt, s, mean, std
 
 
 def grpo_advantages(scores: jax.Array, group_ids: jax.Array, eps: float = 1e-6,
                     normalize_std: bool = True) -> jax.Array:
-  """GRPO outcome advantages [B]: (score - group mean) / (group std + eps).
+  """GRPO outcome advantages: (score - group mean) / (unbiased group std + eps).
 
-  normalize_std=False is Dr.GRPO (arXiv 2503.20783). group_ids: [B] int32 in [0, B).
-  Source: verl `compute_grpo_outcome_advantage`.
+  Args:
+    scores: [B] float32 sequence scores; group_ids: [B] int (rollouts of one prompt share an id;
+      any int values).
+    normalize_std: False gives Dr.GRPO (arXiv 2503.20783): score - group mean.
+  Returns: [B] float32 (broadcast to tokens with `adv[:, None] * mask`). A group of one keeps its raw
+    score (mean 0, std 1) as verl does.
+  Source: verl `core_algos.compute_grpo_outcome_advantage`.
   """
-  scores = jnp.asarray(scores, jnp.float32)
-  _, _, mean, std = _group_stats(scores, group_ids, scores.shape[0])
-  a = scores - mean[group_ids]
-  return a / (std[group_ids] + eps) if normalize_std else a
+  scores = _f32(scores)
+  cnt, _, mean, std = _group_stats(scores, group_ids)
+  single = cnt < 2
+  mean, std = jnp.where(single, 0.0, mean), jnp.where(single, 1.0, std)
+  a = scores - mean
+  return a / (std + eps) if normalize_std else a
 
 
 def rloo_advantages(scores: jax.Array, group_ids: jax.Array) -> jax.Array:
-  """RLOO advantages [B]: score minus the mean of the other members of its group (0 if alone)."""
-  scores = jnp.asarray(scores, jnp.float32)
-  cnt, s, _, _ = _group_stats(scores, group_ids, scores.shape[0])
-  n = cnt[group_ids]
-  loo = (s[group_ids] - scores) / jnp.maximum(n - 1, 1)
-  return jnp.where(n > 1, scores - loo, 0.0)
+  """RLOO advantages: score minus the mean score of the *other* members of its group.
+
+  scores: [B] float32, group_ids: [B] int. Returns [B] float32; a group of one keeps its raw score
+  (verl's convention). Source: arXiv 2402.14740; verl `core_algos.compute_rloo_outcome_advantage`.
+  """
+  scores = _f32(scores)
+  cnt, s, _, _ = _group_stats(scores, group_ids)
+  loo_mean = (s - scores) / jnp.maximum(cnt - 1, 1)
+  return jnp.where(cnt > 1, scores - loo_mean, scores)

@@ -1,6 +1,8 @@
-r"""Learning-curve plot of a run: success rate and reward per iteration (PNG).
+r"""Learning-curve plot of a run: success rate and reward per iteration (PNG); or several runs'
+per-task success side by side (ablations).
 
   python -m experiments.plot --run runs/miniwob_ppo [--out runs/miniwob_ppo/learning_curve.png]
+  python -m experiments.plot --compare runs/ppo,runs/grpo --out docs/ppo_vs_grpo.png
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from tars_jax.train.metrics import read_metrics  # noqa: E402
 
 _RUN = flags.DEFINE_string("run", None, "Run directory.")
 _OUT = flags.DEFINE_string("out", None, "Output PNG (default <run>/learning_curve.png).")
+_COMPARE = flags.DEFINE_list("compare", None, "Run directories to compare (per-task success).")
 
 
 def smooth(y: np.ndarray, k: int = 5) -> np.ndarray:
@@ -39,9 +42,13 @@ def plot_run(run: str, out: str) -> str:
   axes[0].set(title="training success rate (5-iter avg)", xlabel="episodes", ylim=(-0.02, 1.02))
   axes[0].legend()
   axes[1].plot(ep, smooth(np.array([r["reward"] for r in rows])), label="env reward")
-  axes[1].plot(ep, smooth(np.array([r.get("train/explained_variance", np.nan) for r in rows])),
-               label="value explained var.")
-  axes[1].set(title="reward / critic", xlabel="episodes")
+  if any("train/explained_variance" in r for r in rows):  # PPO: how well the critic tracks returns
+    axes[1].plot(ep, smooth(np.array([r.get("train/explained_variance", np.nan) for r in rows])),
+                 label="value explained var.")
+  if any("train/informative_fraction" in r for r in rows):  # GRPO/RLOO: groups that carry signal
+    axes[1].plot(ep, smooth(np.array([r.get("train/informative_fraction", np.nan) for r in rows])),
+                 label="informative episodes (GRPO)")
+  axes[1].set(title="reward / baseline", xlabel="episodes")
   axes[1].legend()
   axes[2].plot(ep, [r.get("train/entropy", np.nan) for r in rows], label="entropy (nats/token)")
   axes[2].plot(ep, [r.get("train/approx_kl", np.nan) for r in rows], label="approx KL")
@@ -54,12 +61,41 @@ def plot_run(run: str, out: str) -> str:
   return out
 
 
+def plot_compare(runs: list[str], out: str) -> str:
+  """One panel per task: smoothed training success vs episodes for each run. Raises
+  FileNotFoundError if a run has no metrics."""
+  data = {}
+  for run in runs:
+    rows = read_metrics(run)
+    if not rows:
+      raise FileNotFoundError(f"no metrics.jsonl rows in {run}")
+    data[run] = rows
+  tasks = sorted({k for rows in data.values() for r in rows for k in r if k.startswith("success/")})
+  fig, axes = plt.subplots(1, max(1, len(tasks)), figsize=(6 * max(1, len(tasks)), 4), squeeze=False)
+  for ax, k in zip(axes[0], tasks):
+    for run, rows in data.items():
+      ep = np.array([r.get("episodes_total", r["step"]) for r in rows])
+      ax.plot(ep, smooth(np.array([r.get(k, np.nan) for r in rows]), 10), label=os.path.basename(run))
+    ax.set(title=f"{k.removeprefix('success/')} (training success, 10-iter avg)", xlabel="episodes",
+           ylim=(-0.02, 1.02))
+    ax.legend()
+  fig.tight_layout()
+  fig.savefig(out, dpi=100)
+  return out
+
+
 def main(argv):
   del argv
+  if _COMPARE.value:
+    if not _OUT.value:
+      raise app.UsageError("--compare needs --out")
+    print(f"[plot] wrote {plot_compare(_COMPARE.value, _OUT.value)}")
+    return
+  if not _RUN.value:
+    raise app.UsageError("--run or --compare is required")
   out = plot_run(_RUN.value, _OUT.value or os.path.join(_RUN.value, "learning_curve.png"))
   print(f"[plot] wrote {out}")
 
 
 if __name__ == "__main__":
-  flags.mark_flags_as_required(["run"])
   app.run(main)

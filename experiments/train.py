@@ -26,6 +26,7 @@ from envs_bridge.client import SandboxClient
 from envs_bridge.launch import launch_server
 from tars_jax.agent.trajectory import collate
 from tars_jax.rollout.agent_loop import RolloutStats, run_episodes
+from tars_jax.rollout.jobs import group_ids, rollout_jobs
 from tars_jax.train import checkpoint as ckpt
 from tars_jax.train import state as state_lib
 from tars_jax.train import ppo
@@ -104,7 +105,7 @@ def main(argv):
         print(f"[train] wall-clock budget of {config.max_minutes} min reached at iteration {it}")
         break
       t0 = time.perf_counter()
-      jobs = [(tasks[k % len(tasks)], config.env.train_seed_offset + it * n + k) for k in range(n)]
+      jobs = rollout_jobs(tasks, n, config.rl.group_size, it, config.env.train_seed_offset)
       stats = RolloutStats()
       episodes = loop.run_until_complete(
           run_episodes(policy.act, clients, jobs, parts.loop_cfg, parts.tokenizer, version=it, stats=stats))
@@ -117,7 +118,9 @@ def main(argv):
       state, train_m = ppo.ppo_update(state, batch, parts.table, policy_gd=parts.policy_gd,
                                       critic_gd=parts.critic_gd, popt=parts.popt, copt=parts.copt, hp=hp,
                                       epochs=config.rl.epochs, minibatch_size=config.rl.minibatch_size,
-                                      rng=rng, n_real=len(episodes))
+                                      rng=rng, n_real=len(episodes),
+                                      scores=np.array([e.shaped_return for e in episodes], np.float32),
+                                      group_ids=group_ids(episodes))
       policy.params = state["policy"]
       t_train = time.perf_counter() - t1
       train_tokens = float(batch["attn_mask"][: len(episodes)].sum()) * config.rl.epochs
@@ -132,6 +135,7 @@ def main(argv):
           "perf/env_wait_s": stats.env_time_s, "perf/policy_s": stats.policy_time_s,
           "episodes_lost": stats.episodes_lost, "episodes_retried": stats.episodes_retried,
           "episodes_total": (it + 1) * n,
+          "perf/wall_min": (time.time() - t_start) / 60,  # since this (possibly resumed) process started
       })
       writer.write(it + 1, m)
       if config.log_trajectories and (it % config.save_trajectories_every == 0 or it + 1 == config.iterations):
@@ -141,7 +145,8 @@ def main(argv):
         ckpt.save(mngr, it + 1, state, {"iteration": it + 1, "episodes": (it + 1) * n})
       bar.update(1)
       bar.set_postfix(success=f"{m['success_rate']:.2f}", reward=f"{m['reward']:.2f}",
-                      kl=f"{train_m['approx_kl']:.3f}", ev=f"{train_m['explained_variance']:.2f}")
+                      kl=f"{train_m.get('approx_kl', 0.0):.3f}",
+                      ev=f"{train_m.get('explained_variance', float('nan')):.2f}")
     else:
       it = config.iterations
     if mngr.latest_step() != it and it > start_iter:

@@ -17,6 +17,7 @@ import pytest
 from envs_bridge import protocol as P
 from envs_bridge.client import SandboxClient
 from envs_bridge.launch import launch_server
+from _shared import grid
 
 pytestmark = pytest.mark.browser
 W, H = 160, 210
@@ -28,11 +29,6 @@ def run(coro):
     return loop.run_until_complete(coro)
   finally:
     loop.close()
-
-
-def grid(box):
-  """Centre of a pixel box -> 0-1000 grid coordinates."""
-  return round((box["x"] + box["width"] / 2) / W * 1000), round((box["y"] + box["height"] / 2) / H * 1000)
 
 
 async def _click_element(c, sid, selector):

@@ -6,6 +6,7 @@ import pytest
 
 from envs_bridge import protocol as P
 from envs_bridge.client import SandboxClient, SessionPool
+from _shared import grid
 
 pytestmark = pytest.mark.browser
 
@@ -23,8 +24,7 @@ async def _solve_click_test(c, seed):
   sid, o0 = await c.open("miniwob/click-test", seed)
   o1 = await c.step(sid, "wait()")
   box = await c.element_box(sid, "#subbtn")
-  x = round((box["x"] + box["width"] / 2) / 160 * 1000)
-  y = round((box["y"] + box["height"] / 2) / 210 * 1000)
+  x, y = grid(box)
   o2 = await c.step(sid, f"click(start_box='({x},{y})')")
   await c.close(sid)
   return o2.reward, o2.done, [o.screenshot_png_b64 for o in (o0, o1, o2)]

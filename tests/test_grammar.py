@@ -253,6 +253,25 @@ def test_click_only_fixed3_is_uniform_over_the_screen():
   assert 0.2 < (xs < 0.1).mean() < 0.32
 
 
+def test_tens3_clicks_on_a_100_lattice_uniformly():
+  g = build_grammar(actions=("click",), max_thought_bytes=0, coord_format="tens3")
+  rng = np.random.default_rng(1)
+  seen = set()
+  fx = np.zeros(10)
+  for _ in range(2000):
+    reply = TOK.decode(random_reply(g, rng)[:-1])
+    m = re.search(r"\((\d{3}),(\d{3})\)", reply)
+    assert m and m[1][-1] == "0" and m[2][-1] == "0", reply
+    a = _check_parse(reply, ("click",))
+    assert a.x == int(m[1]) / 1000 and a.y == int(m[2]) / 1000
+    seen.add(int(m[1]))
+    fx[int(a.x * 10)] += 1
+  assert len(seen) > 90  # 100 possible x values
+  assert ((fx - 200) ** 2 / 200).sum() < 27.88  # uniform tens digit, p = 0.001
+  assert not accepts(g, "Thought: \nAction: click(start_box='(455,420)')")
+  assert accepts(g, "Thought: \nAction: click(start_box='(450,420)')")
+
+
 def test_count_automaton_counts_overlapping_occurrences():
   from tars_jax.agent.grammar import _count_automaton
 

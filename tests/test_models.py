@@ -13,16 +13,9 @@ from tars_jax.agent.tokenizer import BOS, IMAGE, PAD, VISION_END, VISION_START
 from tars_jax.models import ModelConfig, Policy, ValueModel, rope_positions
 from tars_jax.models.moe import DenseMLP, MoE, load_balance_loss, route
 from tars_jax.models.rope import mrope_cos_sin, next_position
+from _shared import TINY_CFG, fwd
 
-CFG = ModelConfig(image_h=56, image_w=84, patch_size=14, vision_hidden=32, vision_depth=1, vision_heads=2,
-                  vision_mlp=64, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, experts=4, top_k=2,
-                  moe_intermediate=32)  # merged grid 2 x 3
-
-
-@nnx.jit
-def fwd(model, *args):
-  """Jitted forward (op-by-op eager NNX is several times slower on CPU)."""
-  return model(*args)
+CFG = TINY_CFG
 
 
 # --- M-RoPE positions --------------------------------------------------------------------------------

@@ -14,15 +14,9 @@ from tars_jax.agent.grammar import build_grammar
 from tars_jax.agent.tokenizer import BOS, EOS, IMAGE, PAD, VISION_END, VISION_START
 from tars_jax.models import ModelConfig, Policy, rope_positions, token_logprobs
 from tars_jax.models import sampler
+from _shared import TINY_CFG, fwd
 
-CFG = ModelConfig(image_h=56, image_w=84, patch_size=14, vision_hidden=32, vision_depth=1, vision_heads=2,
-                  vision_mlp=64, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, experts=4, top_k=2,
-                  moe_intermediate=32)  # merged grid 2 x 3
-
-
-@nnx.jit
-def fwd(model, *args):
-  return model(*args)
+CFG = TINY_CFG
 
 
 def _batch(rng, lens):

@@ -43,3 +43,16 @@ def test_smoke_run_checkpoints_and_resumes(tmp_path):
   rows = [json.loads(l) for l in open(run / "metrics.jsonl")]
   assert [r["step"] for r in rows] == [1, 2, 3, 4]
   assert "4" in os.listdir(run / "checkpoints")
+
+
+@pytest.mark.browser
+def test_smoke_run_grpo_groups_share_a_screen(tmp_path):
+  run = tmp_path / "grpo"
+  p = _train(run, "--config.rl.algo=grpo", "--config.rl.group_size=2", "--config.iterations=1")
+  assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+  row = json.loads(open(run / "metrics.jsonl").readline())
+  assert 0.0 <= row["train/informative_fraction"] <= 1.0 and "train/explained_variance" not in row
+  assert sorted(os.listdir(run / "checkpoints")) == ["1"]
+  # the two episodes of a group saw the same page (same task, same seed)
+  ep = json.load(open(run / "trajectories" / "iter_00001" / "ep_0" / "episode.json"))
+  assert ep["seed"] == 0 and ep["task"] == "miniwob/click-test"

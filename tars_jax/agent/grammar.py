@@ -25,11 +25,14 @@ can still reach `done`, so a constrained sampler never ends up with every token 
 Special tokens: from an accepting state `EOS` leads to `done`; in `done` only `PAD` is allowed (so a
 finished row keeps emitting forced PADs with log-prob 0). No other special token is ever allowed.
 
-`coord_format` (both parse to the same 0-1000 relative grid, `actions.CoordSpec('relative1000')`):
+`coord_format` (all parse to the same 0-1000 relative grid, `actions.CoordSpec('relative1000')`):
   'int'    integers 0..1000 without leading zeros, as UI-TARS writes them;
   'fixed3' exactly three digits 000..999. An exploration aid for policies trained from scratch: a
            uniformly random constrained policy then clicks uniformly over the screen (each digit is
            one uniform choice) instead of favouring short numbers near the top-left corner.
+  'tens3'  three digits with a forced final 0 (000, 010, ..., 990): the 'fixed3' exploration aid on
+           a 100 x 100 lattice of click points (1.6 x 2.1 px on a 160 x 210 MiniWoB screen). The last
+           digit of 'fixed3' is below a pixel and only adds action-space noise to the policy gradient.
 """
 
 from __future__ import annotations
@@ -86,7 +89,9 @@ def _coord(fmt: str) -> str:
     return r"(1000|[1-9][0-9]{0,2}|0)"
   if fmt == "fixed3":
     return r"[0-9]{3}"
-  raise ValueError(f"unknown coord_format {fmt!r}; expected 'int' or 'fixed3'")
+  if fmt == "tens3":
+    return r"[0-9]{2}0"
+  raise ValueError(f"unknown coord_format {fmt!r}; expected 'int', 'fixed3' or 'tens3'")
 
 
 def reply_regex(actions=ALL_ACTIONS, max_thought_bytes: int = 32, max_content_bytes: int = 32,
@@ -291,7 +296,8 @@ def build_grammar(tokenizer: ByteTokenizer = ByteTokenizer(), actions=ALL_ACTION
     tokenizer: byte-level tokenizer (ids 0..255 are bytes; eos_id, pad_id, vocab_size are used).
     actions: the allowed action names, a non-empty subset of ALL_ACTIONS.
     max_thought_bytes / max_content_bytes: length caps of the thought and of type/finished content.
-    coord_format: 'int' (0..1000, no leading zeros) or 'fixed3' (000..999), see module docstring.
+    coord_format: 'int' (0..1000, no leading zeros), 'fixed3' (000..999) or 'tens3' (000, 010, ..
+      990), see module docstring.
     thought_charset: the characters a thought may use (a string, printable ASCII); None = all of
       printable ASCII.
 

@@ -47,6 +47,7 @@ ACTION_SIGNATURES = {
 _COORDS = {
     "int": "x,y: integers 0-1000 relative to the screenshot, (0,0) top-left.",
     "fixed3": "x,y: three digits 000-999 relative to the screenshot, (000,000) top-left.",
+    "tens3": "x,y: three digits 000-990 ending in 0, relative to the screenshot, (000,000) top-left.",
 }
 
 

@@ -116,7 +116,7 @@ async def _run_round(act, clients, jobs, idxs, cfg, tok, version, stats, results
     if isinstance(o, BaseException):
       if not isinstance(o, _LOST_ERRORS + (OSError,)) and not _is_transport_error(o):
         raise o
-      logging.warning("open %s failed: %s", jobs[i], o)
+      logging.warning("open %s failed: %r", jobs[i], o)
       lost.append(i)
     else:
       live[i] = o

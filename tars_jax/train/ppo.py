@@ -4,6 +4,11 @@ Pipeline of one iteration (UI-TARS-2 report section 2.5.4; verl `ray_trainer` or
   critic values of the rollout batch -> GAE over model tokens (observation tokens skipped) ->
   advantage whitening -> `epochs` x minibatches of clipped policy + clipped value updates.
 
+`algo` other than "ppo" ("grpo", "drgrpo", "rloo"; the report's PPO-vs-GRPO comparison) replaces the
+critic by group-relative outcome advantages over episodes that share a task and seed (the same
+screen), broadcast to every model-written token; groups whose episodes all score the same carry no
+signal and are left out of the update (DAPO's dynamic-sampling filter, arXiv 2503.14476).
+
 The policy log-probs are those of the grammar-constrained, temperature-scaled distribution the
 sampler drew from (`models.sampler.generate`), rebuilt here from the grammar states of the batch.
 """
@@ -30,6 +35,7 @@ from tars_jax.rl import metrics as rl_metrics
 class PPOHparams:
   """Static hyper-parameters of the update (hashable: part of the jit cache key)."""
 
+  algo: str = "ppo"
   gamma: float = 1.0
   lam_policy: float = 0.95
   lam_critic: float = 0.95
@@ -47,10 +53,15 @@ class PPOHparams:
   grid_hw: tuple[int, int] = (8, 6)
 
 
+ALGOS = ("ppo", "grpo", "drgrpo", "rloo")
+
+
 def make_optimizer(lr: float, warmup_steps: int, max_grad_norm: float, weight_decay: float
                    ) -> optax.GradientTransformation:
-  """Global-norm clipping + AdamW with linear warm-up to a constant `lr`."""
-  sched = optax.linear_schedule(0.0, lr, max(1, warmup_steps))
+  """Global-norm clipping + AdamW with linear warm-up to a constant `lr`: step k (from 0) uses
+  lr * min(1, (k + 1) / warmup_steps), so the first step already moves the parameters."""
+  w = max(1, warmup_steps)
+  sched = lambda step: lr * jnp.minimum(1.0, (step + 1) / w)  # noqa: E731
   return optax.chain(optax.clip_by_global_norm(max_grad_norm),
                      optax.adamw(sched, b1=0.9, b2=0.999, weight_decay=weight_decay))
 
@@ -131,6 +142,34 @@ def minibatch_step(state: dict, mb: dict, table, *, policy_gd, critic_gd, popt, 
   return new, metrics
 
 
+@functools.partial(jax.jit, static_argnames=("policy_gd", "popt", "hp"), donate_argnames=("state",))
+def policy_step(state: dict, mb: dict, table, *, policy_gd, popt, hp: PPOHparams):
+  """One clipped policy-gradient step without a critic (group-relative algos); (state, metrics)."""
+  (_, pm), pg = jax.value_and_grad(_policy_loss, has_aux=True)(state["policy"], policy_gd, table, mb, hp)
+  pu, popt_state = popt.update(pg, state["policy_opt"], state["policy"])
+  new = dict(state, step=state["step"] + 1, policy=optax.apply_updates(state["policy"], pu),
+             policy_opt=popt_state)
+  return new, dict(pm, policy_grad_norm=optax.global_norm(pg))
+
+
+def outcome_advantages(scores: np.ndarray, group_ids: np.ndarray, algo: str) -> np.ndarray:
+  """Episode-level advantages [B] float32 of a group-relative `algo` from scores [B] and ids [B].
+
+  grpo: (s - mean) / (std + eps); drgrpo: s - mean (arXiv 2503.20783); rloo: s - mean of the others.
+  Raises: ValueError for an unknown algo (or "ppo", which uses the critic instead).
+  """
+  s, g = jnp.asarray(scores, jnp.float32), jnp.asarray(group_ids)
+  if algo == "grpo":
+    a = adv_lib.grpo_advantages(s, g)
+  elif algo == "drgrpo":
+    a = adv_lib.grpo_advantages(s, g, normalize_std=False)
+  elif algo == "rloo":
+    a = adv_lib.rloo_advantages(s, g)
+  else:
+    raise ValueError(f"no outcome advantages for algo {algo!r}; expected one of {ALGOS[1:]}")
+  return np.asarray(a, np.float32)
+
+
 @functools.partial(jax.jit, static_argnames=("critic_gd", "hp"))
 def prepare(critic_params, batch: dict, *, critic_gd, hp: PPOHparams):
   """Values, advantages, returns and value diagnostics of a rollout batch (jitted)."""
@@ -145,26 +184,42 @@ def prepare(critic_params, batch: dict, *, critic_gd, hp: PPOHparams):
 
 def ppo_update(state: dict, batch: dict[str, np.ndarray], table, *, policy_gd, critic_gd, popt, copt,
                hp: PPOHparams, epochs: int, minibatch_size: int, rng: np.random.Generator,
-               n_real: int) -> tuple[dict, dict[str, float]]:
-  """Full PPO update on one rollout batch; returns (state, mean metrics over minibatch steps).
+               n_real: int, scores: np.ndarray | None = None, group_ids: np.ndarray | None = None
+               ) -> tuple[dict, dict[str, float]]:
+  """Full update on one rollout batch; returns (state, mean metrics over minibatch steps).
 
   Only the first `n_real` rows are real episodes; padding rows have zero masks and are never
-  placed in a minibatch of their own.
+  placed in a minibatch of their own. `hp.algo != "ppo"` needs `scores` [n_real] (episode returns)
+  and `group_ids` [n_real] (same id = same task and seed); rows with zero advantage are skipped.
+  Raises: ValueError if a group-relative algo gets no scores/group_ids.
   """
   batch = {k: jnp.asarray(v) for k, v in batch.items()}
-  values, adv, ret, diag = prepare(state["critic"], batch, critic_gd=critic_gd, hp=hp)
-  batch.update(old_values=values, advantages=adv, returns=ret)
+  if hp.algo == "ppo":
+    values, adv, ret, diag = prepare(state["critic"], batch, critic_gd=critic_gd, hp=hp)
+    batch.update(old_values=values, advantages=adv, returns=ret)
+    rows = np.arange(n_real)
+    step = functools.partial(minibatch_step, policy_gd=policy_gd, critic_gd=critic_gd, popt=popt,
+                             copt=copt, hp=hp)
+  else:
+    if scores is None or group_ids is None:
+      raise ValueError(f"algo {hp.algo!r} needs episode scores and group_ids")
+    ep_adv = outcome_advantages(scores[:n_real], group_ids[:n_real], hp.algo)
+    full = np.zeros((batch["tokens"].shape[0],), np.float32)
+    full[:n_real] = ep_adv
+    batch["advantages"] = jnp.asarray(full)[:, None] * batch["loss_mask"]
+    rows = np.nonzero(np.abs(ep_adv) > 1e-6)[0]
+    diag = {"informative_fraction": len(rows) / max(1, n_real), "advantage_abs_mean":
+            float(np.abs(ep_adv).mean()) if n_real else 0.0}
+    step = functools.partial(policy_step, policy_gd=policy_gd, popt=popt, hp=hp)
   collected: list[dict] = []
-  for _ in range(epochs):
-    perm = rng.permutation(n_real)
-    for s in range(0, n_real, minibatch_size):
+  for _ in range(epochs if len(rows) else 0):
+    perm = rng.permutation(rows)
+    for s in range(0, len(perm), minibatch_size):
       idx = perm[s:s + minibatch_size]
-      if len(idx) < minibatch_size:  # keep one jit shape: top up with random real rows
-        idx = np.concatenate([idx, rng.choice(n_real, minibatch_size - len(idx))])
-      mb = {k: v[idx] for k, v in batch.items()}
-      state, m = minibatch_step(state, mb, table, policy_gd=policy_gd, critic_gd=critic_gd,
-                                popt=popt, copt=copt, hp=hp)
+      if len(idx) < minibatch_size:  # keep one jit shape: top up with random rows of the set
+        idx = np.concatenate([idx, rng.choice(rows, minibatch_size - len(idx))])
+      state, m = step(state, {k: v[idx] for k, v in batch.items()}, table)
       collected.append(m)
-  out = {k: float(np.mean([float(m[k]) for m in collected])) for k in collected[0]}
+  out = {k: float(np.mean([float(m[k]) for m in collected])) for k in collected[0]} if collected else {}
   out.update({k: float(v) for k, v in diag.items()})
   return state, out

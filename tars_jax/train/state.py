@@ -76,7 +76,9 @@ def build(config) -> Parts:
   copt = ppo.make_optimizer(r.critic_lr, r.warmup_steps, r.max_grad_norm, r.weight_decay)
   image_hw = (config.model.image_h, config.model.image_w)
   grid_hw = mcfg.merged_grid
-  hp = ppo.PPOHparams(gamma=r.gamma, lam_policy=r.lam_policy, lam_critic=r.lam_critic,
+  if r.algo not in ppo.ALGOS:
+    raise ValueError(f"unknown rl.algo {r.algo!r}; expected one of {ppo.ALGOS}")
+  hp = ppo.PPOHparams(algo=r.algo, gamma=r.gamma, lam_policy=r.lam_policy, lam_critic=r.lam_critic,
                       whiten_advantages=r.whiten_advantages, clip_low=r.clip_low, clip_high=r.clip_high,
                       clip_c=r.clip_c, value_clip=r.value_clip, vf_coef=r.vf_coef, ent_coef=r.ent_coef,
                       aux_loss_coef=r.aux_loss_coef, loss_agg=r.loss_agg,

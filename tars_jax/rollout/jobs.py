@@ -1,0 +1,29 @@
+"""Which (task, seed) episodes an iteration plays, and their groups for group-relative baselines."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+
+def rollout_jobs(tasks: Sequence[str], n: int, group_size: int, it: int, seed_offset: int
+                 ) -> list[tuple[str, int]]:
+  """(task, seed) of the n episodes of iteration `it`.
+
+  n // group_size groups of `group_size` episodes on the same task and seed (the same screen, which
+  group-relative baselines need), tasks alternating over groups; iteration `it` uses seeds
+  `seed_offset + it * groups + [0, groups)`, so no seed repeats across iterations.
+  Raises: ValueError if group_size does not divide n.
+  """
+  if group_size < 1 or n % group_size:
+    raise ValueError(f"rl.group_size={group_size} must divide env.num_sessions={n}")
+  groups = n // group_size
+  return [(tasks[g % len(tasks)], seed_offset + it * groups + g)
+          for g in range(groups) for _ in range(group_size)]
+
+
+def group_ids(episodes) -> np.ndarray:
+  """[B] int32: one id per distinct (task, seed) among the episodes (their GRPO/RLOO group)."""
+  keys: dict[tuple[str, int], int] = {}
+  return np.array([keys.setdefault((e.task, e.seed), len(keys)) for e in episodes], np.int32)

@@ -10,6 +10,7 @@ does not exit cleanly; servers still running when the interpreter exits are stop
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import signal
 import socket
@@ -85,6 +86,26 @@ def _stop_all():
     h.stop(timeout=3.0)
 
 
+PARENT_ENV = "TARS_SANDBOX_PARENT_PID"
+
+
+def die_with_parent() -> None:
+  """Called first thing by a server started with `launch_server`: asks Linux to SIGTERM this
+  process when the launching process dies, even by kill -9 (`prctl(PR_SET_PDEATHSIG)`), so a
+  killed trainer never leaves a server and its Chromium behind; exits at once if the launcher is
+  already gone. Done in the child after exec, not in a `preexec_fn` (unsafe to fork a
+  multithreaded JAX process into Python code). A no-op without the env var or without prctl."""
+  parent = os.environ.get(PARENT_ENV)
+  if not parent or not sys.platform.startswith("linux"):
+    return
+  try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
+  except (OSError, AttributeError):
+    return
+  if os.getppid() != int(parent):  # the launcher died before prctl took effect
+    sys.exit(0)
+
+
 def launch_server(module: str = "envs_bridge.browser.server", port: int | None = None,
                   host: str = "127.0.0.1", step_ms: int = 1000, lease_s: float = 300.0,
                   max_sessions: int = 64, wait_s: float = 30.0, log_path: str | None = None,
@@ -103,7 +124,8 @@ def launch_server(module: str = "envs_bridge.browser.server", port: int | None =
   if own_log:
     fd, log_path = tempfile.mkstemp(prefix="sandbox-server-", suffix=".log")
     os.close(fd)
-  env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+             **{PARENT_ENV: str(os.getpid())})
   cmd = [sys.executable, "-m", module, "--host", host, "--port", str(port), "--step-ms", str(int(step_ms)),
          "--lease-s", str(lease_s), "--max-sessions", str(max_sessions), *extra_args]
   with open(log_path, "ab") as out:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 
 from absl import app, flags
@@ -70,6 +71,7 @@ def evaluate(run: str, tasks: list[str] | None, episodes: int, step: int | None 
 
 def main(argv):
   del argv
+  logging.getLogger().setLevel(logging.WARNING)  # no per-request httpx lines under the progress bar
   tasks = _TASKS.value.split(",") if _TASKS.value else None
   step, summary = evaluate(_RUN.value, tasks, _EPISODES.value, _CKPT.value, _SERVERS.value,
                            _SESSIONS.value)

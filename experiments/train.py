@@ -13,6 +13,8 @@ import asyncio
 import json
 import logging
 import os
+import signal
+import sys
 import time
 
 from absl import app, flags
@@ -63,6 +65,9 @@ def main(argv):
     raise app.UsageError("--workdir is required")
   os.makedirs(workdir, exist_ok=True)
   logging.getLogger().setLevel(logging.WARNING)
+  # SIGTERM (pkill, a scheduler's pre-emption) unwinds through `finally`: the sandbox server is
+  # stopped; training resumes from the last complete checkpoint.
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
   # ----------------------------------------------------------------------------------------------
   # Model, optimisers, grammar, checkpoint resume.
@@ -97,7 +102,7 @@ def main(argv):
   # Training loop.
   # ----------------------------------------------------------------------------------------------
   t_start, it = time.time(), start_iter
-  bar = tqdm(total=config.iterations, initial=start_iter, desc="ppo", unit="it", dynamic_ncols=True)
+  bar = tqdm(total=config.iterations, initial=start_iter, desc=config.rl.algo, unit="it", dynamic_ncols=True)
   tasks, n = tuple(config.tasks), config.env.num_sessions
   try:
     for it in range(start_iter, config.iterations):
@@ -123,7 +128,7 @@ def main(argv):
                                       group_ids=group_ids(episodes))
       policy.params = state["policy"]
       t_train = time.perf_counter() - t1
-      train_tokens = float(batch["attn_mask"][: len(episodes)].sum()) * config.rl.epochs
+      train_tokens = train_m.pop("tokens_trained")
       m = episode_metrics(episodes, tasks)
       m.update({f"train/{k}": v for k, v in train_m.items()})
       m.update({f"reward_terms/{k}": v / max(1, len(episodes)) for k, v in stats.reward_terms.items()})

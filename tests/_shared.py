@@ -1,5 +1,7 @@
 """Helpers shared by several test modules (tiny model config, jitted forward, grid coordinates)."""
 
+import asyncio
+
 from flax import nnx
 
 from envs_bridge.browser import miniwob_tasks as mw
@@ -20,3 +22,12 @@ def grid(box) -> tuple[int, int]:
   """Centre of a MiniWoB pixel box {x, y, width, height} -> 0-1000 grid coordinates."""
   return (round((box["x"] + box["width"] / 2) / mw.WIDTH * 1000),
           round((box["y"] + box["height"] / 2) / mw.HEIGHT * 1000))
+
+
+def run(coro):
+  """Runs a coroutine to completion on a fresh event loop (tests that drive the async client)."""
+  loop = asyncio.new_event_loop()
+  try:
+    return loop.run_until_complete(coro)
+  finally:
+    loop.close()

@@ -4,7 +4,6 @@ The right button of a task is found through the DOM (the server's debug element_
 clicked through the action grammar, so rewards are the page's own, not ours.
 """
 
-import asyncio
 import os
 import re
 import signal
@@ -17,18 +16,10 @@ import pytest
 from envs_bridge import protocol as P
 from envs_bridge.client import SandboxClient
 from envs_bridge.launch import launch_server
-from _shared import grid
+from _shared import grid, run
 
 pytestmark = pytest.mark.browser
 W, H = 160, 210
-
-
-def run(coro):
-  loop = asyncio.new_event_loop()
-  try:
-    return loop.run_until_complete(coro)
-  finally:
-    loop.close()
 
 
 async def _click_element(c, sid, selector):

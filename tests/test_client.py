@@ -6,17 +6,9 @@ import pytest
 
 from envs_bridge import protocol as P
 from envs_bridge.client import SandboxClient, SessionPool
-from _shared import grid
+from _shared import grid, run
 
 pytestmark = pytest.mark.browser
-
-
-def run(coro):
-  loop = asyncio.new_event_loop()
-  try:
-    return loop.run_until_complete(coro)
-  finally:
-    loop.close()
 
 
 async def _solve_click_test(c, seed):

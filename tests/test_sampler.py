@@ -123,14 +123,15 @@ def test_constrained_logprobs_match_manual_masked_log_softmax(policy):
   np.testing.assert_allclose(rec[:, :3], out.logprobs[:, :3], atol=1e-4)
 
 
-def test_action_grammar_sampling_matches_full_forward(policy):
+@pytest.mark.parametrize("jump_forward", [1, 40])
+def test_action_grammar_sampling_matches_full_forward(policy, jump_forward):
   toks, mask, pix = _batch(np.random.default_rng(1), [2, 7, 4])
   g = build_grammar(actions=("click",), max_thought_bytes=3, coord_format="fixed3")
   table = jnp.asarray(g.table)
   n = 24
   out = sampler.generate(policy, toks, mask, pix, None, jax.random.PRNGKey(0), max_new_tokens=n,
                          temperature=1.3, grammar_table=table, start_state=jnp.full((3,), g.start, jnp.int32),
-                         eos_id=EOS, pad_id=PAD)
+                         eos_id=EOS, pad_id=PAD, jump_forward=jump_forward)
   full = jnp.concatenate([toks, out.tokens], axis=1)
   fmask = jnp.concatenate([mask, jnp.ones_like(out.tokens, bool)], axis=1)
   logits, _ = fwd(policy, full, rope_positions(full, fmask, IMAGE, CFG.merged_grid), fmask, pix)
@@ -147,6 +148,31 @@ def test_action_grammar_sampling_matches_full_forward(policy):
   st, tk = np.asarray(out.states), np.asarray(out.tokens)
   np.testing.assert_array_equal(st[:, 0], g.start)
   np.testing.assert_array_equal(st[:, 1:], np.asarray(g.table)[st[:, :-1], tk[:, :-1]])
+
+
+@pytest.mark.parametrize("grammar_kw", [dict(max_thought_bytes=3, coord_format="fixed3"),
+                                        dict(max_thought_bytes=0, coord_format="tens3")])
+def test_jump_forward_greedy_equals_token_by_token(policy, grammar_kw):
+  # Jump-forward only batches the grammar's forced tokens: greedy outputs, log-probs, states and
+  # lengths equal those of one token per step, including rows that stop at max_new_tokens.
+  toks, mask, pix = _batch(np.random.default_rng(5), [2, 7, 4, 1])
+  g = build_grammar(actions=("click",), **grammar_kw)
+  kw = dict(temperature=0.0, grammar_table=jnp.asarray(g.table), start_state=jnp.full((4,), g.start, jnp.int32),
+            eos_id=EOS, pad_id=PAD)
+  for n in (60, 30):
+    ref = sampler.generate(policy, toks, mask, pix, None, jax.random.PRNGKey(0), max_new_tokens=n, **kw)
+    for k in (40,):
+      out = sampler.generate(policy, toks, mask, pix, None, jax.random.PRNGKey(0), max_new_tokens=n,
+                             jump_forward=k, **kw)
+      np.testing.assert_array_equal(out.tokens, ref.tokens)
+      np.testing.assert_array_equal(out.states, ref.states)
+      np.testing.assert_array_equal(out.lengths, ref.lengths)
+      np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-5)
+    finished = (np.asarray(ref.tokens) == EOS).any(axis=1)
+    assert finished.all() if n == 60 else not finished.any()  # n = 30 cuts every reply short
+  with pytest.raises(ValueError, match="jump_forward"):
+    sampler.generate(policy, toks, mask, pix, None, jax.random.PRNGKey(0), max_new_tokens=4,
+                     jump_forward=0, **kw)
 
 
 def test_top_p():

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 from envs_bridge import protocol as P
 from envs_bridge.browser import miniwob_tasks as mw
 from envs_bridge.browser.sessions import BrowserSandbox
+from envs_bridge.launch import die_with_parent
 
 log = logging.getLogger("envs_bridge.browser")
 
@@ -92,6 +93,7 @@ def main(argv=None):
   ap.add_argument("--max-sessions", type=int, default=64, help="concurrent sessions (ServerBusy beyond)")
   ap.add_argument("--log-level", default="warning")
   a = ap.parse_args(argv)
+  die_with_parent()  # started by launch_server: never outlive the trainer
   logging.basicConfig(level=a.log_level.upper())
   uvicorn.run(create_app(a.step_ms, a.lease_s, a.max_sessions), host=a.host, port=a.port,
               log_level=a.log_level)

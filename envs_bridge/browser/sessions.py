@@ -77,10 +77,13 @@ class BrowserSandbox:
     max_sessions: concurrent sessions allowed (ServerBusy beyond).
     executable: Chromium binary.
     max_idle_pages: pages kept for reuse after their session closed (over all tasks).
+    max_page_launches: new pages created at once. Unbounded, 64 simultaneous opens on 2 cores each
+      take longer than a client's timeout, and the client retries while the server still finishes
+      (and holds) the first batch of pages.
   """
 
   def __init__(self, step_ms: int = 1000, lease_s: float = 300.0, max_sessions: int = 64,
-               executable: str = "/usr/bin/chromium", max_idle_pages: int = 64):
+               executable: str = "/usr/bin/chromium", max_idle_pages: int = 64, max_page_launches: int = 4):
     self.step_ms, self.lease_s, self.max_sessions, self.executable = step_ms, lease_s, max_sessions, executable
     self.sessions: dict[str, Session] = {}
     self.max_idle_pages = max_idle_pages
@@ -90,6 +93,7 @@ class BrowserSandbox:
     self._browser = None
     self._generation = 0
     self._launch_lock = asyncio.Lock()
+    self._page_launches = asyncio.Semaphore(max_page_launches)
     self._reaper: asyncio.Task | None = None
     self.counters = {"steps": 0, "opened": 0, "closed": 0, "expired": 0, "lost": 0, "browser_restarts": 0,
                      "pages_created": 0, "pages_reused": 0}
@@ -166,7 +170,8 @@ class BrowserSandbox:
       pg = pool.pop() if reused else None
       try:
         if pg is None:
-          pg = await self._new_page(browser, task)
+          async with self._page_launches:
+            pg = await self._new_page(browser, task)
         instruction = await self._start_episode(pg.page, seed, data_mode)
         break
       except PlaywrightError as e:

@@ -35,6 +35,19 @@ def init_cache(cfg: ModelConfig, batch: int, length: int) -> KVCache:
   return KVCache(z, z, jnp.zeros((batch, length), bool))
 
 
+def write_slots(buf: jax.Array, new: jax.Array, index) -> jax.Array:
+  """Writes new [B, L, ...] into buf [B, S, ...] at slots index .. index + L - 1 along axis 1.
+
+  `index`: int32 scalar (all rows) or [B] (per row). Like `lax.dynamic_update_slice`, a start that
+  would overrun S is clamped, so callers size buffers to fit.
+  """
+  new = new.astype(buf.dtype)
+  tail = (0,) * (buf.ndim - 2)
+  if jnp.ndim(index) == 0:
+    return jax.lax.dynamic_update_slice(buf, new, (0, index) + tail)
+  return jax.vmap(lambda b_, n_, i: jax.lax.dynamic_update_slice(b_, n_, (i,) + tail))(buf, new, index)
+
+
 class Attention(nnx.Module):
   """GQA self-attention with RMS qk-norm (per head, before rotary), as `Qwen3VLMoeTextAttention`."""
 
@@ -53,7 +66,9 @@ class Attention(nnx.Module):
 
     Without `kv` the keys are these L tokens (S = L, query j at slot j). With `kv = (k, v)`
     ([B, S, KV, hd]) the new keys/values are written at slots write_index .. write_index + L - 1
-    and query j (slot write_index + j) attends to slots <= its own. Returns (y [B, L, D], (k, v) | None).
+    and query j (slot write_index + j) attends to slots <= its own. `write_index` is an int32
+    scalar, or [B] for a per-row cursor (jump-forward decoding writes chunks of different valid
+    lengths per row). Returns (y [B, L, D], (k, v) | None).
     """
     b, l, _ = x.shape
     q = self.q_norm(self.q_proj(x).reshape(b, l, self.h, self.hd))
@@ -62,12 +77,11 @@ class Attention(nnx.Module):
     q, k = rotate(q, cos, sin).astype(x.dtype), rotate(k, cos, sin).astype(x.dtype)
     if kv is not None:
       ck, cv = kv
-      k = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, write_index, 0, 0))
-      v = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, write_index, 0, 0))
+      k, v = write_slots(ck, k, write_index), write_slots(cv, v, write_index)
       kv = (k, v)
     s = k.shape[1]
-    q_slot = write_index + jnp.arange(l)
-    allowed = (jnp.arange(s)[None, :] <= q_slot[:, None])[None] & key_mask[:, None, :]  # [B, L, S]
+    q_slot = jnp.reshape(write_index, (-1, 1)) + jnp.arange(l)  # [1 or B, L]
+    allowed = (jnp.arange(s)[None, None, :] <= q_slot[:, :, None]) & key_mask[:, None, :]  # [B, L, S]
     g = self.h // self.kv  # query heads per KV head (head i uses KV head i // g, as repeat_kv)
     qg = q.reshape(b, l, self.kv, g, self.hd)
     att = jnp.einsum("blkgd,bskd->bkgls", qg, k).astype(jnp.float32) / jnp.sqrt(jnp.float32(self.hd))
@@ -109,7 +123,8 @@ class Decoder(nnx.Module):
 
     Without cache: causal attention over the L tokens restricted to `attn_mask` keys.
     With cache: the L tokens go to slots cache_index.. (their `attn_mask` is recorded in
-    `cache.mask`) and attend causally over all valid cache slots.
+    `cache.mask`) and attend causally over all valid cache slots; cache_index is an int32 scalar
+    or a [B] per-row cursor.
     Returns (hidden [B, L, D], routers: list of (probs [B*L, E], idx [B*L, k]) of MoE layers,
     new cache or None).
     """
@@ -117,7 +132,7 @@ class Decoder(nnx.Module):
     cos, sin = mrope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, cfg.sections)
     attn_mask = attn_mask.astype(bool)
     if cache is not None:
-      key_mask = jax.lax.dynamic_update_slice(cache.mask, attn_mask, (0, cache_index))
+      key_mask = write_slots(cache.mask, attn_mask, cache_index)
     else:
       key_mask = attn_mask
     routers, ks, vs = [], [], []

@@ -71,6 +71,7 @@ class BatchedPolicy:
   top_p: float = 1.0
   length_multiple: int = 64
   seed: int = 0
+  jump_forward: int = 1  # tokens per decode step incl. grammar-forced ones (`sampler.generate`)
 
   def __post_init__(self):
     self._key = jax.random.PRNGKey(self.seed)
@@ -106,7 +107,7 @@ class BatchedPolicy:
     gen = sampler.generate(
         self.graphdef, self.params, jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(pix),
         jnp.asarray(img_mask), key, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-        top_p=self.top_p, grammar_table=self._table, start_state=start,
+        top_p=self.top_p, grammar_table=self._table, start_state=start, jump_forward=self.jump_forward,
         eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id)
     toks, lps, sts, lens = (np.asarray(x) for x in (gen.tokens, gen.logprobs, gen.states, gen.lengths))
     res = []

@@ -186,7 +186,8 @@ def ppo_update(state: dict, batch: dict[str, np.ndarray], table, *, policy_gd, c
                hp: PPOHparams, epochs: int, minibatch_size: int, rng: np.random.Generator,
                n_real: int, scores: np.ndarray | None = None, group_ids: np.ndarray | None = None
                ) -> tuple[dict, dict[str, float]]:
-  """Full update on one rollout batch; returns (state, mean metrics over minibatch steps).
+  """Full update on one rollout batch; returns (state, mean metrics over minibatch steps, plus
+  `tokens_trained`, the real tokens that went through a training step).
 
   Only the first `n_real` rows are real episodes; padding rows have zero masks and are never
   placed in a minibatch of their own. `hp.algo != "ppo"` needs `scores` [n_real] (episode returns)
@@ -212,6 +213,8 @@ def ppo_update(state: dict, batch: dict[str, np.ndarray], table, *, policy_gd, c
             float(np.abs(ep_adv).mean()) if n_real else 0.0}
     step = functools.partial(policy_step, policy_gd=policy_gd, popt=popt, hp=hp)
   collected: list[dict] = []
+  tokens = 0.0
+  attn = np.asarray(batch["attn_mask"])
   for _ in range(epochs if len(rows) else 0):
     perm = rng.permutation(rows)
     for s in range(0, len(perm), minibatch_size):
@@ -220,6 +223,8 @@ def ppo_update(state: dict, batch: dict[str, np.ndarray], table, *, policy_gd, c
         idx = np.concatenate([idx, rng.choice(rows, minibatch_size - len(idx))])
       state, m = step(state, {k: v[idx] for k, v in batch.items()}, table)
       collected.append(m)
+      tokens += float(attn[idx].sum())
   out = {k: float(np.mean([float(m[k]) for m in collected])) for k in collected[0]} if collected else {}
   out.update({k: float(v) for k, v in diag.items()})
+  out["tokens_trained"] = tokens  # real tokens of all minibatch rows (repeats included), all epochs
   return state, out

@@ -56,6 +56,7 @@ class Parts:
                          grammar=self.grammar, batch_size=batch_size, max_images=c.env.max_turns,
                          image_hw=self.image_hw, max_new_tokens=self.max_new_tokens,
                          temperature=c.sampling.temperature, top_p=c.sampling.top_p,
+                         jump_forward=c.sampling.get("jump_forward", 1),
                          length_multiple=c.length_multiple, seed=seed)
 
 

@@ -1,0 +1,56 @@
+"""The launcher never leaves a sandbox server behind: not after stop(), not after its parent is
+killed with SIGKILL (PR_SET_PDEATHSIG)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.browser
+
+_PARENT = """
+import sys, time
+from envs_bridge.launch import launch_server
+h = launch_server(step_ms=1000, lease_s=60.0)
+print(h.proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  # a zombie (exited, not yet reaped by init) counts as gone
+  with open(f"/proc/{pid}/stat") as f:
+    return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def _wait_gone(pid: int, limit_s: float = 60.0) -> bool:
+  deadline = time.monotonic() + limit_s
+  while time.monotonic() < deadline:
+    if not _alive(pid):
+      return True
+    time.sleep(0.2)
+  return False
+
+
+def test_server_dies_with_a_killed_parent():
+  parent = subprocess.Popen([sys.executable, "-c", _PARENT], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=ROOT))
+  server_pid = None
+  try:
+    server_pid = int(parent.stdout.readline())
+    assert _alive(server_pid)
+    parent.kill()  # SIGKILL: no atexit, no finally in the parent
+    parent.wait()
+    assert _wait_gone(server_pid), f"server {server_pid} outlived its parent"
+  finally:
+    parent.kill()
+    if server_pid is not None and _alive(server_pid):  # clean up after a failure
+      os.killpg(server_pid, signal.SIGKILL)

@@ -54,5 +54,6 @@ def test_collate_rejects_too_many_turns():
 def test_reward_terms():
   cfg = RewardConfig(outcome_weight=1.0, format_penalty=-0.1, truncation_reward=-1.0)
   t = turn_reward_terms(0.0, invalid=True, truncated=True, cfg=cfg)
-  assert t == {"outcome": 0.0, "format": -0.1, "truncation": -1.0, "total": pytest.approx(-1.1)}
+  assert t == {"outcome": 0.0, "format": -0.1, "overlong": 0.0, "step": 0.0, "truncation": -1.0,
+               "total": pytest.approx(-1.1)}
   assert turn_reward_terms(0.8, False, False, cfg)["total"] == pytest.approx(0.8)

@@ -12,11 +12,13 @@ def explained_variance(returns: jax.Array, values: jax.Array, mask: jax.Array) -
   """1 - Var[returns - values] / Var[returns] over masked tokens; scalar float32.
 
   returns, values, mask: [B, T]. 1 = perfect critic, 0 = no better than the mean return, < 0 = worse.
-  When the returns are constant the denominator is floored at 1e-8 (stays finite, so it is logged).
+  When the returns are constant the denominator is floored at 1e-8 (stays finite, so it is logged);
+  with no masked token at all it is 0 (nothing explained), not 1.
   Source: verl `trainer/ppo/metric_utils.py` (`critic/vf_explained_var`).
   """
   returns, values = jnp.asarray(returns, jnp.float32), jnp.asarray(values, jnp.float32)
-  return 1.0 - masked_var(returns - values, mask) / jnp.maximum(masked_var(returns, mask), 1e-8)
+  ev = 1.0 - masked_var(returns - values, mask) / jnp.maximum(masked_var(returns, mask), 1e-8)
+  return jnp.where(jnp.asarray(mask, jnp.float32).sum() > 0, ev, 0.0)
 
 
 def masked_corr(x: jax.Array, y: jax.Array, mask: jax.Array) -> jax.Array:

@@ -23,7 +23,7 @@ from tars_jax.agent import prompts
 from tars_jax.agent.images import preprocess
 from tars_jax.agent.tokenizer import ByteTokenizer
 from tars_jax.agent.trajectory import Episode, Turn
-from tars_jax.rl.rewards import RewardConfig, turn_reward_terms
+from tars_jax.rl.rewards import RewardConfig, thought_of, turn_reward_terms
 
 # act(prompts, images) -> [(reply_ids incl. EOS, logprobs [n], states [n])], one per prompt.
 ActFn = Callable[[list[list[int]], list[list[np.ndarray]]], list[tuple[list[int], np.ndarray, np.ndarray]]]
@@ -160,7 +160,8 @@ async def _run_round(act, clients, jobs, idxs, cfg, tok, version, stats, results
         continue
       error = out.info.get("error")
       truncated = last_turn and not out.done
-      terms = turn_reward_terms(out.reward, error is not None, truncated, cfg.rewards)
+      terms = turn_reward_terms(out.reward, error is not None, truncated, cfg.rewards,
+                                thought_tokens=len(tok.encode(thought_of(txt))))
       for k, v in terms.items():
         stats.reward_terms[k] = stats.reward_terms.get(k, 0.0) + v
       lv.ep.turns.append(Turn(image=lv.image, obs_ids=lv.pending_obs_ids, reply_ids=list(ids),

@@ -2,6 +2,8 @@ r"""PPO trainer for GUI agents against sandbox servers (one linear script; big_v
 
   python -m experiments.train --config experiments/configs/miniwob_ppo.py --workdir runs/miniwob_ppo
   python -m experiments.train --config experiments/configs/miniwob_ppo.py:smoke --workdir /tmp/smoke
+  python -m experiments.train --config experiments/configs/miniwob_ppo.py:ppo --workdir runs/ppo_vpt \
+      --config.critic.init=runs/vpt/critic      # critic from experiments/value_pretrain.py
 
 Re-running the same command resumes from the last complete checkpoint in `--workdir`.
 Layout of the run dir: config.json, metrics.jsonl, tensorboard/, checkpoints/, trajectories/.
@@ -21,12 +23,14 @@ from absl import app, flags
 from ml_collections import config_flags
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
 from envs_bridge.client import SandboxClient
 from envs_bridge.launch import launch_server
 from tars_jax.agent.trajectory import collate
+from tars_jax.rl.rewards import thought_of
 from tars_jax.rollout.agent_loop import RolloutStats, run_episodes
 from tars_jax.rollout.jobs import group_ids, rollout_jobs
 from tars_jax.train import checkpoint as ckpt
@@ -39,8 +43,10 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (get_conf
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (created; resumed if it has checkpoints).")
 
 
-def episode_metrics(episodes, tasks) -> dict[str, float]:
-  """Per-iteration episode statistics (overall and per task)."""
+def episode_metrics(episodes, tasks, tokenizer) -> dict[str, float]:
+  """Per-iteration episode statistics (overall and per task); think_tokens = mean tokens of a
+  reply's `Thought:` text, steps_per_episode = episode_length = mean turns per episode."""
+  turns = [t for e in episodes for t in e.turns]
   m = {
       "reward": float(np.mean([e.env_return for e in episodes])),
       "shaped_return": float(np.mean([e.shaped_return for e in episodes])),
@@ -49,8 +55,10 @@ def episode_metrics(episodes, tasks) -> dict[str, float]:
       "invalid_action_rate": float(np.sum([e.num_invalid for e in episodes]) /
                                    max(1, sum(len(e.turns) for e in episodes))),
       "truncated_rate": float(np.mean([e.truncated for e in episodes])),
-      "reply_tokens": float(np.mean([len(t.reply_ids) for e in episodes for t in e.turns])),
+      "reply_tokens": float(np.mean([len(t.reply_ids) for t in turns])),
+      "think_tokens": float(np.mean([len(tokenizer.encode(thought_of(t.text))) for t in turns])),
   }
+  m["steps_per_episode"] = m["episode_length"]
   for task in tasks:
     eps = [e for e in episodes if e.task == task]
     if eps:
@@ -74,8 +82,14 @@ def main(argv):
   # ----------------------------------------------------------------------------------------------
   parts = state_lib.build(config)
   state = parts.init_state(config.seed)
+  # KL reference = the initial policy (rebuilt from the seed on resume, so it never changes).
+  ref_params = jax.tree.map(jnp.copy, state["policy"]) if parts.hparams.kl_coef > 0 else None
   mngr = ckpt.manager(workdir, config.keep_checkpoints)
   start_iter = 0
+  critic_init = config.get("critic", {}).get("init", "")
+  if critic_init and mngr.latest_step() is None:  # a resumed run has its own (trained) critic
+    state = state_lib.load_critic(state, critic_init, parts.copt)
+    print(f"[train] critic initialised from {critic_init}")
   if mngr.latest_step() is not None:
     step, state, meta = ckpt.restore(mngr, state)
     start_iter = int(meta.get("iteration", step))
@@ -125,11 +139,11 @@ def main(argv):
                                       epochs=config.rl.epochs, minibatch_size=config.rl.minibatch_size,
                                       rng=rng, n_real=len(episodes),
                                       scores=np.array([e.shaped_return for e in episodes], np.float32),
-                                      group_ids=group_ids(episodes))
+                                      group_ids=group_ids(episodes), ref_params=ref_params)
       policy.params = state["policy"]
       t_train = time.perf_counter() - t1
       train_tokens = train_m.pop("tokens_trained")
-      m = episode_metrics(episodes, tasks)
+      m = episode_metrics(episodes, tasks, parts.tokenizer)
       m.update({f"train/{k}": v for k, v in train_m.items()})
       m.update({f"reward_terms/{k}": v / max(1, len(episodes)) for k, v in stats.reward_terms.items()})
       m.update({

@@ -82,20 +82,31 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.rl.gamma = 1.0
   c.rl.lam_policy = 1.0
   c.rl.lam_critic = 0.95
+  # VAPO length-adaptive lam_policy = 1 - 1/(alpha * model tokens); unset (None) = off.
+  c.rl.length_adaptive_alpha = mlc.config_dict.placeholder(float)
   c.rl.whiten_advantages = True
   c.rl.clip_low = 0.2
   c.rl.clip_high = 0.28  # clip-higher (DAPO), report section 2.5.4
-  c.rl.clip_c = None  # dual-clip constant (None = off)
-  c.rl.value_clip = 0.2
+  c.rl.clip_c = mlc.config_dict.placeholder(float)  # dual-clip constant (unset/None = off)
+  c.rl.value_clip = 0.2  # <= 0 = off
   c.rl.vf_coef = 1.0
   c.rl.ent_coef = 0.02
   c.rl.aux_loss_coef = 0.01  # MoE load-balance loss
   c.rl.loss_agg = "token-mean"
+  c.rl.kl_kind = "k3"  # KL to the initial policy: k1 | k2 | k3 | abs
+  c.rl.kl_coef = 0.0  # 0 = no KL term
   c.rl.epochs = 2
   c.rl.minibatch_size = 16
   c.rl.outcome_weight = 1.0
   c.rl.format_penalty = -0.1
   c.rl.truncation_reward = -1.0
+  c.rl.step_penalty = 0.0  # added every turn (step-budget shaping; 0 = off)
+  c.rl.overlong_weight = 0.0  # DAPO soft overlong thought penalty (0 = off)
+  c.rl.overlong_max_tokens = 0
+  c.rl.overlong_buffer = 0
+
+  c.critic = mlc.ConfigDict()
+  c.critic.init = ""  # critic checkpoint of experiments/value_pretrain.py (<workdir>/critic); "" = random
 
   # --- Run -----------------------------------------------------------------------------------------
   c.iterations = 400

@@ -44,3 +44,26 @@ def restore(mngr: ocp.CheckpointManager, target: Any, step: int | None = None) -
   out = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
                                                    meta=ocp.args.JsonRestore()))
   return step, out["state"], dict(out["meta"] or {})
+
+
+def save_tree(path: str, tree: Any) -> str:
+  """Saves one pytree of arrays (e.g. critic parameters) at `path` (a new directory); returns the
+  absolute path. Overwrites an existing checkpoint there."""
+  path = os.path.abspath(path)
+  ckptr = ocp.StandardCheckpointer()
+  ckptr.save(path, tree, force=True)
+  ckptr.wait_until_finished()
+  return path
+
+
+def restore_tree(path: str, target: Any) -> Any:
+  """Restores a `save_tree` checkpoint into the structure, shapes and dtypes of `target`.
+
+  Raises: FileNotFoundError if `path` is not a directory; ValueError (from Orbax) when the saved
+  tree does not match `target` (e.g. a critic of another model config).
+  """
+  path = os.path.abspath(path)
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f"no checkpoint directory {path}")
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+  return ocp.StandardCheckpointer().restore(path, abstract)

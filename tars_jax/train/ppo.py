@@ -29,16 +29,27 @@ from tars_jax.models import rope_positions
 from tars_jax.rl import advantages as adv_lib
 from tars_jax.rl import losses
 from tars_jax.rl import metrics as rl_metrics
+from tars_jax.rl.checks import check_finite
 
 
 @dataclasses.dataclass(frozen=True)
 class PPOHparams:
-  """Static hyper-parameters of the update (hashable: part of the jit cache key)."""
+  """Static hyper-parameters of the update (hashable: part of the jit cache key).
+
+  length_adaptive_alpha: None, or VAPO's alpha: then lam_policy of each sequence is
+    `length_adaptive_lambda(number of its model tokens, alpha)` instead of `lam_policy`.
+  kl_kind, kl_coef: KL(policy || reference) penalty added to the policy loss as
+    kl_coef * aggregate(kl_penalty(logp, ref_logp, kl_kind)) (verl `use_kl_loss`); the reference is
+    the initial policy (`ppo_update(ref_params=...)`); kl_coef = 0 turns it off.
+  Raises: ValueError for unknown algo / loss_agg / kl_kind names (listing the known ones) and for
+    out-of-range constants.
+  """
 
   algo: str = "ppo"
   gamma: float = 1.0
   lam_policy: float = 0.95
   lam_critic: float = 0.95
+  length_adaptive_alpha: float | None = None
   whiten_advantages: bool = True
   clip_low: float = 0.2
   clip_high: float = 0.28
@@ -48,9 +59,28 @@ class PPOHparams:
   ent_coef: float = 0.0
   aux_loss_coef: float = 0.01
   loss_agg: str = "token-mean"
+  kl_kind: str = "k3"
+  kl_coef: float = 0.0
   temperature: float = 1.0
   image_token_id: int = 259
   grid_hw: tuple[int, int] = (8, 6)
+
+  def __post_init__(self):
+    if self.algo not in ALGOS:
+      raise ValueError(f"unknown rl.algo {self.algo!r}; expected one of {ALGOS}")
+    if self.loss_agg not in losses.AGG_MODES:
+      raise ValueError(f"unknown rl.loss_agg {self.loss_agg!r}; expected one of {losses.AGG_MODES}")
+    if losses._KL_ALIASES.get(self.kl_kind, self.kl_kind) not in losses.KL_KINDS:
+      raise ValueError(f"unknown rl.kl_kind {self.kl_kind!r}; expected one of {losses.KL_KINDS}")
+    if self.clip_c is not None and self.clip_c <= 1.0:
+      raise ValueError(f"rl.clip_c must be > 1 (or None), got {self.clip_c}")
+    if self.length_adaptive_alpha is not None and self.length_adaptive_alpha <= 0:
+      raise ValueError(f"rl.length_adaptive_alpha must be > 0 (or None), got {self.length_adaptive_alpha}")
+    for name in ("gamma", "lam_policy", "lam_critic"):
+      if not 0.0 <= getattr(self, name) <= 1.0:
+        raise ValueError(f"rl.{name} must be in [0, 1], got {getattr(self, name)}")
+    if self.kl_coef < 0:
+      raise ValueError(f"rl.kl_coef must be >= 0, got {self.kl_coef}")
 
 
 ALGOS = ("ppo", "grpo", "drgrpo", "rloo")
@@ -89,31 +119,56 @@ def critic_values(critic_gd, critic_params, batch: dict, hp: PPOHparams) -> jax.
   return values[:, :-1]
 
 
+def policy_lambda(mask: jax.Array, hp: PPOHparams) -> jax.Array:
+  """[B] lam_policy per sequence: VAPO's 1 - 1/(alpha * model tokens) if `length_adaptive_alpha`
+  is set, else the constant `lam_policy`."""
+  if hp.length_adaptive_alpha is None:
+    return jnp.full((mask.shape[0],), hp.lam_policy, jnp.float32)
+  return adv_lib.length_adaptive_lambda(mask.sum(-1), hp.length_adaptive_alpha)
+
+
 def compute_advantages(values: jax.Array, batch: dict, hp: PPOHparams) -> tuple[jax.Array, jax.Array]:
-  """(advantages [B,T-1], returns [B,T-1]) with decoupled lambdas (VC-PPO; report 2.5.4)."""
+  """(advantages [B,T-1], returns [B,T-1]) with decoupled lambdas (VC-PPO) and, optionally,
+  length-adaptive lam_policy (VAPO); report section 2.5.4."""
   mask = batch["loss_mask"]
-  adv, _ = adv_lib.gae(batch["rewards"], values, mask, hp.gamma, hp.lam_policy)
-  _, ret = adv_lib.gae(batch["rewards"], values, mask, hp.gamma, hp.lam_critic)
+  adv, ret = adv_lib.decoupled_gae(batch["rewards"], values, mask, hp.gamma, policy_lambda(mask, hp),
+                                   hp.lam_critic)
   if hp.whiten_advantages:
     adv = adv_lib.masked_whiten(adv, mask)
   return adv * mask, ret * mask
 
 
-def _policy_loss(params, gd, table, mb, hp: PPOHparams):
+def _token_logp(params, gd, table, mb, hp: PPOHparams):
+  """(log-probs [B,T-1] of the target tokens under the sampled distribution, logits, allowed, aux)."""
   policy = nnx.merge(gd, params)
   pos = _positions(mb["tokens"], mb["attn_mask"], hp)
   logits, aux = policy(mb["tokens"], pos, mb["attn_mask"], mb["pixel_values"], mb["image_mask"])
   logits = logits[:, :-1].astype(jnp.float32)
-  mask = mb["loss_mask"]
-  allowed = _allowed(table, mb["states"], mask)
+  allowed = _allowed(table, mb["states"], mb["loss_mask"])
   logp_all = losses.masked_log_softmax(logits, allowed, hp.temperature)
   logp = jnp.take_along_axis(logp_all, mb["tokens"][:, 1:, None], axis=-1)[..., 0]
+  return logp, logits, allowed, aux
+
+
+def _policy_loss(params, gd, table, mb, hp: PPOHparams):
+  logp, logits, allowed, aux = _token_logp(params, gd, table, mb, hp)
+  mask = mb["loss_mask"]
   pg, m = losses.ppo_policy_loss(logp, mb["old_logp"], mb["advantages"], mask, hp.clip_low,
                                  hp.clip_high, hp.clip_c, hp.loss_agg)
   ent = losses.aggregate(losses.entropy(logits, mask, allowed, hp.temperature), mask, "token-mean")
   loss = pg - hp.ent_coef * ent + hp.aux_loss_coef * aux
   m = dict(m, pg_loss=pg, entropy=ent, moe_aux_loss=aux)
+  if hp.kl_coef > 0:  # KL to the reference (initial) policy as a loss term (verl use_kl_loss)
+    kl = losses.aggregate(losses.kl_penalty(logp, mb["ref_logp"], hp.kl_kind), mask, hp.loss_agg)
+    loss = loss + hp.kl_coef * kl
+    m["kl_ref"] = kl
   return loss, m
+
+
+@functools.partial(jax.jit, static_argnames=("policy_gd", "hp"))
+def reference_logp(ref_params, batch: dict, table, *, policy_gd, hp: PPOHparams) -> jax.Array:
+  """[B, T-1] log-probs of the batch's target tokens under the reference policy (jitted)."""
+  return _token_logp(ref_params, policy_gd, table, batch, hp)[0] * batch["loss_mask"]
 
 
 def _value_loss(params, gd, mb, hp: PPOHparams):
@@ -179,24 +234,35 @@ def prepare(critic_params, batch: dict, *, critic_gd, hp: PPOHparams):
   diag = dict(explained_variance=rl_metrics.explained_variance(ret, values, mask),
               value_return_corr=rl_metrics.masked_corr(values, ret, mask),
               value_mean=adv_lib.masked_mean(values, mask), return_mean=adv_lib.masked_mean(ret, mask))
+  rows = (mask.sum(-1) > 0).astype(jnp.float32)  # mean lam_policy over sequences that have tokens
+  diag["lam_policy_mean"] = adv_lib.masked_mean(policy_lambda(mask, hp), rows)
   return values * mask, adv, ret, diag
 
 
 def ppo_update(state: dict, batch: dict[str, np.ndarray], table, *, policy_gd, critic_gd, popt, copt,
                hp: PPOHparams, epochs: int, minibatch_size: int, rng: np.random.Generator,
-               n_real: int, scores: np.ndarray | None = None, group_ids: np.ndarray | None = None
-               ) -> tuple[dict, dict[str, float]]:
+               n_real: int, scores: np.ndarray | None = None, group_ids: np.ndarray | None = None,
+               ref_params=None) -> tuple[dict, dict[str, float]]:
   """Full update on one rollout batch; returns (state, mean metrics over minibatch steps, plus
   `tokens_trained`, the real tokens that went through a training step).
 
   Only the first `n_real` rows are real episodes; padding rows have zero masks and are never
   placed in a minibatch of their own. `hp.algo != "ppo"` needs `scores` [n_real] (episode returns)
   and `group_ids` [n_real] (same id = same task and seed); rows with zero advantage are skipped.
-  Raises: ValueError if a group-relative algo gets no scores/group_ids.
+  `hp.kl_coef > 0` needs `ref_params` (the reference policy's nnx.State, e.g. the initial policy).
+  Raises: ValueError if a group-relative algo gets no scores/group_ids or a KL penalty gets no
+    reference; NonFiniteError (a ValueError) naming the positions of NaN/inf in rewards,
+    behaviour log-probs, critic values or scores.
   """
+  check_finite(rewards=batch["rewards"], old_logp=batch["old_logp"])
   batch = {k: jnp.asarray(v) for k, v in batch.items()}
+  if hp.kl_coef > 0:
+    if ref_params is None:
+      raise ValueError("rl.kl_coef > 0 needs ref_params (the reference policy)")
+    batch["ref_logp"] = reference_logp(ref_params, batch, table, policy_gd=policy_gd, hp=hp)
   if hp.algo == "ppo":
     values, adv, ret, diag = prepare(state["critic"], batch, critic_gd=critic_gd, hp=hp)
+    check_finite(values=values)
     batch.update(old_values=values, advantages=adv, returns=ret)
     rows = np.arange(n_real)
     step = functools.partial(minibatch_step, policy_gd=policy_gd, critic_gd=critic_gd, popt=popt,
@@ -204,6 +270,7 @@ def ppo_update(state: dict, batch: dict[str, np.ndarray], table, *, policy_gd, c
   else:
     if scores is None or group_ids is None:
       raise ValueError(f"algo {hp.algo!r} needs episode scores and group_ids")
+    check_finite(scores=scores[:n_real])
     ep_adv = outcome_advantages(scores[:n_real], group_ids[:n_real], hp.algo)
     full = np.zeros((batch["tokens"].shape[0],), np.float32)
     full[:n_real] = ep_adv

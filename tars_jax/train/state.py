@@ -21,7 +21,7 @@ from tars_jax.models import ModelConfig, Policy, ValueModel
 from tars_jax.rl.rewards import RewardConfig
 from tars_jax.rollout.agent_loop import LoopConfig
 from tars_jax.rollout.inference_server import BatchedPolicy, max_reply_tokens
-from tars_jax.train import ppo
+from tars_jax.train import checkpoint, ppo
 
 
 @dataclasses.dataclass
@@ -60,6 +60,40 @@ class Parts:
                          length_multiple=c.length_multiple, seed=seed)
 
 
+def load_critic(state: dict, path: str, copt) -> dict:
+  """`state` with its critic restored from a `checkpoint.save_tree` directory (value pretraining)
+  and a fresh critic optimiser state. Raises: FileNotFoundError / ValueError (mismatched model)."""
+  critic = checkpoint.restore_tree(path, state["critic"])
+  return dict(state, critic=critic, critic_opt=copt.init(critic))
+
+
+def hparams(config, image_token_id: int, grid_hw: tuple[int, int]) -> ppo.PPOHparams:
+  """`PPOHparams` from `config.rl` (fields added after the demo config default to "off").
+
+  `rl.value_clip <= 0` disables value clipping; `rl.clip_c` / `rl.length_adaptive_alpha` unset (None)
+  disable dual-clip / length-adaptive lambda. Raises: ValueError for unknown names (see PPOHparams).
+  """
+  r = config.rl
+  vclip = r.value_clip if r.value_clip is not None and r.value_clip > 0 else None
+  return ppo.PPOHparams(algo=r.algo, gamma=r.gamma, lam_policy=r.lam_policy, lam_critic=r.lam_critic,
+                        length_adaptive_alpha=r.get("length_adaptive_alpha"),
+                        whiten_advantages=r.whiten_advantages, clip_low=r.clip_low, clip_high=r.clip_high,
+                        clip_c=r.clip_c, value_clip=vclip, vf_coef=r.vf_coef, ent_coef=r.ent_coef,
+                        aux_loss_coef=r.aux_loss_coef, loss_agg=r.loss_agg,
+                        kl_kind=r.get("kl_kind", "k3"), kl_coef=r.get("kl_coef", 0.0),
+                        temperature=config.sampling.temperature, image_token_id=image_token_id,
+                        grid_hw=grid_hw)
+
+
+def reward_config(r) -> RewardConfig:
+  """`RewardConfig` from `config.rl` (shaping fields absent from older configs are off)."""
+  return RewardConfig(outcome_weight=r.outcome_weight, format_penalty=r.format_penalty,
+                      truncation_reward=r.truncation_reward, step_penalty=r.get("step_penalty", 0.0),
+                      overlong_weight=r.get("overlong_weight", 0.0),
+                      overlong_max_tokens=r.get("overlong_max_tokens", 0),
+                      overlong_buffer=r.get("overlong_buffer", 0))
+
+
 def build(config) -> Parts:
   """Builds the static parts of a run from its ConfigDict (no parameters are created)."""
   tok = ByteTokenizer()
@@ -77,19 +111,12 @@ def build(config) -> Parts:
   copt = ppo.make_optimizer(r.critic_lr, r.warmup_steps, r.max_grad_norm, r.weight_decay)
   image_hw = (config.model.image_h, config.model.image_w)
   grid_hw = mcfg.merged_grid
-  if r.algo not in ppo.ALGOS:
-    raise ValueError(f"unknown rl.algo {r.algo!r}; expected one of {ppo.ALGOS}")
-  hp = ppo.PPOHparams(algo=r.algo, gamma=r.gamma, lam_policy=r.lam_policy, lam_critic=r.lam_critic,
-                      whiten_advantages=r.whiten_advantages, clip_low=r.clip_low, clip_high=r.clip_high,
-                      clip_c=r.clip_c, value_clip=r.value_clip, vf_coef=r.vf_coef, ent_coef=r.ent_coef,
-                      aux_loss_coef=r.aux_loss_coef, loss_agg=r.loss_agg,
-                      temperature=config.sampling.temperature, image_token_id=tok.image_id,
-                      grid_hw=tuple(grid_hw))
+  hp = hparams(config, tok.image_id, tuple(grid_hw))
   actions = tuple(g.actions) if g.constrained else None
   loop_cfg = LoopConfig(max_turns=config.env.max_turns, image_hw=image_hw,
                         n_img_tokens=grid_hw[0] * grid_hw[1],
                         system=prompts.system_prompt(actions, compact=True),
-                        rewards=RewardConfig(r.outcome_weight, r.format_penalty, r.truncation_reward))
+                        rewards=reward_config(r))
   max_new = max_reply_tokens(grammar) if grammar is not None else 64
   table = None if grammar is None else jnp.asarray(grammar.table)
   return Parts(config, tok, mcfg, grammar, table, policy_gd, critic_gd, popt, copt, hp, loop_cfg,

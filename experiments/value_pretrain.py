@@ -1,0 +1,133 @@
+r"""Value pretraining (report section 2.5.4): train only the critic on rollouts of a fixed policy with
+lambda = 1, stop when value loss and explained variance meet the config's thresholds, save the critic.
+
+  python -m experiments.value_pretrain --config experiments/configs/value_pretrain.py --workdir runs/vpt
+  python -m experiments.value_pretrain --config experiments/configs/value_pretrain.py:smoke --workdir /tmp/vpt
+  python -m experiments.train --config experiments/configs/miniwob_ablations.py:ppo \
+      --config.critic.init=runs/vpt/critic --workdir runs/ppo_vpt
+
+Any training config with a `vpt` section works (the ablation configs have one): the policy is that
+config's initial policy (same `seed` = the policy the PPO run starts from), or the latest checkpoint of
+the run dir `vpt.policy_run`. Writes <workdir>/critic (Orbax), metrics.jsonl, tensorboard/,
+config.json and value_pretrain.json (why it stopped, final metrics). No resume: re-running starts over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+
+from absl import app, flags
+from ml_collections import config_flags
+
+import jax
+import numpy as np
+
+from envs_bridge.client import SandboxClient
+from envs_bridge.launch import launch_server
+from experiments.train import episode_metrics
+from tars_jax.agent.trajectory import collate
+from tars_jax.rollout.agent_loop import RolloutStats, run_episodes
+from tars_jax.rollout.jobs import rollout_jobs
+from tars_jax.train import checkpoint as ckpt
+from tars_jax.train import state as state_lib
+from tars_jax.train import value_pretrain as vpt
+from tars_jax.train.metrics import MetricsWriter
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file with a `vpt` section.", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (critic checkpoint in <workdir>/critic).")
+
+
+def main(argv):
+  del argv
+  config, workdir = _CONFIG.value, _WORKDIR.value
+  if not workdir:
+    raise app.UsageError("--workdir is required")
+  if "vpt" not in config:
+    raise app.UsageError("config has no `vpt` section (see experiments/configs/value_pretrain.py)")
+  os.makedirs(workdir, exist_ok=True)
+  logging.getLogger().setLevel(logging.WARNING)
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+  v = config.vpt
+
+  # ----------------------------------------------------------------------------------------------
+  # Fixed policy, critic, stop rule.
+  # ----------------------------------------------------------------------------------------------
+  parts = state_lib.build(config)
+  full = parts.init_state(config.seed)
+  if v.policy_run:
+    _, full, _ = ckpt.restore(ckpt.manager(v.policy_run), full)
+    print(f"[vpt] policy from {v.policy_run}")
+  state = vpt.init_critic_state(full["critic"], parts.copt)
+  hp = vpt.pretrain_hparams(parts.hparams, v.value_clip if v.value_clip > 0 else None)
+  rule = vpt.StopRule(v.stop_value_loss, v.stop_explained_variance, v.patience)
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    f.write(config.to_json_best_effort(indent=2))
+  writer = MetricsWriter(workdir)
+  policy = parts.batched_policy(full["policy"], batch_size=config.env.num_sessions, seed=config.seed * 100_003)
+  rng = np.random.default_rng([config.seed, 7])
+
+  server = None
+  urls = list(config.env.servers)
+  if not urls:
+    server = launch_server(step_ms=config.env.step_ms, lease_s=config.env.lease_s)
+    urls = [server.url]
+  loop = asyncio.new_event_loop()
+  clients = [SandboxClient(u) for u in urls]
+
+  # ----------------------------------------------------------------------------------------------
+  # Rollouts of the fixed policy -> critic updates until the stop rule holds.
+  # ----------------------------------------------------------------------------------------------
+  t_start, streak, reason, it, m = time.time(), 0, "max_iterations", 0, {}
+  tasks, n = tuple(config.tasks), config.env.num_sessions
+  try:
+    for it in range(v.max_iterations):
+      jobs = rollout_jobs(tasks, n, config.rl.group_size, it, v.seed_offset)
+      stats = RolloutStats()
+      episodes = loop.run_until_complete(
+          run_episodes(policy.act, clients, jobs, parts.loop_cfg, parts.tokenizer, version=0, stats=stats))
+      episodes = [e for e in episodes if not e.lost]
+      batch = collate(episodes, pad_id=parts.tokenizer.pad_id, max_images=config.env.max_turns,
+                      image_hw=parts.image_hw, length_multiple=config.length_multiple, batch_size=n).as_dict()
+      state, train_m = vpt.value_update(state, batch, critic_gd=parts.critic_gd, copt=parts.copt, hp=hp,
+                                        epochs=v.epochs, minibatch_size=v.minibatch_size, rng=rng,
+                                        n_real=len(episodes))
+      m = episode_metrics(episodes, tasks, parts.tokenizer)
+      m.update({f"train/{k}": x for k, x in train_m.items()})
+      m.update({f"reward_terms/{k}": x / max(1, len(episodes)) for k, x in stats.reward_terms.items()})
+      m["perf/wall_min"] = (time.time() - t_start) / 60
+      writer.write(it + 1, m)
+      streak = rule.streak(streak, train_m["fresh_value_loss"], train_m["explained_variance"])
+      print(f"[vpt] it {it + 1}: value loss (fresh) {train_m['fresh_value_loss']:.4f}, "
+            f"explained var {train_m['explained_variance']:.3f}, corr {train_m['value_return_corr']:.3f}")
+      if streak >= rule.patience:
+        reason = "thresholds"
+        break
+      if (time.time() - t_start) / 60 > v.max_minutes:
+        reason = "max_minutes"
+        break
+  finally:
+    writer.close()
+    for c in clients:
+      loop.run_until_complete(c.aclose())
+    loop.close()
+    if server is not None:
+      server.stop()
+  path = ckpt.save_tree(os.path.join(workdir, "critic"), state["critic"])
+  summary = {"iterations": it + 1, "stopped_by": reason, "critic": path,
+             "final": {k: x for k, x in m.items() if k.startswith("train/")}}
+  with open(os.path.join(workdir, "value_pretrain.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+  print(f"[vpt] stopped by {reason} after {it + 1} iterations | critic: {path} | "
+        f"use --config.critic.init={path}")
+
+
+if __name__ == "__main__":
+  flags.mark_flags_as_required(["config"])
+  jax.config.update("jax_default_matmul_precision", "float32")
+  app.run(main)

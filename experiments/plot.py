@@ -3,6 +3,7 @@ per-task success side by side (ablations).
 
   python -m experiments.plot --run runs/miniwob_ppo [--out runs/miniwob_ppo/learning_curve.png]
   python -m experiments.plot --compare runs/ppo,runs/grpo --out docs/ppo_vs_grpo.png
+  python -m experiments.plot --sweep runs/ablations [--out runs/ablations/comparison.png]
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from tars_jax.train.metrics import read_metrics  # noqa: E402
 _RUN = flags.DEFINE_string("run", None, "Run directory.")
 _OUT = flags.DEFINE_string("out", None, "Output PNG (default <run>/learning_curve.png).")
 _COMPARE = flags.DEFINE_list("compare", None, "Run directories to compare (per-task success).")
+_SWEEP = flags.DEFINE_string("sweep", None, "Parent dir of experiments/sweep.py (mean +- std over seeds).")
 
 
 def smooth(y: np.ndarray, k: int = 5) -> np.ndarray:
@@ -84,8 +86,51 @@ def plot_compare(runs: list[str], out: str) -> str:
   return out
 
 
+SWEEP_PANELS = (("success_rate", "training success rate"), ("reward", "env reward"),
+                ("train/explained_variance", "value explained variance (PPO)"),
+                ("train/value_return_corr", "corr(value, return) (PPO)"))
+
+
+def plot_sweep(runs: list[dict], out: str, k: int = 5) -> str:
+  """Mean +- std over seeds of each variant's smoothed curves (one panel per metric in SWEEP_PANELS
+  that some run logged), against episodes. `runs`: [{"variant", "seed", "dir"}] (sweep.json rows).
+  Curves of a variant are cut to its shortest run. Raises FileNotFoundError if a run has no metrics."""
+  by_variant: dict[str, list[list[dict]]] = {}
+  for r in runs:
+    rows = read_metrics(r["dir"])
+    if not rows:
+      raise FileNotFoundError(f"no metrics.jsonl rows in {r['dir']}")
+    by_variant.setdefault(r["variant"], []).append(rows)
+  panels = [(key, title) for key, title in SWEEP_PANELS
+            if any(key in row for rs in by_variant.values() for rows in rs for row in rows)]
+  fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+  for ax, (key, title) in zip(axes[0], panels):
+    for variant, rs in by_variant.items():
+      n = min(len(rows) for rows in rs)
+      ys = np.array([smooth(np.array([row.get(key, np.nan) for row in rows[:n]], float), k) for rows in rs])
+      if np.all(np.isnan(ys)):
+        continue
+      ep = np.array([row.get("episodes_total", row["step"]) for row in rs[0][:n]])
+      mean, std = np.nanmean(ys, 0), np.nanstd(ys, 0)
+      ax.plot(ep, mean, label=f"{variant} ({len(rs)} seeds)", marker="o" if n < 3 else None)
+      ax.fill_between(ep, mean - std, mean + std, alpha=0.2)
+    ax.set(title=f"{title} ({k}-iter avg, mean +- std)", xlabel="episodes")
+    ax.legend()
+  fig.tight_layout()
+  fig.savefig(out, dpi=100)
+  plt.close(fig)
+  return out
+
+
 def main(argv):
   del argv
+  if _SWEEP.value:
+    import json
+    with open(os.path.join(_SWEEP.value, "sweep.json")) as f:
+      runs = json.load(f)["runs"]
+    out = _OUT.value or os.path.join(_SWEEP.value, "comparison.png")
+    print(f"[plot] wrote {plot_sweep(runs, out)}")
+    return
   if _COMPARE.value:
     if not _OUT.value:
       raise app.UsageError("--compare needs --out")

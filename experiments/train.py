@@ -30,40 +30,16 @@ from tqdm import tqdm
 from envs_bridge.client import SandboxClient
 from envs_bridge.launch import launch_server
 from tars_jax.agent.trajectory import collate
-from tars_jax.rl.rewards import thought_of
 from tars_jax.rollout.agent_loop import RolloutStats, run_episodes
 from tars_jax.rollout.jobs import group_ids, rollout_jobs
 from tars_jax.train import checkpoint as ckpt
 from tars_jax.train import state as state_lib
 from tars_jax.train import ppo
-from tars_jax.train.metrics import MetricsWriter
+from tars_jax.train.metrics import MetricsWriter, episode_metrics
 from tars_jax.train.trajectories import save_episodes
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (get_config(arg)).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (created; resumed if it has checkpoints).")
-
-
-def episode_metrics(episodes, tasks, tokenizer) -> dict[str, float]:
-  """Per-iteration episode statistics (overall and per task); think_tokens = mean tokens of a
-  reply's `Thought:` text, steps_per_episode = episode_length = mean turns per episode."""
-  turns = [t for e in episodes for t in e.turns]
-  m = {
-      "reward": float(np.mean([e.env_return for e in episodes])),
-      "shaped_return": float(np.mean([e.shaped_return for e in episodes])),
-      "success_rate": float(np.mean([e.success for e in episodes])),
-      "episode_length": float(np.mean([len(e.turns) for e in episodes])),
-      "invalid_action_rate": float(np.sum([e.num_invalid for e in episodes]) /
-                                   max(1, sum(len(e.turns) for e in episodes))),
-      "truncated_rate": float(np.mean([e.truncated for e in episodes])),
-      "reply_tokens": float(np.mean([len(t.reply_ids) for t in turns])),
-      "think_tokens": float(np.mean([len(tokenizer.encode(thought_of(t.text))) for t in turns])),
-  }
-  m["steps_per_episode"] = m["episode_length"]
-  for task in tasks:
-    eps = [e for e in episodes if e.task == task]
-    if eps:
-      m[f"success/{task}"] = float(np.mean([e.success for e in eps]))
-  return m
 
 
 def main(argv):

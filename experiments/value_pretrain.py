@@ -30,14 +30,13 @@ import numpy as np
 
 from envs_bridge.client import SandboxClient
 from envs_bridge.launch import launch_server
-from experiments.train import episode_metrics
 from tars_jax.agent.trajectory import collate
 from tars_jax.rollout.agent_loop import RolloutStats, run_episodes
 from tars_jax.rollout.jobs import rollout_jobs
 from tars_jax.train import checkpoint as ckpt
 from tars_jax.train import state as state_lib
 from tars_jax.train import value_pretrain as vpt
-from tars_jax.train.metrics import MetricsWriter
+from tars_jax.train.metrics import MetricsWriter, episode_metrics
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file with a `vpt` section.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (critic checkpoint in <workdir>/critic).")

@@ -6,7 +6,11 @@ import json
 import math
 import os
 
+import numpy as np
+
 from tensorboardX import SummaryWriter
+
+from tars_jax.rl.rewards import thought_of
 
 
 class MetricsWriter:
@@ -45,3 +49,26 @@ def read_metrics(workdir: str) -> list[dict]:
     return []
   with open(path) as f:
     return [json.loads(l) for l in f if l.strip()]
+
+
+def episode_metrics(episodes, tasks, tokenizer) -> dict[str, float]:
+  """Per-iteration episode statistics (overall and per task); think_tokens = mean tokens of a
+  reply's `Thought:` text, steps_per_episode = episode_length = mean turns per episode."""
+  turns = [t for e in episodes for t in e.turns]
+  m = {
+      "reward": float(np.mean([e.env_return for e in episodes])),
+      "shaped_return": float(np.mean([e.shaped_return for e in episodes])),
+      "success_rate": float(np.mean([e.success for e in episodes])),
+      "episode_length": float(np.mean([len(e.turns) for e in episodes])),
+      "invalid_action_rate": float(np.sum([e.num_invalid for e in episodes]) /
+                                   max(1, sum(len(e.turns) for e in episodes))),
+      "truncated_rate": float(np.mean([e.truncated for e in episodes])),
+      "reply_tokens": float(np.mean([len(t.reply_ids) for t in turns])),
+      "think_tokens": float(np.mean([len(tokenizer.encode(thought_of(t.text))) for t in turns])),
+  }
+  m["steps_per_episode"] = m["episode_length"]
+  for task in tasks:
+    eps = [e for e in episodes if e.task == task]
+    if eps:
+      m[f"success/{task}"] = float(np.mean([e.success for e in eps]))
+  return m

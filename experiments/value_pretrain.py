@@ -34,6 +34,7 @@ from tars_jax.agent.trajectory import collate
 from tars_jax.rollout.agent_loop import RolloutStats, run_episodes
 from tars_jax.rollout.jobs import rollout_jobs
 from tars_jax.train import checkpoint as ckpt
+from tars_jax.train import ppo
 from tars_jax.train import state as state_lib
 from tars_jax.train import value_pretrain as vpt
 from tars_jax.train.metrics import MetricsWriter, episode_metrics
@@ -62,7 +63,9 @@ def main(argv):
   if v.policy_run:
     _, full, _ = ckpt.restore(ckpt.manager(v.policy_run), full)
     print(f"[vpt] policy from {v.policy_run}")
-  state = vpt.init_critic_state(full["critic"], parts.copt)
+  r = config.rl
+  copt = ppo.make_optimizer(v.lr, r.warmup_steps, r.max_grad_norm, r.weight_decay)  # vpt's own lr
+  state = vpt.init_critic_state(full["critic"], copt)
   hp = vpt.pretrain_hparams(parts.hparams, v.value_clip if v.value_clip > 0 else None)
   rule = vpt.StopRule(v.stop_value_loss, v.stop_explained_variance, v.patience)
   with open(os.path.join(workdir, "config.json"), "w") as f:
@@ -93,7 +96,7 @@ def main(argv):
       episodes = [e for e in episodes if not e.lost]
       batch = collate(episodes, pad_id=parts.tokenizer.pad_id, max_images=config.env.max_turns,
                       image_hw=parts.image_hw, length_multiple=config.length_multiple, batch_size=n).as_dict()
-      state, train_m = vpt.value_update(state, batch, critic_gd=parts.critic_gd, copt=parts.copt, hp=hp,
+      state, train_m = vpt.value_update(state, batch, critic_gd=parts.critic_gd, copt=copt, hp=hp,
                                         epochs=v.epochs, minibatch_size=v.minibatch_size, rng=rng,
                                         n_real=len(episodes))
       m = episode_metrics(episodes, tasks, parts.tokenizer)

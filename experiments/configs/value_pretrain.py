@@ -25,6 +25,7 @@ def add_vpt(c: mlc.ConfigDict, smoke: bool = False) -> mlc.ConfigDict:
   c.vpt.stop_value_loss = 0.02
   c.vpt.stop_explained_variance = 0.6
   c.vpt.patience = 2
+  c.vpt.lr = 1e-3  # critic learning rate of this stage (rl.critic_lr is the PPO stage's)
   c.vpt.epochs = 1 if smoke else 2
   c.vpt.minibatch_size = 4 if smoke else 8
   c.vpt.value_clip = 0.0  # <= 0: no value clipping (the policy is fixed, no trust region needed)

@@ -324,3 +324,45 @@ def test_reference_player_solves(sb, game):
   loop, sandbox = sb
   st, actions = loop.run_until_complete(R.play(sandbox, game, 2))
   assert st["done"] and st["won"] and st["score"] > 0 and len(actions) == st["moves"]
+
+
+def test_same_seed_same_actions_same_screenshots(sb):
+  """A real-time game (snake moves on the clock) replayed: identical screenshots at every step."""
+  loop, sandbox = sb
+
+  async def episode():
+    sid, obs = await sandbox.open("games/snake", 4)
+    page, pngs = sandbox.sessions[sid].page, [obs.png()]
+    try:
+      for _ in range(6):
+        obs = await sandbox.step(sid, R.policy_snake(await page.evaluate(catalog.DEBUG_STATE_SCRIPT)))
+        pngs.append(obs.png())
+      return pngs
+    finally:
+      await sandbox.close(sid)
+  a = loop.run_until_complete(episode())
+  b = loop.run_until_complete(episode())  # the reused page
+  assert a == b and len(set(a)) == len(a)  # every step changed the picture
+
+
+def test_games_through_the_real_server(server):
+  """GET /tasks lists games beside MiniWoB; a game episode over HTTP carries score/level/lives."""
+  import httpx
+
+  from envs_bridge.client import SandboxClient
+  from _shared import run
+
+  listed = httpx.get(server.url + "/tasks").json()["tasks"]
+  assert "miniwob/click-test" in listed and all(f"games/{g}" in listed for g in GAMES)
+
+  async def go():
+    async with SandboxClient(server.url) as c:
+      sid, o = await c.open("games/sokoban", 1)
+      assert o.info["instruction"].startswith("Push every brown box")
+      for k in ("left", "up", "left"):  # as in test_sokoban_push_box_onto_goal: one box on a goal
+        o = await c.step(sid, f"Thought: push\nAction: hotkey(key='{k}')")
+      assert (o.info["score"], o.info["level"], o.info["lives"], o.done, o.reward) == (1, 1, 1, False, 0.0)
+      await c.close(sid)
+      with pytest.raises(P.UnknownTask):
+        await c.open("games/no-such-game", 0)
+  run(go())

@@ -53,8 +53,8 @@ class TaskSpec:
 
 @functools.lru_cache(maxsize=1)
 def task_names() -> tuple[str, ...]:
-  """Every task the sandbox serves: MiniWoB++ tasks, then games."""
-  return mw.task_names() + catalog.task_names()
+  """Every task the sandbox serves (MiniWoB++ tasks and games), sorted."""
+  return tuple(sorted(mw.task_names() + catalog.task_names()))
 
 
 @functools.lru_cache(maxsize=None)

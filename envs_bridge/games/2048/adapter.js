@@ -51,7 +51,7 @@
     bar();
   };
   G.restore = function (snap) {
-    const st = JSON.parse(snap), s = st.game;
+    const st = G.load(snap), s = st.game;
     G.st = st;
     gm.grid = new Grid(s.grid.size, s.grid.cells);
     gm.score = s.score; gm.over = s.over; gm.won = s.won; gm.keepPlaying = s.keepPlaying;

@@ -103,8 +103,17 @@
               moves: st.moves};
     },
     debugState() { return JSON.parse(JSON.stringify(G.st)); },  // privileged: reference players, tests
-    snapshot() { return JSON.stringify(G.st); },
-    restore(snap) { G.st = JSON.parse(snap); G.render(); },
+    snapshot() { return JSON.stringify({game: G.def.name, version: G.def.version, st: G.st}); },
+    // Parses and checks a snapshot string -> the episode state; throws a clear Error otherwise.
+    load(snap) {
+      const what = `GAME.restore (${G.def.name} ${G.def.version})`;
+      let o;
+      try { o = JSON.parse(snap); } catch (e) { throw new Error(`${what}: snapshot is not JSON`); }
+      if (!o || o.game !== G.def.name || o.version !== G.def.version || !o.st || typeof o.st !== 'object')
+        throw new Error(`${what}: not a snapshot of this game and version`);
+      return o.st;
+    },
+    restore(snap) { G.st = G.load(snap); G.render(); },
 
     // grid helpers: cell size and the cell under a point of an n x n board
     cell(n, x, y) { const s = AREA / n; return [Math.floor(y / s), Math.floor(x / s)]; },

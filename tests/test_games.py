@@ -89,7 +89,8 @@ def test_checksum_is_sha256_over_the_game_files():
 
 @pytest.mark.parametrize("game", GAMES)
 def test_record_schema_and_seeding(sb, game):
-  """Same seed -> same state and same screenshot on two pages; another seed -> another state."""
+  """Same seed -> same state and same screenshot on two fresh pages and on a reused page; another
+  seed -> another state."""
   loop, sandbox = sb
 
   async def go():
@@ -97,10 +98,14 @@ def test_record_schema_and_seeding(sb, game):
     b, ob = await sandbox.open(catalog.PREFIX + game, 3)  # a second page: a is still open
     sa, sb_, rec = await _state(sandbox, a), await _state(sandbox, b), await _record(sandbox, a)
     await sandbox.close(b)
-    c, _ = await sandbox.open(catalog.PREFIX + game, 8)  # b's page, reused
+    d, od = await sandbox.open(catalog.PREFIX + game, 3)  # b's page, reused: same picture as a fresh one
+    sd = await _state(sandbox, d)
+    await sandbox.close(d)
+    c, _ = await sandbox.open(catalog.PREFIX + game, 8)
     sc = await _state(sandbox, c)
     for s in (a, c):
       await sandbox.close(s)
+    assert sd == sa and od.png() == oa.png()
     return oa, ob, sa, sb_, sc, rec
   oa, ob, sa, sb_, sc, rec = loop.run_until_complete(go())
   assert sa == sb_ and oa.png() == ob.png()

@@ -409,3 +409,17 @@ def test_missing_npm_package_is_a_typed_error(monkeypatch):
   finally:
     tasks._spec.cache_clear()
     catalog.checksum.cache_clear()
+
+
+def test_record_schema_rejects_malformed_records():
+  import pydantic
+  good = {"schema": record.SCHEMA_ID, "game": "maze", "version": "1.0.0", "checksum": "0" * 64, "seed": 1,
+          "score": 1, "reward": 1.0, "raw_reward": 1.0, "normalized_score": 100.0, "reference_score": 1.0,
+          "done": True, "won": True, "reason": "reached the exit", "level": 1, "lives": 1, "elapsed_ms": 3000,
+          "moves": 3}
+  assert record.validate(good).normalized_score == 100.0
+  for bad in ({**good, "checksum": "abc"}, {**good, "schema": "other/1"}, {**good, "extra": 1},
+              {k: v for k, v in good.items() if k != "done"}, {**good, "lives": -1}):
+    with pytest.raises(pydantic.ValidationError):
+      record.validate(bad)
+  assert set(record.GameRecord.model_json_schema()["required"]) >= {"game", "version", "checksum", "reward", "done"}

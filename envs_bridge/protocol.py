@@ -18,7 +18,10 @@ non-zero only on the step that ends the episode), `done`, `info` with always the
   reason       the page's reward reason (e.g. 'timed out') or None
   error        None, "invalid action: <reason>" (HTTP 200, reward 0, the episode goes on: a format
                signal, never a crash) or "episode already done"
-plus task, seed and, after a parsed action, `action` (its canonical text).
+plus task, seed and, after a parsed action, `action` (its canonical text). Game tasks
+('games/<name>', envs_bridge/games) add after every step the optional keys
+  score, level, lives  from the game's verifier record (GAME_INFO_KEYS); their reward at the end
+               is score / reference score (envs_bridge/games/record.py), raw_reward the score.
 
 Done: an episode is done when the page ends it (success, failure, 10 s virtual time-out) or after
 `finished()` / `call_user()`. Steps after that are answered with the current screenshot, done=True,
@@ -41,6 +44,7 @@ from pydantic import BaseModel, Field
 
 MAX_ACTION_CHARS = 4096  # longer actions are invalid actions (an observation), not HTTP errors
 MAX_REQUEST_CHARS = 1 << 20  # beyond this the request itself is rejected (422)
+GAME_INFO_KEYS = ("score", "level", "lives")  # optional Observation.info keys of game tasks
 
 
 class OpenRequest(BaseModel):

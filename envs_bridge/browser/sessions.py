@@ -29,7 +29,7 @@ from playwright.async_api import async_playwright
 
 from envs_bridge import protocol as P
 from envs_bridge.browser import executor
-from envs_bridge.browser import miniwob_tasks as mw
+from envs_bridge.browser import tasks
 from tars_jax.agent import actions as A
 
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -158,11 +158,10 @@ class BrowserSandbox:
 
     Raises: UnknownTask, ServerBusy, TaskError (the page failed to start), SessionLost (browser died).
     """
-    if task not in mw.task_names():
-      raise P.UnknownTask(f"unknown task {task!r}", tasks=list(mw.task_names()))
+    ts = tasks.get(task)  # UnknownTask with the list
     if len(self.sessions) >= self.max_sessions:
       raise P.ServerBusy(f"{len(self.sessions)} sessions open (max {self.max_sessions})")
-    spec = A.CoordSpec(coords, mw.WIDTH, mw.HEIGHT) if coords == "absolute" else A.CoordSpec()
+    spec = A.CoordSpec(coords, ts.width, ts.height) if coords == "absolute" else A.CoordSpec()
     browser = await self._ensure_browser()
     pool = self.idle.setdefault(task, [])
     while True:
@@ -172,7 +171,7 @@ class BrowserSandbox:
         if pg is None:
           async with self._page_launches:
             pg = await self._new_page(browser, task)
-        instruction = await self._start_episode(pg.page, seed, data_mode)
+        instruction = await self._start_episode(pg.page, ts, seed, data_mode)
         break
       except PlaywrightError as e:
         if pg is not None:
@@ -192,27 +191,29 @@ class BrowserSandbox:
       return sid, await self._observation(s, 0.0, {})
 
   async def _new_page(self, browser, task: str) -> _Page:
-    ctx = await browser.new_context(viewport={"width": mw.WIDTH, "height": mw.HEIGHT}, device_scale_factor=1,
+    ts = tasks.get(task)
+    ctx = await browser.new_context(viewport={"width": ts.width, "height": ts.height}, device_scale_factor=1,
                                     timezone_id="UTC", locale="en-US")
     try:
       page = await ctx.new_page()
       await page.clock.install(time=EPOCH_MS)
       await page.clock.pause_at(EPOCH_MS + 1000)  # paused: from now on only steps move time
-      await page.goto(mw.task_url(task))
-      await page.add_style_tag(content=mw.LOCK_VIEWPORT_CSS)
+      await page.goto(ts.url)
+      if ts.css:
+        await page.add_style_tag(content=ts.css)
     except PlaywrightError:
       await _close_context(ctx)
       raise
     return _Page(ctx, page, self._generation)
 
   @staticmethod
-  async def _start_episode(page, seed: int, data_mode: str) -> str:
+  async def _start_episode(page, ts: tasks.TaskSpec, seed: int, data_mode: str) -> str:
     """Cleans what a previous episode may have left on the page, then restarts it with `seed`."""
     await page.clock.set_system_time(EPOCH_MS)
-    await page.evaluate(mw.CLEAN_SCRIPT)
+    await page.evaluate(ts.clean_script)
     await page.mouse.move(0, 0)  # no element stays hovered (the instruction bar has no hover style)
-    await page.evaluate(mw.start_script(seed, data_mode))
-    return await page.evaluate(mw.UTTERANCE_SCRIPT)
+    await page.evaluate(ts.start_script(seed, data_mode))
+    return await page.evaluate(ts.utterance_script)
 
   def _get(self, sid: str) -> Session:
     s = self.sessions.get(sid)
@@ -242,18 +243,20 @@ class BrowserSandbox:
             raise A.ActionParseError(f"action longer than {P.MAX_ACTION_CHARS} characters")
           action = A.parse(text, s.coords)
           info["action"] = A.format_action(action, s.coords)
-          end = await executor.execute(s.page, action, mw.WIDTH, mw.HEIGHT)
+          ts = tasks.get(s.task)
+          end = await executor.execute(s.page, action, ts.width, ts.height)
         except (A.ActionParseError, executor.InvalidKey) as e:
           # A malformed action is an observation (and a format signal), never a crash.
           info["error"] = f"invalid action: {getattr(e, 'reason', None) or e}"
         await s.page.clock.run_for(self.step_ms)
         s.elapsed_ms += self.step_ms
-        st = await s.page.evaluate(mw.STATE_SCRIPT)
+        st = await s.page.evaluate(tasks.get(s.task).state_script)
       except PlaywrightError as e:
         await self._lost(s, f"page failed during step: {e}")
       s.done = bool(st["done"]) or end  # finished()/call_user(): ends with what the page has scored
       reward = float(st["reward"]) if st["done"] else 0.0
-      info.update(raw_reward=float(st["raw_reward"]) if st["done"] else 0.0, reason=st["reason"])
+      info.update(raw_reward=float(st["raw_reward"]) if st["done"] else 0.0, reason=st["reason"],
+                  **tasks.get(s.task).info(st))
       return await self._observation(s, reward, info)
 
   async def observe(self, sid: str) -> P.Observation:

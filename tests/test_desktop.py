@@ -45,9 +45,10 @@ def buttons(windows: list[dict], left: int) -> list[dict]:
   return sorted((w for w in kids if w["y"] == low), key=lambda w: w["x"])
 
 
-def xedit_save_button(windows: list[dict]) -> dict:
-  """The second of xedit's four top-row widgets (Quit, Save, Load, file name)."""
-  row = sorted((w for w in windows if w["depth"] == 3 and w["y"] == 1), key=lambda w: w["x"])
+def xedit_save_button(windows: list[dict], top: int = 0) -> dict:
+  """The second of xedit's four top-row widgets (Quit, Save, Load, file name); `top`: the y of the
+  xedit window (its widgets start one border pixel below)."""
+  row = sorted((w for w in windows if w["depth"] == 3 and w["y"] == top + 1), key=lambda w: w["x"])
   return row[1]
 
 

@@ -39,7 +39,7 @@ log = logging.getLogger("envs_bridge.desktop")
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run", "--no-default-browser-check", "--password-store=basic",
-                 "--disable-dev-shm-usage"]
+                 "--disable-dev-shm-usage", "--test-type"]  # --test-type: no "--no-sandbox" warning bar over the page
 
 
 @dataclasses.dataclass
@@ -172,14 +172,16 @@ class DesktopSandbox:
         token = uuid.uuid4().hex
         base_url = self.web.add(token, spec.web)
       procs = {}
-      for prog in spec.programs:
+      for i, prog in enumerate(spec.programs):
         argv = [a.replace("{web}", base_url) for a in prog.argv]
         if argv[0] == "chromium":
           argv = self._chromium_argv(argv, private, work)
         procs[prog.label] = display.launch(argv, cwd=work, env=dict(prog.env),
                                            stdout=subprocess.PIPE if prog.capture_stdout else subprocess.DEVNULL)
-      if not display.wait_for_windows(len(spec.programs), timeout_s=60.0):
-        raise XServerError(f"programs of {task} did not open their windows")
+        # One at a time: without a window manager the stacking order is the mapping order, so
+        # waiting for each window makes the first screenshot the same in every episode.
+        if not display.wait_for_windows(i + 1, timeout_s=60.0):
+          raise XServerError(f"{prog.label} of {task} did not open its window")
       time.sleep(self.step_ms / 1000)  # let them draw their first frame
       actor = executor.Actor(display.name, self.width, self.height)
     except Exception as e:  # Xvfb, a program or Xlib failed: leave nothing behind
@@ -194,7 +196,8 @@ class DesktopSandbox:
     return Session(sid, task, seed, spec, gui_only, coords, home, work, display, actor, sdk, procs, token, now, now)
 
   def _chromium_argv(self, argv: list[str], private: str, work: str) -> list[str]:
-    """Chromium on the session display, downloads saved into the shared work directory unasked."""
+    """Chromium on the session display (top 2/5 of the screen), downloads saved into the shared work
+    directory without asking."""
     profile = os.path.join(private, "chromium")
     os.makedirs(os.path.join(profile, "Default"), exist_ok=True)
     prefs = {"download": {"default_directory": work, "prompt_for_download": False, "directory_upgrade": True},
@@ -202,7 +205,7 @@ class DesktopSandbox:
     with open(os.path.join(profile, "Default", "Preferences"), "w") as f:
       json.dump(prefs, f)
     return [CHROMIUM, *CHROMIUM_ARGS, f"--user-data-dir={profile}", "--window-position=0,0",
-            f"--window-size={self.width},{self.height // 2}", *argv[1:]]
+            f"--window-size={self.width},{self.height * 2 // 5}", *argv[1:]]
 
   def _get(self, sid: str) -> Session:
     s = self.sessions.get(sid)

@@ -58,9 +58,9 @@ class TaskSpec:
   max_steps: int = 15
 
 
-def xterm() -> Program:
+def xterm(geometry: str = XTERM_GEOMETRY) -> Program:
   """An xterm running bash (no rc files, prompt '$ ', no history file) in the session directory."""
-  return Program("terminal", ("xterm", "-geometry", XTERM_GEOMETRY, "-xrm", "*cursorBlink: false",
+  return Program("terminal", ("xterm", "-geometry", geometry, "-xrm", "*cursorBlink: false",
                               "-xrm", "*scrollBar: false", "-e", "bash", "--noprofile", "--norc"),
                  env=(("PS1", "$ "), ("HISTFILE", "/dev/null")))
 
@@ -164,7 +164,7 @@ def docs_lookup_editor(seed: int) -> TaskSpec:
           for n in sorted(os.listdir(DEFAULT_DOCS))}  # also on disk, so GUI-only can grep them in the xterm
   return TaskSpec(f"Look up {q} in the documentation (MCP server 'docs', or the docs folder), type it into "
                   f"answer.txt in the text editor and save.", {"answer.txt": "", **docs},
-                  (xterm(), xedit("answer.txt", geometry="400x300+220+160")), _file_check("answer.txt", a),
+                  (xterm("80x10+0+0"), xedit("answer.txt", geometry="480x300+0+170")), _file_check("answer.txt", a),
                   mcp_servers={"docs": {"command": sys.executable,
                                         "args": ["-m", "envs_bridge.mcp_tools.docsearch_server"]}})
 
@@ -178,7 +178,7 @@ def browser_download_total(seed: int) -> TaskSpec:
           "<a id='dl' href='sales.csv' style='display:block;width:300px;height:80px;background:#36c;color:#fff;"
           "line-height:80px;text-align:center'>Download sales.csv</a></body></html>")
   return TaskSpec("Download sales.csv from the browser, then write the total of its amount column to answer.txt.",
-                  {}, (xterm(), Program("browser", ("chromium", "--app={web}index.html"))),
+                  {}, (xterm("80x18+0+200"), Program("browser", ("chromium", "--app={web}index.html"))),
                   _file_check("answer.txt", total, func="number_match"),
                   web={"index.html": ("text/html", page, None), "sales.csv": ("text/csv", csv, "sales.csv")})
 

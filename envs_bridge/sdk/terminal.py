@@ -61,17 +61,15 @@ class CommandResult:
   killed_for_output: bool = False
 
   def text(self) -> str:
-    """The observation text: output, then the markers, then the exit status."""
+    """The observation text: output (newline-terminated), then one line per marker, then the exit status."""
+    marks = (["[output truncated]"] if self.truncated else []) + \
+        (["[killed: too much output]"] if self.killed_for_output else []) + \
+        (["[timed out; command killed]"] if self.timed_out else []) + \
+        ([f"[exit code {self.exit_code}]"] if self.exit_code is not None else [])
     out = self.output
-    if self.truncated:
-      out += "\n[output truncated]"
-    if self.killed_for_output:
-      out += "\n[killed: too much output]"
-    if self.timed_out:
-      out += "\n[timed out; command killed]"
-    if self.exit_code is not None:
-      out += f"\n[exit code {self.exit_code}]"
-    return out
+    if out and not out.endswith("\n"):
+      out += "\n"
+    return out + "\n".join(marks)
 
 
 def command_line(command: str, limits: Limits) -> list[str]:

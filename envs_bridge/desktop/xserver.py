@@ -109,13 +109,22 @@ class XDisplay:
     try:
       deadline = time.monotonic() + timeout_s
       while time.monotonic() < deadline:
-        kids = d.screen().root.query_tree().children
-        if sum(1 for k in kids if k.get_attributes().map_state == X.IsViewable) >= n:
+        if self._viewable(d.screen().root.query_tree().children, X) >= n:
           return True
         time.sleep(0.05)
       return False
     finally:
       d.close()
+
+  @staticmethod
+  def _viewable(kids, X) -> int:
+    n = 0
+    for k in kids:
+      try:
+        n += k.get_attributes().map_state == X.IsViewable
+      except Exception:  # BadWindow: a window that vanished between the query and now (Chromium's)
+        pass
+    return n
 
   def windows(self) -> list[dict]:
     """Mapped top-level windows and their mapped children, depth first, with absolute geometry:

@@ -17,7 +17,8 @@ import os
 import random
 import sys
 
-from envs_bridge.mcp_tools.docsearch_server import DEFAULT_DOCS
+# The document set of envs_bridge/mcp_tools/docsearch_server.py (not imported: it pulls in `mcp`).
+DEFAULT_DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "mcp_tools", "docs")
 
 WIDTH, HEIGHT = 640, 480  # default screen
 GUI_SUFFIX = "@gui"

@@ -195,3 +195,31 @@ def test_metrics():
   assert checks.evaluate({"func": "exact_match", "result": {"type": "program_output", "program": "dialog"},
                           "expected": "Red"}, st)[0] == 1.0
   assert checks.get_file_content(st, {"path": "../etc/passwd"}) is None
+
+
+def test_agent_loop_and_evaluation_run_unchanged_on_the_desktop(desk):
+  """The trainer's rollout loop and the evaluator's summary, as they are, against the desktop server
+  (a scripted policy in place of the model: it reads the word from its prompt tokens)."""
+  from tars_jax.agent.tokenizer import ByteTokenizer
+  from tars_jax.rollout.agent_loop import LoopConfig, run_episodes
+  from tars_jax.rollout.evaluation import summarize
+  tok = ByteTokenizer()
+
+  def act(prompts, images):
+    out = []
+    for ids, imgs in zip(prompts, images):
+      assert imgs[-1].shape == (224, 168, 3)  # the loop resized the 480 x 640 desktop screenshot
+      m = re.search(r"save the word (\w+) into", tok.decode(ids))
+      reply = (f"Thought: type it\nAction: type(content='echo {m.group(1)} > answer.txt\\n')" if len(imgs) == 1
+               else "Action: wait()")
+      r = tok.encode(reply) + [tok.eos_id]
+      out.append((r, np.zeros(len(r), np.float32), np.zeros(len(r), np.int32)))
+    return out
+
+  async def go():
+    async with SandboxClient(desk.url) as c:
+      return await run_episodes(act, [c], [("desktop/terminal-write-file", 11), ("desktop/terminal-write-file", 12)],
+                                LoopConfig(max_turns=8), tok)
+  eps = asyncio.run(go())
+  assert [e.success for e in eps] == [True, True]
+  assert summarize(eps)["desktop/terminal-write-file"]["success"] == 1.0

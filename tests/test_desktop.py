@@ -223,3 +223,23 @@ def test_agent_loop_and_evaluation_run_unchanged_on_the_desktop(desk):
   eps = asyncio.run(go())
   assert [e.success for e in eps] == [True, True]
   assert summarize(eps)["desktop/terminal-write-file"]["success"] == 1.0
+
+
+def test_a_dead_display_is_session_lost_and_the_sandbox_lives_on():
+  async def go():
+    sb = DesktopSandbox(step_ms=50)
+    await sb.start()
+    try:
+      a, _ = await sb.open("desktop/terminal-mkdir", 0)
+      b, _ = await sb.open("desktop/terminal-mkdir", 1)
+      sb.sessions[a].display.proc.kill()  # Xvfb of session a dies
+      sb.sessions[a].display.proc.wait()
+      with pytest.raises(P.SessionLost):
+        await sb.step(a, "wait()")
+      with pytest.raises(P.SessionLost):  # and stays lost
+        await sb.observe(a)
+      return (await sb.step(b, "wait()")), sb.counters["lost"]
+    finally:
+      await sb.stop()
+  other, lost = asyncio.run(go())
+  assert lost == 1 and other.image().shape == (H, W, 3) and other.info["error"] is None

@@ -43,6 +43,7 @@ def test_env_checker_and_an_episode_on_miniwob(server):
   env.close()
 
 
+@pytest.mark.slow  # ~17 s: the checker resets the env many times, each a fresh Xvfb + xterm
 def test_env_checker_and_an_episode_on_the_desktop():
   with launch_server("envs_bridge.desktop.server", step_ms=250, lease_s=120.0) as h:
     env = gymnasium.make("tars/desktop.terminal-mkdir", server_url=h.url)

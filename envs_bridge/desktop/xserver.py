@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import os
 import random
+import shutil
 import signal
 import subprocess
 import threading
@@ -23,6 +24,9 @@ from PIL import ImageGrab
 # python-xlib (used by PyAutoGUI) insists on an Xauthority file; Xvfb runs without access control
 # on its local socket, so an empty file is enough.
 _PICK_LOCK = threading.Lock()
+# Xvfb dies with the thread that started it (a server killed by SIGKILL cannot clean up; its X
+# programs then lose their display and exit too). setpriv is util-linux; skipped where missing.
+_PDEATHSIG = ["setpriv", "--pdeathsig", "KILL", "--"] if shutil.which("setpriv") else []
 _FIRST_DISPLAY = 100  # display numbers tried from here (plus a random offset): clear of :0 desktops
 XAUTH = os.path.join(os.environ.get("TMPDIR", "/tmp"), "tars-desktop-empty.Xauthority")
 
@@ -59,7 +63,7 @@ class XDisplay:
           continue
         try:
           self.proc = subprocess.Popen(
-              ["Xvfb", f":{n}", "-screen", "0", f"{width}x{height}x24", "-nolisten", "tcp", "-noreset", "-nocursor"],
+              [*_PDEATHSIG, "Xvfb", f":{n}", "-screen", "0", f"{width}x{height}x24", "-nolisten", "tcp", "-noreset", "-nocursor"],
               start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         except FileNotFoundError as e:
           raise XServerError("Xvfb is not installed (Debian package xvfb; scripts/setup.sh)") from e

@@ -31,6 +31,28 @@ _FIRST_DISPLAY = 100  # display numbers tried from here (plus a random offset): 
 XAUTH = os.path.join(os.environ.get("TMPDIR", "/tmp"), "tars-desktop-empty.Xauthority")
 
 
+def _display_taken(n: int) -> bool:
+  """True if a live X server holds display :n (its lock file names a running pid). A socket left by
+  a dead server is removed (the readiness check below looks for the socket)."""
+  try:
+    with open(f"/tmp/.X{n}-lock") as f:
+      os.kill(int(f.read().strip()), 0)
+    return True
+  except FileNotFoundError:
+    pass
+  except (ValueError, ProcessLookupError):
+    pass  # stale lock: Xvfb replaces it
+  except PermissionError:
+    return True  # alive, another user's
+  try:
+    os.unlink(f"/tmp/.X11-unix/X{n}")
+  except FileNotFoundError:
+    pass
+  except OSError:
+    return True
+  return False
+
+
 class XServerError(RuntimeError):
   """Xvfb did not start, or a program could not be launched on it."""
 
@@ -59,7 +81,7 @@ class XDisplay:
       n = _FIRST_DISPLAY + random.randrange(400)
       while True:
         n += 1
-        if os.path.exists(f"/tmp/.X{n}-lock") or os.path.exists(f"/tmp/.X11-unix/X{n}"):
+        if _display_taken(n):
           continue
         try:
           self.proc = subprocess.Popen(
@@ -159,6 +181,11 @@ class XDisplay:
     for p in self.programs:
       self._kill(p)
     self.programs.clear()
+    self.proc.terminate()  # SIGTERM first: Xvfb removes its socket and lock file
+    try:
+      self.proc.wait(2)
+    except subprocess.TimeoutExpired:
+      pass
     self._kill(self.proc)
 
   @staticmethod

@@ -70,7 +70,7 @@ def test_mcp_from_the_action_grammar(tmp_path):
   async def go():
     try:
       return await s.execute(A.parse(
-          "Action: mcp_call(server='docs', tool='search_docs', arguments='{\"query\": \"clip-higher\"}')"))
+          "Action: mcp_call(server='docs', tool='search_docs', arguments='{\"query\": \"clip-higher\"}')", sdk=True))
     finally:
       await s.aclose()
   res = run(go())

@@ -23,9 +23,9 @@ from asyncio import run
      A.McpCall("docs", "search_docs", '{"k": 1, "query": "ppo"}')),
 ])
 def test_sdk_actions_parse_and_round_trip(text, want):
-  got = A.parse(text)
+  got = A.parse(text, sdk=True)
   assert got == want and A.is_sdk(got)
-  assert A.parse(A.format_action(got)) == got
+  assert A.parse(A.format_action(got), sdk=True) == got
 
 
 @pytest.mark.parametrize("text,reason", [
@@ -39,7 +39,13 @@ def test_sdk_actions_parse_and_round_trip(text, want):
 ])
 def test_bad_sdk_actions_are_typed_parse_errors(text, reason):
   with pytest.raises(A.ActionParseError, match=reason):
-    A.parse(text)
+    A.parse(text, sdk=True)
+
+
+def test_sdk_actions_are_refused_without_sdk():
+  """Sandboxes without an SDK (the browser) keep answering them as invalid actions."""
+  with pytest.raises(A.ActionParseError, match="SDK function 'run_command' is not available here"):
+    A.parse("Thought: x\nAction: run_command(command='ls')")
 
 
 def test_gui_actions_are_not_sdk():

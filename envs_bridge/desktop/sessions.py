@@ -232,7 +232,7 @@ class DesktopSandbox:
       try:
         if len(text) > P.MAX_ACTION_CHARS:
           raise A.ActionParseError(f"action longer than {P.MAX_ACTION_CHARS} characters")
-        action = A.parse(text, s.coords)
+        action = A.parse(text, s.coords, sdk=True)  # GUI-only sessions refuse SDK calls below, with the reason
         info["action"] = A.format_action(action, s.coords)
         if A.is_sdk(action):
           if s.gui_only:

@@ -13,6 +13,7 @@ SDK functions (GUI-SDK, report sections 2.1-2.2) share the parser: `run_command(
 `read_file(path='…')`, `write_file(path='…', content='…')`, `list_files(path='.')`,
 `search_files(pattern='…', path='.')`, `mcp_list_tools(server='…')`,
 `mcp_call(server='…', tool='…', arguments='{"json": "object"}')`; `is_sdk(action)` tells them apart.
+They parse only with `sdk=True` (sandboxes that have an SDK); otherwise they are ActionParseErrors.
 
 Every string either parses or raises `ActionParseError` (with a reason) — never another exception.
 """
@@ -249,11 +250,14 @@ def _get_point(kw: dict, names: tuple[str, ...], spec: CoordSpec, action: str) -
   raise ActionParseError(f"{action} needs {' or '.join(names)}")
 
 
-def parse_action(text: str, coords: CoordSpec = CoordSpec()) -> Action:
+def parse_action(text: str, coords: CoordSpec = CoordSpec(), sdk: bool = False) -> Action:
   """One action string (e.g. `click(start_box='(120,455)')`) -> typed action.
 
+  sdk: accept SDK functions (run_command, read_file, ..., mcp_call). Off by default, so a sandbox
+    without an SDK (the browser) answers them as invalid actions instead of silently doing nothing;
+    the desktop sandbox turns it on (off again for GUI-only sessions).
   Raises: ActionParseError with the reason (unknown action, bad or missing arguments, coordinates
-  off the screenshot).
+  off the screenshot, an SDK function where `sdk` is False).
   """
   if not isinstance(text, str):
     raise ActionParseError(f"action must be a string, got {type(text).__name__}")
@@ -290,6 +294,8 @@ def parse_action(text: str, coords: CoordSpec = CoordSpec()) -> Action:
   elif name == "call_user":
     act = CallUser()
   elif name in SDK_ACTION_NAMES:
+    if not sdk:
+      raise ActionParseError(f"SDK function {name!r} is not available here (GUI actions only)")
     act = _sdk_action(name, kw)
   else:
     raise ActionParseError(f"unknown action {name!r}")
@@ -339,7 +345,7 @@ _DELIM = "Action:"
 _DELIM_AT_LINE = re.compile(r"(?:^|\n)[ \t]*Action:")
 
 
-def parse_response(text: str, coords: CoordSpec = CoordSpec()) -> tuple[str, Action]:
+def parse_response(text: str, coords: CoordSpec = CoordSpec(), sdk: bool = False) -> tuple[str, Action]:
   """`Thought: …\\nAction: …` (or just `Action: …`) -> (thought, action).
 
   The action starts at the first `Action:` that begins a line (else the first `Action:` anywhere),
@@ -361,10 +367,10 @@ def parse_response(text: str, coords: CoordSpec = CoordSpec()) -> tuple[str, Act
   thought = text[:start].strip()
   if thought.startswith("Thought:"):
     thought = thought[len("Thought:"):].strip()
-  return thought, parse_action(text[end:], coords)
+  return thought, parse_action(text[end:], coords, sdk)
 
 
-def parse(text: str, coords: CoordSpec = CoordSpec()) -> Action:
+def parse(text: str, coords: CoordSpec = CoordSpec(), sdk: bool = False) -> Action:
   """A reply (`Thought: …` / `… Action: …`) or a bare action string -> action (what sandboxes run).
 
   Raises: ActionParseError (see parse_response / parse_action).
@@ -372,8 +378,8 @@ def parse(text: str, coords: CoordSpec = CoordSpec()) -> Action:
   if not isinstance(text, str):
     raise ActionParseError(f"action must be a string, got {type(text).__name__}")
   if text.lstrip().startswith("Thought:") or _DELIM in text:
-    return parse_response(text, coords)[1]
-  return parse_action(text, coords)
+    return parse_response(text, coords, sdk)[1]
+  return parse_action(text, coords, sdk)
 
 
 def _q(s: str) -> str:

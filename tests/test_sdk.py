@@ -5,6 +5,7 @@ import os
 import subprocess
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from envs_bridge.sdk import SdkSession, files, terminal
 from tars_jax.agent import actions as A
@@ -147,3 +148,20 @@ def test_session_survives_refusals_and_floods(tmp_path):
   assert flood.text.startswith("y\n" * 50) and "[output truncated]" in flood.text
   assert ok.text == "wrote 4 bytes to ok.txt" and (tmp_path / "ok.txt").read_text() == "fine"
   assert mcp.error.startswith("UnknownMcpServer: no MCP server 'nope'")
+
+
+_SDK_ALPHABET = st.sampled_from(list("run_commandreadwritelistsearchmcpcallfilepathtoolserverarguments(),='\"{}[]:\\ .0123456789"))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.text(max_size=80), st.text(alphabet=_SDK_ALPHABET, max_size=80),
+                 st.builds(lambda n, body: f"{n}({body})", st.sampled_from(A.SDK_ACTION_NAMES),
+                           st.text(alphabet=_SDK_ALPHABET, max_size=60))))
+def test_any_string_parses_or_raises_a_parse_error_with_sdk(text):
+  try:
+    a = A.parse(text, sdk=True)
+  except A.ActionParseError as e:
+    assert e.reason
+  else:
+    if A.is_sdk(a):  # GUI points round-trip only up to the integer grid
+      assert A.parse(A.format_action(a), sdk=True) == a

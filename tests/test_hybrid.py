@@ -164,3 +164,29 @@ def test_browser_download_lands_in_the_shared_directory(desk):
   assert f"sales.csv  {len(csv)}" in listing.info["tool_output"].splitlines()
   assert shell.info["tool_output"] == f"{want}\n[exit code 0]"
   assert (end.reward, end.done) == (1.0, True)
+
+
+def test_mcp_servers_from_the_config_and_a_broken_one_as_an_observation():
+  """Servers named in the sandbox config reach every session; one that cannot start is a typed
+  error naming it, in the observation, and the session goes on."""
+  import sys
+
+  from envs_bridge.desktop.sessions import DesktopSandbox
+  cfg = {"kb": {"command": sys.executable, "args": ["-m", "envs_bridge.mcp_tools.docsearch_server"]},
+         "broken": {"command": sys.executable, "args": ["-c", "raise SystemExit('no config file')"]}}
+
+  async def go():
+    sb = DesktopSandbox(step_ms=50, mcp_servers=cfg)
+    await sb.start()
+    try:
+      sid, first = await sb.open("desktop/terminal-mkdir", 0)
+      bad = await sb.step(sid, "mcp_list_tools(server='broken')")
+      good = await sb.step(sid, "mcp_call(server='kb', tool='search_docs', arguments='{\"query\": \"displayfd\"}')")
+      return first, bad, good
+    finally:
+      await sb.stop()
+  first, bad, good = asyncio.run(go())
+  assert first.info["mcp_servers"] == ["broken", "kb"]
+  assert bad.info["tool_error"].startswith("McpServerError: MCP server 'broken': failed to start")
+  assert "no config file" in bad.info["tool_error"] and not bad.done and bad.info["error"] is None
+  assert good.info["tool_output"].startswith("xvfb.md: ") and good.info["tool_error"] is None

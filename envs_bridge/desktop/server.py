@@ -1,7 +1,8 @@
 r"""Desktop sandbox server: FastAPI app over Xvfb sessions (the browser sandbox's protocol).
 
   python -m envs_bridge.desktop.server --port 8766 [--host 127.0.0.1] [--step-ms 300] \
-      [--lease-s 300] [--max-sessions 8] [--width 640 --height 480] [--gui-only] [--cmd-timeout-s 10]
+      [--lease-s 300] [--max-sessions 8] [--width 640 --height 480] [--gui-only] [--cmd-timeout-s 10] \
+      [--mcp-config servers.json]
 
 Same calls, observation and typed errors as `envs_bridge/protocol.py` (so `SandboxClient`, the
 trainer and the evaluator use it unchanged, e.g. `launch_server("envs_bridge.desktop.server")`).
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 
 import uvicorn
@@ -30,10 +32,11 @@ log = logging.getLogger("envs_bridge.desktop")
 
 
 def create_app(step_ms: int = 300, lease_s: float = 300.0, max_sessions: int = 8, width: int = tasks.WIDTH,
-               height: int = tasks.HEIGHT, gui_only: bool = False, limits: Limits = Limits()) -> FastAPI:
-  """The FastAPI app; sessions are torn down with the app's lifespan."""
+               height: int = tasks.HEIGHT, gui_only: bool = False, limits: Limits = Limits(),
+               mcp_servers: dict | None = None) -> FastAPI:
+  """The FastAPI app; sessions are torn down with the app's lifespan. `mcp_servers`: see DesktopSandbox."""
   sandbox = DesktopSandbox(step_ms=step_ms, lease_s=lease_s, max_sessions=max_sessions, width=width,
-                           height=height, gui_only=gui_only, limits=limits)
+                           height=height, gui_only=gui_only, limits=limits, mcp_servers=mcp_servers)
 
   @contextlib.asynccontextmanager
   async def lifespan(app):
@@ -99,12 +102,18 @@ def main(argv=None):
   ap.add_argument("--height", type=int, default=tasks.HEIGHT)
   ap.add_argument("--gui-only", action="store_true", help="disable SDK actions (GUI-only action space)")
   ap.add_argument("--cmd-timeout-s", type=float, default=Limits.timeout_s, help="terminal command time-out")
+  ap.add_argument("--mcp-config", default=None,
+                  help="JSON file {name: {command, args, env}}: stdio MCP servers every session may call")
   ap.add_argument("--log-level", default="warning")
   a = ap.parse_args(argv)
   die_with_parent()
   logging.basicConfig(level=a.log_level.upper())
+  mcp = None
+  if a.mcp_config:
+    with open(a.mcp_config) as f:
+      mcp = json.load(f)
   uvicorn.run(create_app(a.step_ms, a.lease_s, a.max_sessions, a.width, a.height, a.gui_only,
-                         Limits(timeout_s=a.cmd_timeout_s)), host=a.host, port=a.port, log_level=a.log_level)
+                         Limits(timeout_s=a.cmd_timeout_s), mcp), host=a.host, port=a.port, log_level=a.log_level)
 
 
 if __name__ == "__main__":

@@ -76,13 +76,16 @@ class DesktopSandbox:
     root: where session directories go (default: a fresh temp dir, removed on stop).
     gui_only: disable SDK actions in every session (they become "invalid action" observations).
     limits: confinement of terminal commands (`sdk.terminal.Limits`).
+    mcp_servers: {name: {'command', 'args', 'env'}} stdio MCP servers every session may call (a
+      task's own `mcp_servers` add to these and win on name clashes); started on first use.
   """
 
   def __init__(self, step_ms: int = 300, lease_s: float = 300.0, max_sessions: int = 8,
                width: int = tasks.WIDTH, height: int = tasks.HEIGHT, root: str | None = None,
-               gui_only: bool = False, limits: Limits = Limits()):
+               gui_only: bool = False, limits: Limits = Limits(), mcp_servers: dict | None = None):
     self.step_ms, self.lease_s, self.max_sessions = step_ms, lease_s, max_sessions
     self.width, self.height, self.gui_only, self.limits = width, height, gui_only, limits
+    self.mcp_servers = dict(mcp_servers or {})
     self._own_root = root is None
     self.root = root or tempfile.mkdtemp(prefix="tars-desktop-")
     self.sessions: dict[str, Session] = {}
@@ -191,7 +194,7 @@ class DesktopSandbox:
         self.web.remove(token)
       shutil.rmtree(home, ignore_errors=True)
       raise P.TaskError(f"could not start {task}: {e}") from e
-    sdk = SdkSession(work, self.limits, spec.mcp_servers)
+    sdk = SdkSession(work, self.limits, {**self.mcp_servers, **spec.mcp_servers})
     now = time.monotonic()
     return Session(sid, task, seed, spec, gui_only, coords, home, work, display, actor, sdk, procs, token, now, now)
 
@@ -304,7 +307,7 @@ class DesktopSandbox:
     full = {"instruction": s.spec.instruction, "step": s.step,
             "elapsed_ms": int((time.monotonic() - s.started) * 1000), "raw_reward": 0.0, "reason": None,
             "error": None, "task": s.task, "seed": s.seed, "gui_only": s.gui_only,
-            "mcp_servers": sorted(s.spec.mcp_servers)}
+            "mcp_servers": sorted(s.sdk.mcp.specs)}
     full.update(info)
     return P.Observation(screenshot_png_b64=base64.b64encode(png).decode(), reward=reward, done=s.done, info=full)
 

@@ -190,3 +190,20 @@ def test_mcp_servers_from_the_config_and_a_broken_one_as_an_observation():
   assert bad.info["tool_error"].startswith("McpServerError: MCP server 'broken': failed to start")
   assert "no config file" in bad.info["tool_error"] and not bad.done and bad.info["error"] is None
   assert good.info["tool_output"].startswith("xvfb.md: ") and good.info["tool_error"] is None
+
+
+def test_flooding_command_and_traversal_through_the_server(desk):
+  async def go():
+    async with SandboxClient(desk.url) as c:
+      sid, _ = await c.open("hybrid/dialog-code-to-file", 0)
+      flood = await c.step(sid, "run_command(command='yes flood')")
+      escape = await c.step(sid, "write_file(path='../../../tmp/escaped.txt', content='x')")
+      after = await c.step(sid, "run_command(command='echo alive')")
+      await c.close(sid)
+      return flood, escape, after
+  flood, escape, after = asyncio.run(go())
+  out = flood.info["tool_output"]
+  assert out.startswith("flood\n" * 100) and out.endswith("[output truncated]\n[killed: too much output]")
+  assert len(out) < 8192 + 100
+  assert escape.info["tool_error"] == "PathRefused: path '../../../tmp/escaped.txt' is outside the session directory"
+  assert after.info["tool_output"] == "alive\n[exit code 0]" and not after.done

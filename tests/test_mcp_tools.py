@@ -3,7 +3,6 @@
 
 import sys
 
-import pytest
 
 from envs_bridge.mcp_tools import docsearch_server as ds
 from envs_bridge.mcp_tools.client import McpHub, McpServerError, McpServerSpec, UnknownMcpServer

@@ -2,13 +2,12 @@
 (real stdio subprocesses): listing, calls, results, and typed errors naming a failed server."""
 
 import sys
-
+from asyncio import run
 
 from envs_bridge.mcp_tools import docsearch_server as ds
 from envs_bridge.mcp_tools.client import McpHub, McpServerError, McpServerSpec, UnknownMcpServer
 from envs_bridge.sdk import SdkSession
 from tars_jax.agent import actions as A
-from asyncio import run
 
 DOCS = McpServerSpec(sys.executable, ("-m", "envs_bridge.mcp_tools.docsearch_server"))
 

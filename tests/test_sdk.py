@@ -3,13 +3,13 @@ rlimits and network isolation (real bash subprocesses)."""
 
 import os
 import subprocess
+from asyncio import run
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from envs_bridge.sdk import SdkSession, files, terminal
 from tars_jax.agent import actions as A
-from asyncio import run
 
 
 # -- grammar ------------------------------------------------------------------------------------------

@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# Idempotent set-up on a fresh machine: Debian chromium + xvfb, then .venv with pinned requirements.
+# Idempotent set-up on a fresh machine: Debian chromium + xvfb + X programs, then .venv with pinned requirements.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 need_apt=()
 [[ -x /usr/bin/chromium ]] || need_apt+=(chromium)
 command -v Xvfb >/dev/null 2>&1 || need_apt+=(xvfb)
+# Desktop sandbox programs (envs_bridge/desktop): terminal, text editor, dialogs.
+command -v xterm >/dev/null 2>&1 || need_apt+=(xterm)
+command -v xedit >/dev/null 2>&1 || need_apt+=(x11-apps)
+command -v xmessage >/dev/null 2>&1 || need_apt+=(x11-utils)
 if ((${#need_apt[@]})); then
   echo "[setup] installing Debian packages: ${need_apt[*]}"
   SUDO=""; [[ $(id -u) -eq 0 ]] || SUDO="sudo"

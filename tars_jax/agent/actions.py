@@ -9,12 +9,19 @@ Accepted point spellings: `start_box='(x,y)'`, `start_box='<|box_start|>(x,y)<|b
 `start_box='(x1,y1,x2,y2)'` / `[x1,y1,x2,y2]` (box -> centre), `point='<point>x y</point>'`
 (`start_point` / `end_point` for drag).
 
+SDK functions (GUI-SDK, report sections 2.1-2.2) share the parser: `run_command(command='…')`,
+`read_file(path='…')`, `write_file(path='…', content='…')`, `list_files(path='.')`,
+`search_files(pattern='…', path='.')`, `mcp_list_tools(server='…')`,
+`mcp_call(server='…', tool='…', arguments='{"json": "object"}')`; `is_sdk(action)` tells them apart.
+They parse only with `sdk=True` (sandboxes that have an SDK); otherwise they are ActionParseErrors.
+
 Every string either parses or raises `ActionParseError` (with a reason) — never another exception.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from typing import Union
 
@@ -85,7 +92,78 @@ class CallUser:
   pass
 
 
-Action = Union[Click, LeftDouble, RightSingle, Drag, Hotkey, Type, Scroll, Wait, Finished, CallUser]
+# SDK functions (report sections 2.1-2.2, GUI-SDK): terminal, files and MCP tools in the sandbox.
+# They act on the session's shared directory, not on the screen; sandboxes that have no SDK answer
+# them with an "invalid action" observation.
+@dataclasses.dataclass(frozen=True)
+class RunCommand:
+  """`run_command(command='ls -l')`: a shell command in the session directory."""
+
+  command: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadFile:
+  """`read_file(path='notes.txt')`: a text file of the session directory."""
+
+  path: str
+
+
+@dataclasses.dataclass(frozen=True)
+class WriteFile:
+  """`write_file(path='out.txt', content='...')`: creates or overwrites a file."""
+
+  path: str
+  content: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ListFiles:
+  """`list_files(path='.')`: the entries of a directory (path optional)."""
+
+  path: str = "."
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchFiles:
+  """`search_files(pattern='total', path='.')`: lines containing `pattern` (literal) under `path`."""
+
+  pattern: str
+  path: str = "."
+
+
+@dataclasses.dataclass(frozen=True)
+class McpListTools:
+  """`mcp_list_tools(server='docs')`: the tools of a session's MCP server."""
+
+  server: str
+
+
+@dataclasses.dataclass(frozen=True)
+class McpCall:
+  """`mcp_call(server='docs', tool='search', arguments='{"query": "x"}')`; `arguments` is a JSON
+  object, kept as its canonical text (sorted keys) so the action stays hashable."""
+
+  server: str
+  tool: str
+  arguments: str = "{}"
+
+  def args(self) -> dict:
+    """The arguments as a dict."""
+    return json.loads(self.arguments)
+
+
+GuiAction = Union[Click, LeftDouble, RightSingle, Drag, Hotkey, Type, Scroll, Wait, Finished, CallUser]
+SdkAction = Union[RunCommand, ReadFile, WriteFile, ListFiles, SearchFiles, McpListTools, McpCall]
+Action = Union[GuiAction, SdkAction]
+SDK_TYPES = (RunCommand, ReadFile, WriteFile, ListFiles, SearchFiles, McpListTools, McpCall)
+SDK_ACTION_NAMES = ("run_command", "read_file", "write_file", "list_files", "search_files", "mcp_list_tools",
+                    "mcp_call")
+
+
+def is_sdk(a) -> bool:
+  """True for SDK-function actions (terminal, files, MCP), False for GUI actions."""
+  return isinstance(a, SDK_TYPES)
 _POINT_ACTIONS = {"click": Click, "left_single": Click, "left_double": LeftDouble, "right_single": RightSingle}
 DIRECTIONS = ("up", "down", "left", "right")
 
@@ -172,11 +250,14 @@ def _get_point(kw: dict, names: tuple[str, ...], spec: CoordSpec, action: str) -
   raise ActionParseError(f"{action} needs {' or '.join(names)}")
 
 
-def parse_action(text: str, coords: CoordSpec = CoordSpec()) -> Action:
+def parse_action(text: str, coords: CoordSpec = CoordSpec(), sdk: bool = False) -> Action:
   """One action string (e.g. `click(start_box='(120,455)')`) -> typed action.
 
+  sdk: accept SDK functions (run_command, read_file, ..., mcp_call). Off by default, so a sandbox
+    without an SDK (the browser) answers them as invalid actions instead of silently doing nothing;
+    the desktop sandbox turns it on (off again for GUI-only sessions).
   Raises: ActionParseError with the reason (unknown action, bad or missing arguments, coordinates
-  off the screenshot).
+  off the screenshot, an SDK function where `sdk` is False).
   """
   if not isinstance(text, str):
     raise ActionParseError(f"action must be a string, got {type(text).__name__}")
@@ -212,6 +293,10 @@ def parse_action(text: str, coords: CoordSpec = CoordSpec()) -> Action:
     act = Finished(kw.pop("content", ""))
   elif name == "call_user":
     act = CallUser()
+  elif name in SDK_ACTION_NAMES:
+    if not sdk:
+      raise ActionParseError(f"SDK function {name!r} is not available here (GUI actions only)")
+    act = _sdk_action(name, kw)
   else:
     raise ActionParseError(f"unknown action {name!r}")
   if kw:
@@ -219,11 +304,48 @@ def parse_action(text: str, coords: CoordSpec = CoordSpec()) -> Action:
   return act
 
 
+def _need(kw: dict, key: str, name: str) -> str:
+  if key not in kw:
+    raise ActionParseError(f"{name} needs {key}='...'")
+  return kw.pop(key)
+
+
+def _sdk_action(name: str, kw: dict):
+  """SDK function call -> typed action (pops the arguments it uses from `kw`)."""
+  if name == "run_command":
+    cmd = _need(kw, "command", name)
+    if not cmd.strip():
+      raise ActionParseError("run_command needs a non-empty command")
+    return RunCommand(cmd)
+  if name == "read_file":
+    return ReadFile(_need(kw, "path", name))
+  if name == "write_file":
+    return WriteFile(_need(kw, "path", name), _need(kw, "content", name))
+  if name == "list_files":
+    return ListFiles(kw.pop("path", "."))
+  if name == "search_files":
+    pat = _need(kw, "pattern", name)
+    if not pat:
+      raise ActionParseError("search_files needs a non-empty pattern")
+    return SearchFiles(pat, kw.pop("path", "."))
+  if name == "mcp_list_tools":
+    return McpListTools(_need(kw, "server", name))
+  server, tool = _need(kw, "server", name), _need(kw, "tool", name)
+  raw = kw.pop("arguments", "{}")
+  try:
+    args = json.loads(raw)
+  except (ValueError, RecursionError) as e:  # RecursionError: absurdly nested JSON
+    raise ActionParseError(f"mcp_call arguments are not JSON: {str(e)[:80]}") from None
+  if not isinstance(args, dict):
+    raise ActionParseError("mcp_call arguments must be a JSON object")
+  return McpCall(server, tool, json.dumps(args, sort_keys=True, ensure_ascii=False))
+
+
 _DELIM = "Action:"
 _DELIM_AT_LINE = re.compile(r"(?:^|\n)[ \t]*Action:")
 
 
-def parse_response(text: str, coords: CoordSpec = CoordSpec()) -> tuple[str, Action]:
+def parse_response(text: str, coords: CoordSpec = CoordSpec(), sdk: bool = False) -> tuple[str, Action]:
   """`Thought: …\\nAction: …` (or just `Action: …`) -> (thought, action).
 
   The action starts at the first `Action:` that begins a line (else the first `Action:` anywhere),
@@ -245,10 +367,10 @@ def parse_response(text: str, coords: CoordSpec = CoordSpec()) -> tuple[str, Act
   thought = text[:start].strip()
   if thought.startswith("Thought:"):
     thought = thought[len("Thought:"):].strip()
-  return thought, parse_action(text[end:], coords)
+  return thought, parse_action(text[end:], coords, sdk)
 
 
-def parse(text: str, coords: CoordSpec = CoordSpec()) -> Action:
+def parse(text: str, coords: CoordSpec = CoordSpec(), sdk: bool = False) -> Action:
   """A reply (`Thought: …` / `… Action: …`) or a bare action string -> action (what sandboxes run).
 
   Raises: ActionParseError (see parse_response / parse_action).
@@ -256,8 +378,8 @@ def parse(text: str, coords: CoordSpec = CoordSpec()) -> Action:
   if not isinstance(text, str):
     raise ActionParseError(f"action must be a string, got {type(text).__name__}")
   if text.lstrip().startswith("Thought:") or _DELIM in text:
-    return parse_response(text, coords)[1]
-  return parse_action(text, coords)
+    return parse_response(text, coords, sdk)[1]
+  return parse_action(text, coords, sdk)
 
 
 def _q(s: str) -> str:
@@ -293,6 +415,20 @@ def format_action(a: Action, coords: CoordSpec = CoordSpec()) -> str:
     return f"finished(content='{_q(a.content)}')"
   if isinstance(a, CallUser):
     return "call_user()"
+  if isinstance(a, RunCommand):
+    return f"run_command(command='{_q(a.command)}')"
+  if isinstance(a, ReadFile):
+    return f"read_file(path='{_q(a.path)}')"
+  if isinstance(a, WriteFile):
+    return f"write_file(path='{_q(a.path)}', content='{_q(a.content)}')"
+  if isinstance(a, ListFiles):
+    return f"list_files(path='{_q(a.path)}')"
+  if isinstance(a, SearchFiles):
+    return f"search_files(pattern='{_q(a.pattern)}', path='{_q(a.path)}')"
+  if isinstance(a, McpListTools):
+    return f"mcp_list_tools(server='{_q(a.server)}')"
+  if isinstance(a, McpCall):
+    return f"mcp_call(server='{_q(a.server)}', tool='{_q(a.tool)}', arguments='{_q(a.arguments)}')"
   raise TypeError(f"not an action: {a!r}")
 
 

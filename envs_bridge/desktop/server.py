@@ -1,0 +1,120 @@
+r"""Desktop sandbox server: FastAPI app over Xvfb sessions (the browser sandbox's protocol).
+
+  python -m envs_bridge.desktop.server --port 8766 [--host 127.0.0.1] [--step-ms 300] \
+      [--lease-s 300] [--max-sessions 8] [--width 640 --height 480] [--gui-only] [--cmd-timeout-s 10] \
+      [--mcp-config servers.json]
+
+Same calls, observation and typed errors as `envs_bridge/protocol.py` (so `SandboxClient`, the
+trainer and the evaluator use it unchanged, e.g. `launch_server("envs_bridge.desktop.server")`).
+Additions: `info.tool_output` / `info.tool_error` after SDK actions, `info.gui_only`,
+`info.mcp_servers`; `GET /debug/sessions/{id}/state` (tests only: session directory, window tree).
+`--step-ms` is real time here: the wait after each action before the check and the screenshot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from envs_bridge import protocol as P
+from envs_bridge.desktop import tasks
+from envs_bridge.desktop.sessions import DesktopSandbox
+from envs_bridge.launch import die_with_parent
+from envs_bridge.sdk.terminal import Limits
+
+log = logging.getLogger("envs_bridge.desktop")
+
+
+def create_app(step_ms: int = 300, lease_s: float = 300.0, max_sessions: int = 8, width: int = tasks.WIDTH,
+               height: int = tasks.HEIGHT, gui_only: bool = False, limits: Limits = Limits(),
+               mcp_servers: dict | None = None) -> FastAPI:
+  """The FastAPI app; sessions are torn down with the app's lifespan. `mcp_servers`: see DesktopSandbox."""
+  sandbox = DesktopSandbox(step_ms=step_ms, lease_s=lease_s, max_sessions=max_sessions, width=width,
+                           height=height, gui_only=gui_only, limits=limits, mcp_servers=mcp_servers)
+
+  @contextlib.asynccontextmanager
+  async def lifespan(app):
+    await sandbox.start()
+    yield
+    await sandbox.stop()
+
+  app = FastAPI(title="tars_jax desktop sandbox", lifespan=lifespan)
+  app.state.sandbox = sandbox
+
+  @app.exception_handler(P.SandboxError)
+  async def _typed(request: Request, exc: P.SandboxError):
+    return JSONResponse(status_code=exc.status, content=exc.body())
+
+  @app.exception_handler(Exception)
+  async def _unexpected(request: Request, exc: Exception):
+    log.exception("unexpected error in %s %s", request.method, request.url.path)
+    return JSONResponse(status_code=500, content={"error": "InternalError", "reason": repr(exc)[:500]})
+
+  @app.get("/health")
+  async def health():
+    return {"ok": True, "sessions": len(sandbox.sessions), "step_ms": sandbox.step_ms, "lease_s": sandbox.lease_s,
+            "max_sessions": sandbox.max_sessions, "gui_only": sandbox.gui_only, **sandbox.counters}
+
+  @app.get("/tasks")
+  async def task_list():
+    return {"tasks": list(tasks.task_names())}
+
+  @app.post("/sessions", response_model=P.OpenResponse)
+  async def open_session(req: P.OpenRequest):
+    sid, obs = await sandbox.open(req.task, req.seed, req.coords, req.data_mode)
+    return P.OpenResponse(session_id=sid, observation=obs)
+
+  @app.post("/sessions/{sid}/step", response_model=P.Observation)
+  async def step(sid: str, req: P.StepRequest):
+    return await sandbox.step(sid, req.action)
+
+  @app.get("/sessions/{sid}/observe", response_model=P.Observation)
+  async def observe(sid: str):
+    return await sandbox.observe(sid)
+
+  @app.delete("/sessions/{sid}")
+  async def close(sid: str):
+    await sandbox.close(sid)
+    return {"closed": sid}
+
+  @app.get("/debug/sessions/{sid}/state", tags=["debug"])
+  async def debug_state(sid: str):
+    """DEBUG / TESTS ONLY: session directory, captured program outputs, window tree with geometry."""
+    return await sandbox.debug_state(sid)
+
+  return app
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--host", default="127.0.0.1")
+  ap.add_argument("--port", type=int, default=8766)
+  ap.add_argument("--step-ms", type=int, default=300, help="real ms waited after each action")
+  ap.add_argument("--lease-s", type=float, default=300.0, help="idle seconds before a session is reclaimed")
+  ap.add_argument("--max-sessions", type=int, default=8, help="concurrent sessions (ServerBusy beyond)")
+  ap.add_argument("--width", type=int, default=tasks.WIDTH)
+  ap.add_argument("--height", type=int, default=tasks.HEIGHT)
+  ap.add_argument("--gui-only", action="store_true", help="disable SDK actions (GUI-only action space)")
+  ap.add_argument("--cmd-timeout-s", type=float, default=Limits.timeout_s, help="terminal command time-out")
+  ap.add_argument("--mcp-config", default=None,
+                  help="JSON file {name: {command, args, env}}: stdio MCP servers every session may call")
+  ap.add_argument("--log-level", default="warning")
+  a = ap.parse_args(argv)
+  die_with_parent()
+  logging.basicConfig(level=a.log_level.upper())
+  mcp = None
+  if a.mcp_config:
+    with open(a.mcp_config) as f:
+      mcp = json.load(f)
+  uvicorn.run(create_app(a.step_ms, a.lease_s, a.max_sessions, a.width, a.height, a.gui_only,
+                         Limits(timeout_s=a.cmd_timeout_s), mcp), host=a.host, port=a.port, log_level=a.log_level)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,200 @@
+"""One Xvfb display and the X programs running on it (one per desktop session).
+
+Xvfb gets the first free display number from a random start above :100 (its lock file and
+socket tell which are taken), listens only on its Unix socket
+(`-nolisten tcp`), and runs in its own process group, as does every program started on it, so
+`close()` can kill each group whole. Screenshots are Pillow's `ImageGrab.grab(xdisplay=...)`.
+Without a window manager, X gives keyboard focus to the window under the pointer (PointerRoot),
+so an agent clicks into a window before typing, as on a desktop with focus-follows-mouse.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import shutil
+import signal
+import subprocess
+import threading
+import time
+
+from PIL import ImageGrab
+
+# python-xlib (used by PyAutoGUI) insists on an Xauthority file; Xvfb runs without access control
+# on its local socket, so an empty file is enough.
+_PICK_LOCK = threading.Lock()
+# Xvfb dies with the thread that started it (a server killed by SIGKILL cannot clean up; its X
+# programs then lose their display and exit too). setpriv is util-linux; skipped where missing.
+_PDEATHSIG = ["setpriv", "--pdeathsig", "KILL", "--"] if shutil.which("setpriv") else []
+_FIRST_DISPLAY = 100  # display numbers tried from here (plus a random offset): clear of :0 desktops
+XAUTH = os.path.join(os.environ.get("TMPDIR", "/tmp"), "tars-desktop-empty.Xauthority")
+
+
+def _display_taken(n: int) -> bool:
+  """True if a live X server holds display :n (its lock file names a running pid). A socket left by
+  a dead server is removed (the readiness check below looks for the socket)."""
+  try:
+    with open(f"/tmp/.X{n}-lock") as f:
+      os.kill(int(f.read().strip()), 0)
+    return True
+  except FileNotFoundError:
+    pass
+  except (ValueError, ProcessLookupError):
+    pass  # stale lock: Xvfb replaces it
+  except PermissionError:
+    return True  # alive, another user's
+  try:
+    os.unlink(f"/tmp/.X11-unix/X{n}")
+  except FileNotFoundError:
+    pass
+  except OSError:
+    return True
+  return False
+
+
+class XServerError(RuntimeError):
+  """Xvfb did not start, or a program could not be launched on it."""
+
+
+def ensure_xauthority() -> str:
+  """Creates the empty Xauthority file and points XAUTHORITY at it (this process and children)."""
+  if not os.path.exists(XAUTH):
+    open(XAUTH, "a").close()
+  os.environ.setdefault("XAUTHORITY", XAUTH)
+  return os.environ["XAUTHORITY"]
+
+
+class XDisplay:
+  """A running Xvfb of `width` x `height` x 24 bit and the programs started on it.
+
+  Args: width, height: screen size in pixels. start_timeout_s: seconds to wait for Xvfb.
+  Raises: XServerError if Xvfb is missing or does not report a display in time.
+  """
+
+  def __init__(self, width: int = 640, height: int = 480, start_timeout_s: float = 10.0):
+    ensure_xauthority()
+    self.width, self.height = width, height
+    self.programs: list[subprocess.Popen] = []
+    deadline = time.monotonic() + start_timeout_s
+    with _PICK_LOCK:  # threads of one server never race for the same number
+      n = _FIRST_DISPLAY + random.randrange(400)
+      while True:
+        n += 1
+        if _display_taken(n):
+          continue
+        try:
+          self.proc = subprocess.Popen(
+              [*_PDEATHSIG, "Xvfb", f":{n}", "-screen", "0", f"{width}x{height}x24", "-nolisten", "tcp", "-noreset", "-nocursor"],
+              start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        except FileNotFoundError as e:
+          raise XServerError("Xvfb is not installed (Debian package xvfb; scripts/setup.sh)") from e
+        # Ready when its socket exists; an exit means another server took the number: try the next.
+        while self.proc.poll() is None and not os.path.exists(f"/tmp/.X11-unix/X{n}"):
+          if time.monotonic() > deadline:
+            self._kill(self.proc)
+            raise XServerError(f"Xvfb :{n} did not start within {start_timeout_s:g} s")
+          time.sleep(0.02)
+        if self.proc.poll() is None:
+          break
+        if time.monotonic() > deadline:
+          raise XServerError(f"no free X display found within {start_timeout_s:g} s")
+    self.name = f":{n}"
+
+  def env(self, **extra) -> dict:
+    """Environment for programs on this display."""
+    return {**os.environ, "DISPLAY": self.name, "XAUTHORITY": ensure_xauthority(), **extra}
+
+  def launch(self, argv: list[str], cwd: str, env: dict | None = None, stdout=subprocess.DEVNULL) -> subprocess.Popen:
+    """Starts an X program on this display in its own process group.
+
+    Raises: XServerError if the executable is missing.
+    """
+    try:
+      p = subprocess.Popen(argv, cwd=cwd, env=self.env(**(env or {})), stdin=subprocess.DEVNULL, stdout=stdout,
+                           stderr=subprocess.DEVNULL, start_new_session=True)
+    except FileNotFoundError as e:
+      raise XServerError(f"program not installed: {argv[0]}") from e
+    self.programs.append(p)
+    return p
+
+  def alive(self) -> bool:
+    return self.proc.poll() is None
+
+  def screenshot_png(self) -> bytes:
+    """The whole screen as PNG bytes ([height, width] RGB). Raises OSError if Xvfb is gone."""
+    img = ImageGrab.grab(xdisplay=self.name)
+    buf = io.BytesIO()
+    img.convert("RGB").save(buf, format="PNG", compress_level=1)  # fast: screenshots are per step
+    return buf.getvalue()
+
+  def wait_for_windows(self, n: int, timeout_s: float = 10.0) -> bool:
+    """Waits until at least `n` top-level windows are mapped (programs have drawn); True if so."""
+    from Xlib import X, display as xdisplay  # local: only sessions need python-xlib
+    d = xdisplay.Display(self.name)
+    try:
+      deadline = time.monotonic() + timeout_s
+      while time.monotonic() < deadline:
+        if self._viewable(d.screen().root.query_tree().children, X) >= n:
+          return True
+        time.sleep(0.05)
+      return False
+    finally:
+      d.close()
+
+  @staticmethod
+  def _viewable(kids, X) -> int:
+    n = 0
+    for k in kids:
+      try:
+        n += k.get_attributes().map_state == X.IsViewable
+      except Exception:  # BadWindow: a window that vanished between the query and now (Chromium's)
+        pass
+    return n
+
+  def windows(self) -> list[dict]:
+    """Mapped top-level windows and their mapped children, depth first, with absolute geometry:
+    [{'id', 'name', 'class', 'x', 'y', 'width', 'height', 'depth'}] (tests and debugging only)."""
+    from Xlib import X, display as xdisplay
+    d = xdisplay.Display(self.name)
+    out = []
+    try:
+      def walk(w, ox, oy, depth):
+        for c in w.query_tree().children:
+          try:
+            if c.get_attributes().map_state != X.IsViewable:
+              continue
+            g = c.get_geometry()
+            cls = c.get_wm_class()
+            out.append({"id": c.id, "name": c.get_wm_name() or "", "class": cls[1] if cls else "",
+                        "x": ox + g.x, "y": oy + g.y, "width": g.width, "height": g.height, "depth": depth})
+            walk(c, ox + g.x + g.border_width, oy + g.y + g.border_width, depth + 1)
+          except Exception:  # a window that vanished mid-walk
+            continue
+      walk(d.screen().root, 0, 0, 0)
+    finally:
+      d.close()
+    return out
+
+  def close(self) -> None:
+    """Kills every program's process group, then Xvfb."""
+    for p in self.programs:
+      self._kill(p)
+    self.programs.clear()
+    self.proc.terminate()  # SIGTERM first: Xvfb removes its socket and lock file
+    try:
+      self.proc.wait(2)
+    except subprocess.TimeoutExpired:
+      pass
+    self._kill(self.proc)
+
+  @staticmethod
+  def _kill(p: subprocess.Popen) -> None:
+    try:
+      os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+      pass
+    try:
+      p.wait(5)
+    except subprocess.TimeoutExpired:
+      pass

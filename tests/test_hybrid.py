@@ -1,0 +1,209 @@
+"""Hybrid GUI + SDK tasks on the desktop sandbox: the shared session directory (terminal, editor,
+browser downloads and SDK see the same files), each hybrid task solved with GUI + SDK actions, and
+the GUI-only variant refusing SDK calls."""
+
+import asyncio
+import re
+
+import pytest
+
+from envs_bridge.client import SandboxClient
+from envs_bridge.desktop import tasks
+from envs_bridge.launch import launch_server
+from tests.test_desktop import buttons, centre, pt, settle, state, xedit_save_button
+
+
+@pytest.fixture(scope="module")
+def desk():
+  with launch_server("envs_bridge.desktop.server", step_ms=250, lease_s=120.0, max_sessions=4) as h:
+    yield h
+
+
+def dialog_labels(task: str, seed: int) -> list[str]:
+  spec, _ = tasks.make(task, seed)
+  argv = next(p.argv for p in spec.programs if p.label == "dialog")
+  return argv[argv.index("-buttons") + 1].split(",")
+
+
+async def click_dialog_button(c, url, sid, labels, label):
+  btn = buttons(state(url, sid)["windows"], left=420)[labels.index(label)]
+  return await settle(c, sid, await c.step(sid, f"click(start_box={centre(btn)})"))
+
+
+def test_dialog_sum_file_gui_plus_sdk(desk):
+  task, seed = "hybrid/dialog-sum-file", 4
+  labels = dialog_labels(task, seed)
+
+  async def go():
+    async with SandboxClient(desk.url) as c:
+      sid, _ = await c.open(task, seed)
+      tool = await c.step(sid, "Action: run_command(command='awk \"{s+=\\\\$1} END {print s}\" numbers.txt')")
+      total = tool.info["tool_output"].split("\n")[0]
+      end = await click_dialog_button(c, desk.url, sid, labels, total)
+      await c.close(sid)
+      return tool, total, end
+  tool, total, end = asyncio.run(go())
+  spec, _ = tasks.make(task, seed)
+  assert int(total) == sum(map(int, spec.files["numbers.txt"].split()))  # independent sum of the task's file
+  assert tool.info["tool_output"] == f"{total}\n[exit code 0]" and tool.reward == 0 and not tool.done
+  assert (end.reward, end.done) == (1.0, True)
+
+
+def test_dialog_count_errors_with_search_files(desk):
+  task, seed = "hybrid/dialog-count-errors", 1
+  labels = dialog_labels(task, seed)
+
+  async def go():
+    async with SandboxClient(desk.url) as c:
+      sid, _ = await c.open(task, seed)
+      found = await c.step(sid, "search_files(pattern='ERROR', path='app.log')")
+      n = len(found.info["tool_output"].splitlines())
+      end = await click_dialog_button(c, desk.url, sid, labels, str(n))
+      await c.close(sid)
+      return n, end
+  n, end = asyncio.run(go())
+  spec, _ = tasks.make(task, seed)
+  assert n == spec.files["app.log"].count(" ERROR ")
+  assert (end.reward, end.done) == (1.0, True)
+
+
+def test_code_from_the_dialog_written_with_the_sdk_and_read_back_in_the_terminal(desk):
+  task, seed = "hybrid/dialog-code-to-file", 2
+  spec, _ = tasks.make(task, seed)
+  code = re.search(r"The code is (\d+)", spec.programs[1].argv[-1]).group(1)  # what the dialog shows
+
+  async def go():
+    async with SandboxClient(desk.url) as c:
+      sid, _ = await c.open(task, seed)
+      wrong = await c.step(sid, "write_file(path='code.txt', content='000000x')")
+      # the same file through the GUI terminal: the shell sees what the SDK wrote
+      await c.step(sid, f"click(start_box={pt(200, 150)})")
+      await c.step(sid, "type(content='cat code.txt > seen_by_shell.txt\\n')")
+      seen = await c.step(sid, "read_file(path='seen_by_shell.txt')")
+      right = await settle(c, sid, await c.step(sid, f"write_file(path='code.txt', content='{code}')"))
+      await c.close(sid)
+      return wrong, seen, right
+  wrong, seen, right = asyncio.run(go())
+  assert wrong.info["tool_output"] == "wrote 7 bytes to code.txt" and wrong.reward == 0 and not wrong.done
+  assert seen.info["tool_output"] == "000000x"
+  assert (right.reward, right.done) == (1.0, True)
+
+
+def test_docs_lookup_through_mcp_then_the_editor(desk):
+  task, seed = "hybrid/docs-lookup-editor", 0  # seed 0: the magic number of the test suite
+
+  async def go():
+    async with SandboxClient(desk.url) as c:
+      sid, obs = await c.open(task, seed)
+      tools = await c.step(sid, "mcp_list_tools(server='docs')")
+      hit = await c.step(sid, "mcp_call(server='docs', tool='search_docs', arguments='{\"query\": \"magic number\", \"k\": 1}')")
+      answer = re.search(r"is (\d+)\.", hit.info["tool_output"]).group(1)
+      editor = [w for w in state(desk.url, sid)["windows"] if w["name"] == "xedit"][0]
+      await c.step(sid, f"click(start_box={pt(editor['x'] + 200, editor['y'] + 200)})")
+      await c.step(sid, f"type(content='{answer}')")
+      save = xedit_save_button(state(desk.url, sid)["windows"], top=editor["y"])
+      end = await settle(c, sid, await c.step(sid, f"click(start_box={centre(save)})"))
+      await c.close(sid)
+      return obs, tools, hit, end
+  obs, tools, hit, end = asyncio.run(go())
+  assert obs.info["mcp_servers"] == ["docs"]
+  assert tools.info["tool_output"].splitlines()[0].startswith("search_docs(query, k)")
+  assert hit.info["tool_output"] == "mcp.md: The magic number of the test suite is 4817."
+  assert (end.reward, end.done) == (1.0, True), end.info["reason"]
+
+
+def test_gui_only_variant_refuses_sdk_but_plays_by_gui(desk):
+  task, seed = "hybrid/dialog-sum-file@gui", 4
+  labels = dialog_labels(task, seed)
+  spec, gui = tasks.make(task, seed)
+  total = str(sum(map(int, spec.files["numbers.txt"].split())))
+
+  async def go():
+    async with SandboxClient(desk.url) as c:
+      sid, obs = await c.open(task, seed)
+      refused = await c.step(sid, "run_command(command='cat numbers.txt')")
+      end = await click_dialog_button(c, desk.url, sid, labels, total)
+      await c.close(sid)
+      return obs, refused, end
+  obs, refused, end = asyncio.run(go())
+  assert gui and obs.info["gui_only"] is True
+  assert refused.info["error"] == "invalid action: SDK functions are disabled in this session (GUI-only)"
+  assert "tool_output" not in refused.info
+  assert (end.reward, end.done) == (1.0, True)
+
+
+@pytest.mark.browser
+def test_browser_download_lands_in_the_shared_directory(desk):
+  """A file downloaded by clicking a link in real Chromium is visible to the SDK and the shell."""
+  task, seed = "hybrid/browser-download-total", 3
+  spec, _ = tasks.make(task, seed)
+  csv = spec.web["sales.csv"][1]
+  want = sum(int(line.split(",")[1]) for line in csv.splitlines()[1:])
+
+  async def go():
+    async with SandboxClient(desk.url) as c:
+      sid, _ = await c.open(task, seed)
+      browser = [w for w in state(desk.url, sid)["windows"] if w["class"].lower().startswith("chromium")][0]
+      for _ in range(100):  # the window maps before the page paints: wait for the link's blue (#36c)
+        img = (await c.observe(sid)).image()
+        if tuple(img[browser["y"] + 40, browser["x"] + 150]) == (0x33, 0x66, 0xcc):
+          break
+        await asyncio.sleep(0.1)
+      await c.step(sid, f"click(start_box={pt(browser['x'] + 150, browser['y'] + 40)})")  # the big link
+      listing = None
+      for _ in range(40):
+        listing = await c.step(sid, "list_files()")
+        if "sales.csv  " in listing.info["tool_output"]:
+          break
+      shell = await c.step(sid, "run_command(command='awk -F, \"NR>1 {s+=\\$2} END {print s}\" sales.csv')")
+      total = shell.info["tool_output"].split("\n")[0]
+      end = await settle(c, sid, await c.step(sid, f"write_file(path='answer.txt', content='{total}')"))
+      await c.close(sid)
+      return listing, shell, end
+  listing, shell, end = asyncio.run(go())
+  assert f"sales.csv  {len(csv)}" in listing.info["tool_output"].splitlines()
+  assert shell.info["tool_output"] == f"{want}\n[exit code 0]"
+  assert (end.reward, end.done) == (1.0, True)
+
+
+def test_mcp_servers_from_the_config_and_a_broken_one_as_an_observation():
+  """Servers named in the sandbox config reach every session; one that cannot start is a typed
+  error naming it, in the observation, and the session goes on."""
+  import sys
+
+  from envs_bridge.desktop.sessions import DesktopSandbox
+  cfg = {"kb": {"command": sys.executable, "args": ["-m", "envs_bridge.mcp_tools.docsearch_server"]},
+         "broken": {"command": sys.executable, "args": ["-c", "raise SystemExit('no config file')"]}}
+
+  async def go():
+    sb = DesktopSandbox(step_ms=50, mcp_servers=cfg)
+    await sb.start()
+    try:
+      sid, first = await sb.open("desktop/terminal-mkdir", 0)
+      bad = await sb.step(sid, "mcp_list_tools(server='broken')")
+      good = await sb.step(sid, "mcp_call(server='kb', tool='search_docs', arguments='{\"query\": \"displayfd\"}')")
+      return first, bad, good
+    finally:
+      await sb.stop()
+  first, bad, good = asyncio.run(go())
+  assert first.info["mcp_servers"] == ["broken", "kb"]
+  assert bad.info["tool_error"].startswith("McpServerError: MCP server 'broken': failed to start")
+  assert "no config file" in bad.info["tool_error"] and not bad.done and bad.info["error"] is None
+  assert good.info["tool_output"].startswith("xvfb.md: ") and good.info["tool_error"] is None
+
+
+def test_flooding_command_and_traversal_through_the_server(desk):
+  async def go():
+    async with SandboxClient(desk.url) as c:
+      sid, _ = await c.open("hybrid/dialog-code-to-file", 0)
+      flood = await c.step(sid, "run_command(command='yes flood')")
+      escape = await c.step(sid, "write_file(path='../../../tmp/escaped.txt', content='x')")
+      after = await c.step(sid, "run_command(command='echo alive')")
+      await c.close(sid)
+      return flood, escape, after
+  flood, escape, after = asyncio.run(go())
+  out = flood.info["tool_output"]
+  assert out.startswith("flood\n" * 100) and out.endswith("[output truncated]\n[killed: too much output]")
+  assert len(out) < 8192 + 100
+  assert escape.info["tool_error"] == "PathRefused: path '../../../tmp/escaped.txt' is outside the session directory"
+  assert after.info["tool_output"] == "alive\n[exit code 0]" and not after.done

@@ -207,3 +207,30 @@ def test_flooding_command_and_traversal_through_the_server(desk):
   assert len(out) < 8192 + 100
   assert escape.info["tool_error"] == "PathRefused: path '../../../tmp/escaped.txt' is outside the session directory"
   assert after.info["tool_output"] == "alive\n[exit code 0]" and not after.done
+
+
+def test_agent_loop_shows_sdk_output_to_the_policy_next_turn(desk):
+  """The rollout loop puts an SDK result (`info.tool_output`) into the next observation's text, so a
+  policy can act on what a command printed (scripted policy: it echoes a marker, then reads it)."""
+  import numpy as np
+
+  from tars_jax.agent.tokenizer import ByteTokenizer
+  from tars_jax.rollout.agent_loop import LoopConfig, run_episodes
+  tok = ByteTokenizer()
+  seen = []
+
+  def act(prompts, images):
+    out = []
+    for ids, imgs in zip(prompts, images):
+      seen.append(tok.decode(ids))
+      reply = "Action: run_command(command='echo marker-$((6*7))')" if len(imgs) == 1 else "Action: wait()"
+      r = tok.encode(reply) + [tok.eos_id]
+      out.append((r, np.zeros(len(r), np.float32), np.zeros(len(r), np.int32)))
+    return out
+
+  async def go():
+    async with SandboxClient(desk.url) as c:
+      return await run_episodes(act, [c], [("hybrid/dialog-sum-file", 4)], LoopConfig(max_turns=2), tok)
+  ep, = asyncio.run(go())
+  assert ep.turns[0].info["tool_output"] == "marker-42\n[exit code 0]"  # the shell computed 6*7
+  assert "marker-42" not in seen[0] and "marker-42\n[exit code 0]" in seen[1]

@@ -176,7 +176,8 @@ async def _run_round(act, clients, jobs, idxs, cfg, tok, version, stats, results
         await _safe_close(lv)
       else:
         lv.image = preprocess(out.image(), cfg.image_hw)
-        lv.obs_text = error
+        # SDK results (desktop/hybrid sandboxes) are observations too: the next turn sees them.
+        lv.obs_text = "\n".join(filter(None, [out.info.get("tool_output"), error])) or None
     if on_turn:
       on_turn(turn_idx)
   return lost

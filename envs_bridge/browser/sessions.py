@@ -75,12 +75,20 @@ class _Slot:
   pid: int | None = None
   generation: int = 0
   sessions: int = 0  # sessions currently on it
+  opening: int = 0  # pages being created for new sessions (counted in placement)
   lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
   died_at: float | None = None  # monotonic time the crash was noticed, until relaunched
   dead_generation: int = 0  # last generation whose death was handled
 
   def up(self) -> bool:
-    return self.browser is not None and self.browser.is_connected()
+    """Connected, and not already known to be dead (the death may be noticed before Playwright's)."""
+    return (self.browser is not None and self.browser.is_connected()
+            and self.dead_generation != self.generation)
+
+  def dead(self) -> bool:
+    """Down, or its process is gone even if Playwright has not said so yet (checked on error paths:
+    a page call can fail before the `disconnected` event arrives)."""
+    return not self.up() or (self.pid is not None and not _pid_alive(self.pid))
 
 
 @dataclasses.dataclass(eq=False)
@@ -196,6 +204,7 @@ class BrowserSandbox:
         return slot.browser
       if slot.browser is not None:
         self._browser_died(slot, "browser disconnected")
+        self._spawn(_close_browser(slot.browser))  # in case Playwright still holds on to it
       browser = await self._pw.chromium.launch(executable_path=self.executable, args=CHROMIUM_ARGS)
       slot.browser, slot.generation = browser, slot.generation + 1
       slot.pid = await _browser_pid(browser)
@@ -345,6 +354,7 @@ class BrowserSandbox:
       pg = self._take_idle(task)
       reused = pg is not None
       slot = pg.slot if reused else await self._pick_slot()
+      slot.opening += 1  # until registered: concurrent opens must see each other, or all pick one browser
       try:
         if pg is None:
           async with self._page_launches:
@@ -353,17 +363,23 @@ class BrowserSandbox:
           instruction = await self._start_episode(pg.page, seed, data_mode)
         break
       except (PlaywrightError, TimeoutError) as e:
+        slot.opening -= 1
         if pg is not None:
           await self._discard_page(pg)
         if reused:  # an idle page that went bad (e.g. its renderer crashed): try another
           continue
         why = f"page did not answer within {self.page_timeout_s:g} s" if isinstance(e, TimeoutError) else str(e)
-        if slot.up() and not isinstance(e, TimeoutError):
+        dead = slot.dead()
+        if not dead and not isinstance(e, TimeoutError):
           raise P.TaskError(f"could not start {task}: {why}") from e
-        if not slot.up():
+        if dead:
           self._browser_died(slot, f"while opening {task}")
           self._spawn(self._recover(slot))
         raise P.SessionLost(f"could not open {task} on browser {slot.index}: {why}") from e
+      except BaseException:  # cancelled (client went away): the page is left to the GC
+        slot.opening -= 1
+        raise
+    slot.opening -= 1
     self.counters["pages_reused" if reused else "pages_created"] += 1
     sid = uuid.uuid4().hex
     s = Session(sid, task, seed, spec, pg, time.monotonic(), data_mode=data_mode, instruction=instruction)
@@ -384,13 +400,13 @@ class BrowserSandbox:
     pool[:] = [pg for pg in pool if pg.usable()]
     if not pool:
       return None
-    best = min(range(len(pool)), key=lambda i: pool[i].slot.sessions)
+    best = min(range(len(pool)), key=lambda i: pool[i].slot.sessions + pool[i].slot.opening)
     return pool.pop(best)
 
   async def _pick_slot(self) -> _Slot:
     """The connected browser with the fewest sessions (waits for a relaunch if none is up)."""
     up = [s for s in self.slots if s.up()]
-    slot = min(up or self.slots, key=lambda s: (s.sessions, s.index))
+    slot = min(up or self.slots, key=lambda s: (s.sessions + s.opening, s.index))
     if not up:
       await self._ensure(slot)
     return slot
@@ -595,7 +611,7 @@ class BrowserSandbox:
       except TimeoutError as e:
         await self._page_failed(s, e, "element_box")
       except PlaywrightError as e:
-        if s.page.is_closed() or s.pg.crashed or not s.pg.slot.up():
+        if s.page.is_closed() or s.pg.crashed or s.pg.slot.dead():
           await self._page_failed(s, e, "element_box")
         raise P.InvalidAction(f"selector {selector!r}: {e}") from e
 
@@ -620,7 +636,7 @@ class BrowserSandbox:
   async def _page_failed(self, s: Session, e: BaseException, during: str):
     """Maps a page failure to SessionLost with the most precise cause, cleans up, raises."""
     slot = s.pg.slot
-    if not slot.up():
+    if slot.dead():
       self._browser_died(slot, f"noticed during {during}")
       self._spawn(self._recover(slot))
     elif s.pg.crashed:
@@ -683,6 +699,25 @@ async def _browser_pid(browser) -> int | None:
     return next((p["id"] for p in info["processInfo"] if p["type"] == "browser"), None)
   except (PlaywrightError, KeyError):
     return None
+
+
+async def _close_browser(browser) -> None:
+  try:
+    async with asyncio.timeout(10):
+      await browser.close()
+  except (PlaywrightError, TimeoutError):
+    pass
+
+
+def _pid_alive(pid: int) -> bool:
+  """False if the process is gone or a zombie (Linux /proc; True where /proc is unavailable)."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+  except FileNotFoundError:
+    return False
+  except (OSError, IndexError):
+    return True
 
 
 async def _close_context(ctx, timeout_s: float = 60.0) -> bool:

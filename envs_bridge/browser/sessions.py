@@ -8,7 +8,8 @@ the same screenshots and rewards, and MiniWoB's 10 s episode time-out takes 10 s
 Pages are reused across episodes of the same task, as MiniWoB itself does: a closed session's page
 goes back to an idle pool and the next `open` only cleans it (focus, scroll, pointer, wall-clock
 date) and restarts the episode with the seed (no new context, no page load), which is what makes
-resets cheap. A reused page gives the same screenshots as a fresh one (tested).
+resets cheap. A reused page gives the same screenshots as a fresh one (tested), except on the few
+tasks whose reset leaves something behind (`REUSE_UNSAFE_TASKS`): those always get a fresh page.
 
 Browsers: `n_browsers` Chromium processes; a new session goes to the connected browser with the
 fewest sessions (an idle page of its task is reused first). Sessions map id -> (browser, page).
@@ -63,6 +64,13 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networki
 EPOCH_MS = 1_704_067_200_000
 MAX_PAGE_STEPS = 20_000  # a page is retired after this many steps (each clock call adds an init script)
 SNAPSHOT_VERSION = 1
+# Tasks whose own reset leaves the previous episode on screen (a price, an open tab or dialog, a
+# cube's rotation): their first screenshot on a reused page differs from a fresh page's, so they
+# always get a fresh page. Found by `python -m benchmarks.reuse_parity` (2026-11-23).
+REUSE_UNSAFE_TASKS = frozenset(
+    "miniwob/" + t for t in ("book-flight", "book-flight-nodelay", "click-dialog", "click-dialog-2", "click-tab",
+                             "click-tab-2", "click-tab-2-easy", "click-tab-2-hard", "click-tab-2-medium",
+                             "drag-cube", "simon-says", "stock-market"))
 log = logging.getLogger("envs_bridge.browser")
 
 
@@ -533,7 +541,8 @@ class BrowserSandbox:
     async with s.lock:  # let a step in flight finish before the page changes hands
       pg = s.pg
       pg.session_id = None
-      if pg.usable() and pg.steps < MAX_PAGE_STEPS and sum(map(len, self.idle.values())) < self.max_idle_pages:
+      if (pg.usable() and pg.steps < MAX_PAGE_STEPS and s.task not in REUSE_UNSAFE_TASKS
+          and sum(map(len, self.idle.values())) < self.max_idle_pages):
         self.idle.setdefault(s.task, []).append(pg)
       else:
         await self._discard_page(pg)

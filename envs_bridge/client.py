@@ -5,15 +5,21 @@
     obs = await c.step(sid, "Thought: …\\nAction: click(start_box='(500,600)')")
     img = obs.image()            # [210, 160, 3] uint8
 
-`SessionPool(urls)` spreads sessions over several servers (round-robin) for rollouts.
+`SessionPool(urls)` spreads sessions over several servers (round-robin) for rollouts;
+`SessionPool.run_episode(task, seed, policy)` plays one episode and, when its session is lost
+(SessionLost, LeaseExpired, an unreachable server), replays it from its seed on the next server,
+counting `episodes_lost` / `episodes_retried` (`.stats`, and Prometheus text via `.metrics_text()`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
+from typing import Awaitable, Callable
 
 import httpx
+import prometheus_client as prom
 
 from envs_bridge import protocol as P
 
@@ -74,8 +80,31 @@ class SandboxClient:
     return (await self._call("GET", "/tasks"))["tasks"]
 
   async def health(self) -> dict:
-    """{'ok': True, 'sessions': n, ...server counters}."""
-    return await self._call("GET", "/health")
+    """{'ok': bool, 'sessions': n, 'browsers': [...], ...server counters}; also while the server
+    answers 503 (no Chromium connected: a relaunch is under way)."""
+    r = await self._http.get("/health")
+    if r.status_code not in (200, 503):
+      raise P.error_from_body(r.status_code, r.text)
+    return r.json()
+
+  async def snapshot(self, session_id: str) -> P.Snapshot:
+    """A deterministic-replay snapshot of the session (seed + actions so far + screenshot hash)."""
+    return P.Snapshot(**await self._call("POST", f"/sessions/{session_id}/snapshot"))
+
+  async def restore(self, session_id: str, snap: P.Snapshot) -> P.Observation:
+    """Replays `snap` on the session (same task); returns the restored observation.
+    Raises: InvalidAction (other task / step_ms), TaskError (replay diverged), session errors."""
+    return P.Observation(**await self._call("POST", f"/sessions/{session_id}/restore", json=snap.model_dump()))
+
+  async def metrics(self) -> str:
+    """The server's Prometheus text exposition."""
+    r = await self._http.get("/metrics")
+    r.raise_for_status()
+    return r.text
+
+  async def events(self, since: int = 0, limit: int = 1000) -> list[dict]:
+    """Server events (browser/page/session) with seq > since, oldest first."""
+    return (await self._call("GET", "/events", params={"since": since, "limit": limit}))["events"]
 
   async def element_box(self, session_id: str, selector: str) -> dict | None:
     """DEBUG / TESTS ONLY: {x, y, width, height} px of the first element matching `selector`."""
@@ -112,19 +141,110 @@ class RemoteSession:
     await self.client.close(self.id)
 
 
+# policy(session) -> the next action text, or None to stop; session.observation is the latest one.
+Policy = Callable[[RemoteSession], Awaitable[str | None]]
+# Errors after which an episode is replayed from its seed (its session or its server is gone).
+LOST_ERRORS = (P.SessionLost, P.LeaseExpired, httpx.TransportError)
+
+
+@dataclasses.dataclass
+class PoolStats:
+  episodes: int = 0  # episodes finished (not lost)
+  episodes_lost: int = 0  # attempts that lost their session
+  episodes_retried: int = 0  # replays from the seed after a loss
+  episodes_failed: int = 0  # lost on every attempt (returned with lost=True)
+
+
+@dataclasses.dataclass
+class EpisodeResult:
+  task: str
+  seed: int
+  observations: list[P.Observation]  # first observation, then one per step (of the last attempt)
+  actions: list[str]
+  attempts: int  # 1 + retries
+  lost: bool = False  # True: every attempt was lost; do not train on it
+  lost_reasons: list[str] = dataclasses.field(default_factory=list)
+
+  @property
+  def reward(self) -> float:
+    return sum(o.reward for o in self.observations)
+
+  @property
+  def done(self) -> bool:
+    return bool(self.observations) and self.observations[-1].done
+
+
 class SessionPool:
   """Sessions spread round-robin over several sandbox servers.
 
   Args:
     urls: server base URLs; one `SandboxClient` each (`.clients`).
+    max_retries: replays of a lost episode (run_episode) before it is given up as lost.
     **client_kw: passed to every SandboxClient.
   """
 
-  def __init__(self, urls, **client_kw):
+  def __init__(self, urls, max_retries: int = 2, **client_kw):
     if not urls:
       raise ValueError("SessionPool needs at least one server URL")
+    if max_retries < 0:
+      raise ValueError(f"max_retries must be >= 0, got {max_retries}")
     self.clients = [SandboxClient(u, **client_kw) for u in urls]
     self._next = itertools.cycle(range(len(self.clients)))
+    self.max_retries = max_retries
+    self.stats = PoolStats()
+    self.registry = prom.CollectorRegistry()
+    self._m = {k: prom.Counter(f"sandbox_pool_{k}", f"client pool: {k.replace('_', ' ')}", registry=self.registry)
+               for k in ("episodes", "episodes_lost", "episodes_retried", "episodes_failed")}
+
+  def _count(self, key: str) -> None:
+    setattr(self.stats, key, getattr(self.stats, key) + 1)
+    self._m[key].inc()
+
+  def metrics_text(self) -> bytes:
+    """Prometheus text of the pool counters (sandbox_pool_episodes_lost_total, ...)."""
+    return prom.generate_latest(self.registry)
+
+  async def run_episode(self, task: str, seed: int, policy: Policy, max_steps: int = 50,
+                        **open_kw) -> EpisodeResult:
+    """Plays `task`/`seed` with `policy` until done, the policy returns None, or `max_steps`.
+
+    A lost session (LOST_ERRORS) loses the attempt: it is counted (`episodes_lost`) and the episode
+    is replayed from its seed on the next server (`episodes_retried`), at most `max_retries` times;
+    after that it is returned with `lost=True` (`episodes_failed`). The policy is called afresh on
+    every attempt, so it must depend only on the observations of the attempt it is given.
+    Raises: other SandboxErrors (UnknownTask, TaskError, ...), which no replay would fix.
+    """
+    reasons: list[str] = []
+    for attempt in range(1, self.max_retries + 2):
+      sess = None
+      actions: list[str] = []
+      obs: list[P.Observation] = []
+      try:
+        sess = await self.open(task, seed, **open_kw)
+        obs.append(sess.observation)
+        while not sess.observation.done and len(actions) < max_steps:
+          a = await policy(sess)
+          if a is None:
+            break
+          actions.append(a)
+          obs.append(await sess.step(a))
+      except LOST_ERRORS as e:
+        reasons.append(f"{type(e).__name__}: {getattr(e, 'reason', None) or e}")
+        logging.warning("episode %s/%d lost on attempt %d: %s", task, seed, attempt, reasons[-1])
+        self._count("episodes_lost")
+        if attempt <= self.max_retries:
+          self._count("episodes_retried")
+        continue
+      finally:
+        if sess is not None:
+          try:
+            await sess.close()
+          except (P.SandboxError, httpx.TransportError):
+            pass  # best effort: a lost session is already gone, the lease reclaims the rest
+      self._count("episodes")
+      return EpisodeResult(task, seed, obs, actions, attempt, lost_reasons=reasons)
+    self._count("episodes_failed")
+    return EpisodeResult(task, seed, [], [], self.max_retries + 1, lost=True, lost_reasons=reasons)
 
   async def open(self, task: str, seed: int = 0, **kw) -> RemoteSession:
     """Opens a session on the next server. Raises: as SandboxClient.open."""

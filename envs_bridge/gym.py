@@ -66,8 +66,9 @@ def screen_hw(task: str) -> tuple[int, int]:
   """(height, width) of the task's screenshots at the servers' default sizes."""
   if sandbox_of(task) == DESKTOP:
     return desktop_tasks.HEIGHT, desktop_tasks.WIDTH
-  from envs_bridge.browser import miniwob_tasks as mw
-  return mw.HEIGHT, mw.WIDTH
+  from envs_bridge.browser import tasks as browser_tasks
+  ts = browser_tasks.get(task)
+  return ts.height, ts.width
 
 
 def _server_url(task: str) -> str:
@@ -175,9 +176,9 @@ class TarsEnv(gymnasium.Env):
 
 
 def all_tasks() -> tuple[str, ...]:
-  """Every task of every sandbox: MiniWoB++ (browser) and desktop + hybrid (desktop)."""
-  from envs_bridge.browser import miniwob_tasks as mw
-  return tuple(mw.task_names()) + tuple(desktop_tasks.task_names())
+  """Every task of every sandbox: MiniWoB++ and games (browser), desktop + hybrid (desktop)."""
+  from envs_bridge.browser import tasks as browser_tasks
+  return tuple(browser_tasks.task_names()) + tuple(desktop_tasks.task_names())
 
 
 def register_all(max_episode_steps: int = 15) -> list[str]:

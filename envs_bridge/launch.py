@@ -109,7 +109,8 @@ def die_with_parent() -> None:
 def launch_server(module: str = "envs_bridge.browser.server", port: int | None = None,
                   host: str = "127.0.0.1", step_ms: int = 1000, lease_s: float = 300.0,
                   max_sessions: int = 64, wait_s: float = 30.0, log_path: str | None = None,
-                  extra_args: tuple[str, ...] = ()) -> ServerHandle:
+                  extra_args: tuple[str, ...] = (), n_browsers: int = 1, page_timeout_s: float = 60.0,
+                  gc_interval_s: float = 30.0) -> ServerHandle:
   """Runs `python -m <module> --host H --port N --step-ms .. --lease-s .. --max-sessions ..` and waits
   until GET /health answers 200.
 
@@ -117,6 +118,8 @@ def launch_server(module: str = "envs_bridge.browser.server", port: int | None =
     port: None picks a free port. host: interface to bind (the URL uses it; 0.0.0.0 -> 127.0.0.1).
     wait_s: seconds to wait for /health. log_path: server stdout+stderr (default: a temp file,
       deleted on stop). extra_args: more command-line flags for the module.
+    n_browsers, page_timeout_s, gc_interval_s: browser-server flags (`--browsers`, ...), passed only
+      when they differ from the defaults (other server modules need not know them).
   Raises: RuntimeError (with the server's log tail) if it exits or does not answer within wait_s.
   """
   port = port or free_port(host)
@@ -127,7 +130,12 @@ def launch_server(module: str = "envs_bridge.browser.server", port: int | None =
   env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
              **{PARENT_ENV: str(os.getpid())})
   cmd = [sys.executable, "-m", module, "--host", host, "--port", str(port), "--step-ms", str(int(step_ms)),
-         "--lease-s", str(lease_s), "--max-sessions", str(max_sessions), *extra_args]
+         "--lease-s", str(lease_s), "--max-sessions", str(max_sessions)]
+  for flag, value, default in (("--browsers", n_browsers, 1), ("--page-timeout-s", page_timeout_s, 60.0),
+                               ("--gc-interval-s", gc_interval_s, 30.0)):
+    if value != default:
+      cmd += [flag, str(value)]
+  cmd += list(extra_args)
   with open(log_path, "ab") as out:
     proc = subprocess.Popen(cmd, env=env, cwd=_ROOT, stdout=out, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True)

@@ -5,7 +5,11 @@ HTTP/JSON over FastAPI; the OpenAPI schema is served at `/openapi.json`.
   POST   /sessions/{id}/step    StepRequest  -> Observation
   GET    /sessions/{id}/observe              -> Observation    (no action, no time passes)
   DELETE /sessions/{id}                      -> {"closed": id}
-  GET    /health                             -> {"ok": true, "sessions": n, ...counters}
+  POST   /sessions/{id}/snapshot            -> Snapshot       (deterministic replay record)
+  POST   /sessions/{id}/restore  Snapshot    -> Observation    (replays it on the session's page)
+  GET    /health                             -> {"ok": bool, "sessions": n, "browsers": [...], ...counters}
+  GET    /metrics                            -> Prometheus text (sandbox_* series)
+  GET    /events?since=seq&limit=n           -> {"events": [{seq, t, kind, ...}], "last": seq}
   GET    /tasks                              -> {"tasks": [name, ...]}
   GET    /debug/sessions/{id}/element_box?selector=css  (tests/debugging only; never shown to agents)
 
@@ -29,15 +33,16 @@ reward 0 and error "episode already done"; they are not counted.
 
 Errors are JSON `{"error": <type name>, "reason": str, ...}` with the status codes below; the client
 raises the matching exception class. A closed (or never opened) session is `UnknownSession`; a session
-reclaimed after `lease_s` idle seconds is `LeaseExpired`; one whose page or browser died is
-`SessionLost` (Chromium is relaunched on the next request). Malformed requests get FastAPI's 422.
+reclaimed after `lease_s` idle seconds is `LeaseExpired`; one whose page or browser died or hung is
+`SessionLost` with `reason` and `cause` (browser_crash, page_crash, page_hang, page_error,
+page_closed); a dead Chromium is relaunched at once. Malformed requests get FastAPI's 422.
 """
 
 from __future__ import annotations
 
 import base64
 import io
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 from pydantic import BaseModel, Field
@@ -81,6 +86,27 @@ class Observation(BaseModel):
 class OpenResponse(BaseModel):
   session_id: str
   observation: Observation
+
+
+class Snapshot(BaseModel):
+  """A session's state as a deterministic replay (envs_bridge/browser/sessions.py docstring): the
+  episode's seed and the action texts taken so far, replayed under the virtual clock on restore;
+  `screenshot_sha256` (of the PNG at snapshot time) is checked after the replay."""
+
+  version: int = Field(1, ge=1, le=1)
+  kind: str = Field("replay", pattern="^replay$")
+  task: str = Field(..., max_length=256)
+  seed: int = Field(..., ge=0, le=2**31 - 1)
+  data_mode: str = Field("train", pattern="^(train|test)$")
+  coords: str = Field("relative1000", pattern="^(relative1000|absolute)$")
+  step_ms: int = Field(..., ge=0, description="virtual ms per step of the server that took it")
+  actions: list[Annotated[str, Field(max_length=MAX_ACTION_CHARS + 1)]] = Field(default_factory=list,
+                                                                               max_length=10_000,
+                             description="action texts of the counted steps, in order")
+  step: int = Field(0, ge=0)
+  elapsed_ms: int = Field(0, ge=0)
+  done: bool = False
+  screenshot_sha256: str = Field(..., pattern="^[0-9a-f]{64}$")
 
 
 class SandboxError(Exception):

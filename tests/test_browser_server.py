@@ -279,12 +279,14 @@ def test_chromium_crash_loses_sessions_and_recovers():
         pid = _chromium_main(h.proc.pid)
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
-        with pytest.raises(P.SessionLost):
-          for _ in range(50):  # the driver notices the dead browser on the next page call
+        with pytest.raises(P.SessionLost) as e:
+          for _ in range(50):  # the server notices the dead browser (event or pid) by the next call
             await c.step(sid, "wait()")
+        assert e.value.extra["cause"] == "browser_crash" and f"pid {pid}" in e.value.reason
         sid2, _ = await c.open("miniwob/click-test", 3)  # a new Chromium serves new sessions
         o = await _click_element(c, sid2, "#subbtn")
         assert o.done and o.reward == pytest.approx(1.0)
         health = await c.health()
-        assert health["browser_restarts"] == 1 and health["lost"] >= 1
+        assert health["browser_restarts"] == 1 and health["lost"] == 1 and health["recoveries"] == 1
+        assert health["browsers"][0]["pid"] != pid
     run(go())

@@ -9,15 +9,16 @@ from gymnasium.utils.env_checker import check_env
 
 from envs_bridge import gym as tgym
 from envs_bridge.browser import miniwob_tasks as mw
+from envs_bridge.browser import tasks as browser_tasks
 from envs_bridge.desktop import tasks as dtasks
 from envs_bridge.launch import launch_server
 
 
 def test_every_task_is_registered_and_ids_round_trip():
   ids = [i for i in gymnasium.registry if i.startswith("tars/")]
-  tasks = list(mw.task_names()) + list(dtasks.task_names())
+  tasks = list(browser_tasks.task_names()) + list(dtasks.task_names())
   assert sorted(ids) == sorted(tgym.env_id(t) for t in tasks) and len(ids) == len(tasks)
-  for t in ("miniwob/click-test", "desktop/terminal-mkdir", "hybrid/dialog-sum-file@gui"):
+  for t in ("miniwob/click-test", "games/2048", "desktop/terminal-mkdir", "hybrid/dialog-sum-file@gui"):
     assert tgym.task_of(tgym.env_id(t)) == t
   assert tgym.env_id("hybrid/dialog-sum-file@gui") == "tars/hybrid.dialog-sum-file-gui"
 

@@ -1,7 +1,7 @@
-r"""Browser sandbox server: FastAPI app over one Chromium with many sessions (DESIGN.md protocol).
+r"""Browser sandbox server: FastAPI app over Chromium processes with many sessions (DESIGN.md protocol).
 
   python -m envs_bridge.browser.server --port 8765 [--host 127.0.0.1] [--step-ms 1000] \
-      [--lease-s 300] [--max-sessions 64]
+      [--lease-s 300] [--max-sessions 64] [--browsers 1] [--page-timeout-s 60] [--gc-interval-s 30]
 
 OpenAPI schema at /openapi.json; `envs_bridge/protocol.py` documents the calls, the observation and
 the error bodies. `envs_bridge.launch.launch_server` starts this as a subprocess.
@@ -15,19 +15,24 @@ import logging
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi import Query
+from fastapi.responses import JSONResponse, Response
 
 from envs_bridge import protocol as P
 from envs_bridge.browser import tasks as task_registry
+from envs_bridge.browser import telemetry
 from envs_bridge.browser.sessions import BrowserSandbox
 from envs_bridge.launch import die_with_parent
 
 log = logging.getLogger("envs_bridge.browser")
 
 
-def create_app(step_ms: int = 1000, lease_s: float = 300.0, max_sessions: int = 64) -> FastAPI:
-  """The FastAPI app; the sandbox (Chromium) starts and stops with the app's lifespan."""
-  sandbox = BrowserSandbox(step_ms=step_ms, lease_s=lease_s, max_sessions=max_sessions)
+def create_app(step_ms: int = 1000, lease_s: float = 300.0, max_sessions: int = 64, n_browsers: int = 1,
+               page_timeout_s: float = 60.0, gc_interval_s: float = 30.0) -> FastAPI:
+  """The FastAPI app; the sandbox (Chromium) starts and stops with the app's lifespan.
+  Arguments: see `BrowserSandbox`."""
+  sandbox = BrowserSandbox(step_ms=step_ms, lease_s=lease_s, max_sessions=max_sessions, n_browsers=n_browsers,
+                           page_timeout_s=page_timeout_s, gc_interval_s=gc_interval_s)
 
   @contextlib.asynccontextmanager
   async def lifespan(app):
@@ -50,8 +55,21 @@ def create_app(step_ms: int = 1000, lease_s: float = 300.0, max_sessions: int = 
 
   @app.get("/health")
   async def health():
-    return {"ok": True, "sessions": len(sandbox.sessions), "step_ms": sandbox.step_ms,
-            "lease_s": sandbox.lease_s, "max_sessions": sandbox.max_sessions, **sandbox.counters}
+    """Liveness and counters; HTTP 503 when no Chromium is connected (a relaunch is under way)."""
+    h = sandbox.health()
+    return JSONResponse(status_code=200 if h["ok"] else 503, content=h)
+
+  @app.get("/metrics")
+  async def metrics():
+    """Prometheus text format (prometheus-client): sandbox_sessions, sandbox_steps_total,
+    sandbox_steps_per_second, crash/recovery counters, sandbox_op_seconds latency histograms."""
+    return Response(content=sandbox.metrics_text(), media_type=telemetry.CONTENT_TYPE)
+
+  @app.get("/events")
+  async def events(since: int = Query(0, ge=0), limit: int = Query(1000, ge=1, le=10_000)):
+    """Browser/page/session events with seq > `since`, oldest first."""
+    evs = sandbox.events.since(since, limit)
+    return {"events": evs, "last": evs[-1]["seq"] if evs else since}
 
   @app.get("/tasks")
   async def tasks():
@@ -69,6 +87,14 @@ def create_app(step_ms: int = 1000, lease_s: float = 300.0, max_sessions: int = 
   @app.get("/sessions/{sid}/observe", response_model=P.Observation)
   async def observe(sid: str):
     return await sandbox.observe(sid)
+
+  @app.post("/sessions/{sid}/snapshot", response_model=P.Snapshot)
+  async def snapshot(sid: str):
+    return P.Snapshot(**await sandbox.snapshot(sid))
+
+  @app.post("/sessions/{sid}/restore", response_model=P.Observation)
+  async def restore(sid: str, snap: P.Snapshot):
+    return await sandbox.restore(sid, snap.model_dump())
 
   @app.delete("/sessions/{sid}")
   async def close(sid: str):
@@ -91,11 +117,15 @@ def main(argv=None):
   ap.add_argument("--step-ms", type=int, default=1000, help="virtual ms advanced per step")
   ap.add_argument("--lease-s", type=float, default=300.0, help="idle seconds before a session is reclaimed")
   ap.add_argument("--max-sessions", type=int, default=64, help="concurrent sessions (ServerBusy beyond)")
+  ap.add_argument("--browsers", type=int, default=1, help="Chromium processes (sessions spread over them)")
+  ap.add_argument("--page-timeout-s", type=float, default=60.0, help="a page silent this long counts as hung")
+  ap.add_argument("--gc-interval-s", type=float, default=30.0, help="seconds between leaked-page GC passes")
   ap.add_argument("--log-level", default="warning")
   a = ap.parse_args(argv)
   die_with_parent()  # started by launch_server: never outlive the trainer
   logging.basicConfig(level=a.log_level.upper())
-  uvicorn.run(create_app(a.step_ms, a.lease_s, a.max_sessions), host=a.host, port=a.port,
+  uvicorn.run(create_app(a.step_ms, a.lease_s, a.max_sessions, a.browsers, a.page_timeout_s, a.gc_interval_s),
+              host=a.host, port=a.port,
               log_level=a.log_level)
 
 

@@ -1,4 +1,5 @@
-"""One Chromium, many sessions (one browser context + page each), with leases and virtual time.
+"""Several Chromium processes, many sessions (one browser context + page each), with leases, a page
+GC, crash recovery, snapshots and virtual time (issue #5 items 1-3).
 
 Time is virtual (Playwright `page.clock`): the clock is installed and paused before the task page
 loads and only moves when a step advances it by `step_ms`, so the same seed and the same actions give
@@ -7,12 +8,32 @@ the same screenshots and rewards, and MiniWoB's 10 s episode time-out takes 10 s
 Pages are reused across episodes of the same task, as MiniWoB itself does: a closed session's page
 goes back to an idle pool and the next `open` only cleans it (focus, scroll, pointer, wall-clock
 date) and restarts the episode with the seed (no new context, no page load), which is what makes
-resets cheap. A reused page gives the same screenshots as a fresh one (tested).
+resets cheap. A reused page gives the same screenshots as a fresh one (tested), except on the few
+tasks whose reset leaves something behind (`REUSE_UNSAFE_TASKS`): those always get a fresh page.
+
+Browsers: `n_browsers` Chromium processes; a new session goes to the connected browser with the
+fewest sessions (an idle page of its task is reused first). Sessions map id -> (browser, page).
 
 Concurrency: one asyncio loop; each session has its own lock (a step and an observe of the same
 session never interleave) and nothing locks across sessions, so N sessions step in parallel.
-Failures: a Playwright error on a page -> that session is `SessionLost`; a dead Chromium is relaunched
-on the next request and every session on it is `SessionLost`.
+
+Failures (each one is an event, a metric, and a `SessionLost` with the reason for the sessions hit):
+  - Chromium dies (e.g. kill -9): Playwright's `disconnected` event -> every session on that browser
+    is lost, the browser is relaunched at once (`recoveries`, `sandbox_recovery_seconds`).
+  - a page's renderer crashes: the page's `crash` event -> its session is lost, its context closed.
+  - a page stops answering: every page call of a request runs under `page_timeout_s`; past it the
+    session is lost and its context closed; if even closing does not answer in time, its Chromium
+    is killed and relaunched (which loses that browser's other sessions too).
+Leases: a session idle for `lease_s` is reclaimed (page closed) -> `LeaseExpired`. GC: a browser
+context that belongs to no session and no idle pool in two passes in a row is closed (leaked page).
+
+Snapshots (`snapshot`/`restore`) are deterministic replays: MiniWoB keeps task state in JavaScript
+closures and jQuery handlers that no DOM copy can carry, so a snapshot is the episode's seed, data
+mode and the action texts taken so far (invalid ones included, as they advance time). `restore`
+restarts the episode on the session's page and replays them under the virtual clock, which restores
+the DOM, the task's JS state, the clock, reward/done, `step` and `elapsed_ms`; the screenshot's
+SHA-256 taken at snapshot time is checked after the replay (mismatch -> TaskError). Not restored:
+the mouse position between actions and anything outside the page (nothing else is kept).
 """
 
 from __future__ import annotations
@@ -20,7 +41,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import hashlib
 import logging
+import os
+import signal
 import time
 import uuid
 
@@ -30,6 +54,7 @@ from playwright.async_api import async_playwright
 from envs_bridge import protocol as P
 from envs_bridge.browser import executor
 from envs_bridge.browser import tasks
+from envs_bridge.browser.telemetry import EventLog, SandboxMetrics
 from tars_jax.agent import actions as A
 
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -38,18 +63,58 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networki
 # look the same on fresh and reused pages. Timers run on the clock's ticks, which this does not move.
 EPOCH_MS = 1_704_067_200_000
 MAX_PAGE_STEPS = 20_000  # a page is retired after this many steps (each clock call adds an init script)
+SNAPSHOT_VERSION = 1
+# Tasks whose own reset leaves the previous episode on screen (a price, an open tab or dialog, a
+# cube's rotation): their first screenshot on a reused page differs from a fresh page's, so they
+# always get a fresh page. Found by `python -m benchmarks.reuse_parity` (2026-11-23).
+REUSE_UNSAFE_TASKS = frozenset(
+    "miniwob/" + t for t in ("book-flight", "book-flight-nodelay", "click-dialog", "click-dialog-2", "click-tab",
+                             "click-tab-2", "click-tab-2-easy", "click-tab-2-hard", "click-tab-2-medium",
+                             "drag-cube", "simon-says", "stock-market"))
 log = logging.getLogger("envs_bridge.browser")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
+class _Slot:
+  """One Chromium process (relaunched in place after a crash; `generation` counts launches)."""
+
+  index: int
+  browser: object = None
+  pid: int | None = None
+  generation: int = 0
+  sessions: int = 0  # sessions currently on it
+  opening: int = 0  # pages being created for new sessions (counted in placement)
+  lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+  died_at: float | None = None  # monotonic time the crash was noticed, until relaunched
+  dead_generation: int = 0  # last generation whose death was handled
+
+  def up(self) -> bool:
+    """Connected, and not already known to be dead (the death may be noticed before Playwright's)."""
+    return (self.browser is not None and self.browser.is_connected()
+            and self.dead_generation != self.generation)
+
+  def dead(self) -> bool:
+    """Down, or its process is gone even if Playwright has not said so yet (checked on error paths:
+    a page call can fail before the `disconnected` event arrives)."""
+    return not self.up() or (self.pid is not None and not _pid_alive(self.pid))
+
+
+@dataclasses.dataclass(eq=False)
 class _Page:
   context: object
   page: object
-  generation: int  # browser generation the page belongs to
+  slot: _Slot
+  generation: int  # slot generation the page belongs to
   steps: int = 0  # over its whole life, all episodes
+  session_id: str | None = None  # the session using it, None while idle
+  crashed: str | None = None  # why the page is unusable (renderer crash)
+
+  def usable(self) -> bool:
+    return (self.crashed is None and self.generation == self.slot.generation and self.slot.up()
+            and not self.page.is_closed())
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Session:
   id: str
   task: str
@@ -57,10 +122,12 @@ class Session:
   coords: A.CoordSpec
   pg: _Page
   last_used: float
+  data_mode: str = "train"
   step: int = 0
   done: bool = False
   instruction: str = ""
   elapsed_ms: int = 0
+  actions: list[str] = dataclasses.field(default_factory=list)  # texts of the counted steps (snapshots)
   lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
 
   @property
@@ -69,7 +136,7 @@ class Session:
 
 
 class BrowserSandbox:
-  """Session manager over one Chromium process.
+  """Session manager over `n_browsers` Chromium processes.
 
   Args:
     step_ms: virtual milliseconds advanced after every step.
@@ -80,131 +147,308 @@ class BrowserSandbox:
     max_page_launches: new pages created at once. Unbounded, 64 simultaneous opens on 2 cores each
       take longer than a client's timeout, and the client retries while the server still finishes
       (and holds) the first batch of pages.
+    n_browsers: Chromium processes; sessions are spread over them (fewest sessions first).
+    page_timeout_s: the page calls of one request (act + clock + state + screenshot) must finish
+      within this many seconds, else the page counts as hung (SessionLost).
+    gc_interval_s: seconds between passes of the leaked-page collector.
   """
 
   def __init__(self, step_ms: int = 1000, lease_s: float = 300.0, max_sessions: int = 64,
-               executable: str = "/usr/bin/chromium", max_idle_pages: int = 64, max_page_launches: int = 4):
+               executable: str = "/usr/bin/chromium", max_idle_pages: int = 64, max_page_launches: int = 4,
+               n_browsers: int = 1, page_timeout_s: float = 60.0, gc_interval_s: float = 30.0):
+    if n_browsers < 1:
+      raise ValueError(f"n_browsers must be >= 1, got {n_browsers}")
+    if page_timeout_s <= 0:
+      raise ValueError(f"page_timeout_s must be > 0, got {page_timeout_s}")
     self.step_ms, self.lease_s, self.max_sessions, self.executable = step_ms, lease_s, max_sessions, executable
+    self.page_timeout_s, self.gc_interval_s = page_timeout_s, gc_interval_s
     self.sessions: dict[str, Session] = {}
     self.max_idle_pages = max_idle_pages
     self.idle: dict[str, list[_Page]] = {}  # task -> pages ready for the next episode
     self.gone: dict[str, P.SandboxError] = {}  # id -> the typed error late callers get
+    self.slots = [_Slot(i) for i in range(n_browsers)]
+    self.events = EventLog()
+    self.metrics = SandboxMetrics()
     self._pw = None
-    self._browser = None
-    self._generation = 0
-    self._launch_lock = asyncio.Lock()
+    self._stopping = False
     self._page_launches = asyncio.Semaphore(max_page_launches)
     self._reaper: asyncio.Task | None = None
+    self._background: set[asyncio.Task] = set()
+    self._gc_suspects: set = set()
+    self._last_gc = 0.0
     self.counters = {"steps": 0, "opened": 0, "closed": 0, "expired": 0, "lost": 0, "browser_restarts": 0,
-                     "pages_created": 0, "pages_reused": 0}
+                     "recoveries": 0, "page_crashes": 0, "page_hangs": 0, "gc_closed": 0,
+                     "pages_created": 0, "pages_reused": 0, "snapshots": 0, "restores": 0}
 
   # -- lifecycle --------------------------------------------------------------------------------
   async def start(self) -> None:
     self._pw = await async_playwright().start()
-    await self._ensure_browser()
+    await asyncio.gather(*[self._ensure(s) for s in self.slots])
     self._reaper = asyncio.create_task(self._reap_loop())
 
   async def stop(self) -> None:
-    if self._reaper:
-      self._reaper.cancel()
-    if self._browser is not None:
-      try:
-        await self._browser.close()
-      except PlaywrightError:
-        pass
+    self._stopping = True
+    for t in [self._reaper, *self._background]:
+      if t:
+        t.cancel()
+    for slot in self.slots:
+      if slot.browser is not None:
+        try:
+          await slot.browser.close()
+        except PlaywrightError:
+          pass
     if self._pw is not None:
       await self._pw.stop()
 
-  async def _ensure_browser(self):
-    async with self._launch_lock:
-      if self._browser is not None and self._browser.is_connected():
-        return self._browser
-      if self._browser is not None:  # Chromium died: every page on it is gone
-        log.warning("chromium disconnected; relaunching")
-        self.counters["browser_restarts"] += 1
-        for sid, s in list(self.sessions.items()):
-          if s.pg.generation == self._generation:
-            self._forget(sid, P.SessionLost("browser crashed and was restarted"))
-            self.counters["lost"] += 1
-        self.idle.clear()
-      self._browser = await self._pw.chromium.launch(executable_path=self.executable, args=CHROMIUM_ARGS)
-      self._generation += 1
-      return self._browser
+  def _spawn(self, coro) -> None:
+    t = asyncio.get_running_loop().create_task(coro)
+    self._background.add(t)
+    t.add_done_callback(self._background.discard)
+
+  async def _ensure(self, slot: _Slot):
+    """The slot's connected browser; (re)launches it if needed. Raises: PlaywrightError if launch fails."""
+    async with slot.lock:
+      if slot.up():
+        return slot.browser
+      if slot.browser is not None:
+        self._browser_died(slot, "browser disconnected")
+        self._spawn(_close_browser(slot.browser))  # in case Playwright still holds on to it
+      browser = await self._pw.chromium.launch(executable_path=self.executable, args=CHROMIUM_ARGS)
+      slot.browser, slot.generation = browser, slot.generation + 1
+      slot.pid = await _browser_pid(browser)
+      gen = slot.generation
+      browser.on("disconnected", lambda _b: self._on_disconnected(slot, gen))
+      self.events.add("browser_launched", browser=slot.index, pid=slot.pid, generation=gen)
+      if slot.died_at is not None:  # a relaunch after a crash
+        dt = time.monotonic() - slot.died_at
+        slot.died_at = None
+        self.counters["recoveries"] += 1
+        self.metrics.recoveries.inc()
+        self.metrics.recovery_s.observe(dt)
+        self.events.add("browser_recovered", browser=slot.index, pid=slot.pid, seconds=round(dt, 3))
+      self.metrics.browsers_up.set(sum(s.up() for s in self.slots))
+      return browser
+
+  def _on_disconnected(self, slot: _Slot, gen: int) -> None:
+    if self._stopping or gen != slot.generation:
+      return
+    self._browser_died(slot, "browser disconnected")
+    self._spawn(self._recover(slot))
+
+  async def _recover(self, slot: _Slot) -> None:
+    """Relaunches a dead browser now (not on the next request), retrying while launches fail."""
+    delay = 0.5
+    while not self._stopping and not slot.up():
+      try:
+        await self._ensure(slot)
+      except PlaywrightError as e:
+        log.error("relaunch of browser %d failed: %s", slot.index, e)
+        self.events.add("browser_launch_failed", browser=slot.index, error=str(e)[:300])
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 10.0)
+
+  def _browser_died(self, slot: _Slot, why: str) -> None:
+    """Book-keeping of a dead Chromium (once per generation): its sessions are lost, its pages dropped."""
+    if slot.dead_generation == slot.generation:
+      return
+    slot.dead_generation = slot.generation
+    slot.died_at = time.monotonic()
+    reason = f"browser {slot.index} (pid {slot.pid}) crashed ({why}); it is being restarted"
+    lost = [s for s in self.sessions.values() if s.pg.slot is slot]
+    log.warning("%s; %d sessions lost", reason, len(lost))
+    self.counters["browser_restarts"] += 1
+    self.metrics.browser_crashes.inc()
+    self.events.add("browser_crashed", browser=slot.index, pid=slot.pid, generation=slot.generation,
+                    sessions_lost=len(lost))
+    for s in lost:
+      self._lose(s, reason, "browser_crash")
+    for task, pool in self.idle.items():
+      self.idle[task] = [pg for pg in pool if pg.slot is not slot]
+    self.metrics.browsers_up.set(sum(s.up() for s in self.slots))
+
+  def _register(self, s: Session) -> None:
+    self.sessions[s.id] = s
+    s.pg.session_id = s.id
+    s.pg.slot.sessions += 1
+    self.metrics.sessions.set(len(self.sessions))
 
   def _forget(self, sid: str, err: P.SandboxError) -> None:
-    self.sessions.pop(sid, None)
+    s = self.sessions.pop(sid, None)
+    if s is not None:
+      s.pg.slot.sessions -= 1
+      self.metrics.sessions.set(len(self.sessions))
     self.gone[sid] = err
     if len(self.gone) > 10_000:  # bounded memory of dead ids
       self.gone.pop(next(iter(self.gone)))
 
+  def _lose(self, s: Session, reason: str, cause: str) -> None:
+    """Marks a live session lost (counted once); later calls on it raise SessionLost(reason)."""
+    if self.sessions.get(s.id) is not s:
+      return
+    self._forget(s.id, P.SessionLost(reason, cause=cause))
+    self.counters["lost"] += 1
+    self.metrics.lost.labels(cause).inc()
+    self.events.add("session_lost", session=s.id, browser=s.pg.slot.index, task=s.task, seed=s.seed,
+                    cause=cause, reason=reason)
+
   async def _reap_loop(self):
     while True:
-      await asyncio.sleep(max(0.05, min(5.0, self.lease_s / 4)))
+      await asyncio.sleep(max(0.05, min(5.0, self.lease_s / 4, self.gc_interval_s)))
       try:
+        self.metrics.sample()
         now = time.monotonic()
         for sid, s in list(self.sessions.items()):
           if now - s.last_used > self.lease_s and not s.lock.locked():
             log.info("lease expired: %s", sid)
             self.counters["expired"] += 1
+            self.metrics.events.labels("expired").inc()
+            self.events.add("session_expired", session=sid, browser=s.pg.slot.index, lease_s=self.lease_s)
             self._forget(sid, P.LeaseExpired(f"session {sid} reclaimed after {self.lease_s:g} s idle"))
-            await _close_context(s.pg.context)
+            await self._discard_page(s.pg)
+        if now - self._last_gc >= self.gc_interval_s:
+          self._last_gc = now
+          await self.collect_garbage()
       except Exception:  # the reaper must outlive any one failure
         log.exception("lease reaper")
+
+  async def collect_garbage(self) -> int:
+    """One GC pass: sessions whose page closed under them are lost; dead idle pages are dropped; a
+    context owned by no session and no idle pool in this pass and the previous one is closed.
+
+    Returns: the number of leaked contexts closed in this pass.
+    """
+    for s in list(self.sessions.values()):
+      if s.page.is_closed() and not s.lock.locked():
+        self._lose(s, "page was closed outside the sandbox", "page_closed")
+    for task, pool in self.idle.items():
+      self.idle[task] = [pg for pg in pool if pg.usable()]
+    owned = {s.pg.context for s in self.sessions.values()}
+    owned.update(pg.context for pool in self.idle.values() for pg in pool)
+    suspects, closed = set(), 0
+    for slot in self.slots:
+      if not slot.up():
+        continue
+      for ctx in list(slot.browser.contexts):
+        if ctx in owned:
+          continue
+        if ctx in self._gc_suspects:  # unowned two passes in a row: leaked (a fresh one is owned by now)
+          await _close_context(ctx, self.page_timeout_s)
+          closed += 1
+          self.events.add("gc_closed_page", browser=slot.index)
+        else:
+          suspects.add(ctx)
+    self._gc_suspects = suspects
+    if closed:
+      log.warning("GC closed %d leaked pages", closed)
+      self.counters["gc_closed"] += closed
+      self.metrics.gc_closed.inc(closed)
+    return closed
 
   # -- session API ------------------------------------------------------------------------------
   async def open(self, task: str, seed: int, coords: str = "relative1000",
                  data_mode: str = "train") -> tuple[str, P.Observation]:
     """Starts an episode of `task` with `seed` on a fresh or reused page -> (id, first observation).
 
-    Raises: UnknownTask, ServerBusy, TaskError (the page failed to start), SessionLost (browser died).
+    Raises: UnknownTask, ServerBusy, TaskError (the page failed to start), SessionLost (browser died
+    or the page hung).
     """
     ts = tasks.get(task)  # UnknownTask with the list
     if len(self.sessions) >= self.max_sessions:
       raise P.ServerBusy(f"{len(self.sessions)} sessions open (max {self.max_sessions})")
+    t0 = time.perf_counter()
     spec = A.CoordSpec(coords, ts.width, ts.height) if coords == "absolute" else A.CoordSpec()
-    browser = await self._ensure_browser()
-    pool = self.idle.setdefault(task, [])
     while True:
-      reused = bool(pool)
-      pg = pool.pop() if reused else None
+      pg = self._take_idle(task)
+      reused = pg is not None
+      slot = pg.slot if reused else await self._pick_slot()
+      slot.opening += 1  # until registered: concurrent opens must see each other, or all pick one browser
       try:
         if pg is None:
           async with self._page_launches:
-            pg = await self._new_page(browser, task)
-        instruction = await self._start_episode(pg.page, ts, seed, data_mode)
+            pg = await self._new_page(slot, task)
+        async with asyncio.timeout(self.page_timeout_s):
+          instruction = await self._start_episode(pg.page, ts, seed, data_mode)
         break
-      except PlaywrightError as e:
+      except (PlaywrightError, TimeoutError) as e:
+        slot.opening -= 1
         if pg is not None:
-          await _close_context(pg.context)
+          await self._discard_page(pg)
         if reused:  # an idle page that went bad (e.g. its renderer crashed): try another
           continue
-        if self._browser is not None and self._browser.is_connected():
-          raise P.TaskError(f"could not start {task}: {e}") from e
-        await self._ensure_browser()
-        raise P.SessionLost(f"browser died while opening {task}: {e}") from e
+        why = f"page did not answer within {self.page_timeout_s:g} s" if isinstance(e, TimeoutError) else str(e)
+        dead = slot.dead()
+        if not dead and not isinstance(e, TimeoutError):
+          raise P.TaskError(f"could not start {task}: {why}") from e
+        if dead:
+          self._browser_died(slot, f"while opening {task}")
+          self._spawn(self._recover(slot))
+        raise P.SessionLost(f"could not open {task} on browser {slot.index}: {why}") from e
+      except BaseException:  # cancelled (client went away): the page is left to the GC
+        slot.opening -= 1
+        raise
+    slot.opening -= 1
     self.counters["pages_reused" if reused else "pages_created"] += 1
     sid = uuid.uuid4().hex
-    s = Session(sid, task, seed, spec, pg, time.monotonic(), instruction=instruction)
-    self.sessions[sid] = s
+    s = Session(sid, task, seed, spec, pg, time.monotonic(), data_mode=data_mode, instruction=instruction)
+    self._register(s)
     self.counters["opened"] += 1
+    self.metrics.events.labels("opened").inc()
+    self.events.add("session_opened", session=sid, browser=slot.index, task=task, seed=seed, reused=reused)
     async with s.lock:
-      return sid, await self._observation(s, 0.0, {})
+      obs = await self._observation(s, 0.0, {})
+    self.metrics.op("open").observe(time.perf_counter() - t0)
+    return sid, obs
 
-  async def _new_page(self, browser, task: str) -> _Page:
+  def _take_idle(self, task: str) -> _Page | None:
+    """An idle page of `task` on the least-loaded browser that has one (removed from the pool)."""
+    pool = self.idle.get(task)
+    if not pool:
+      return None
+    pool[:] = [pg for pg in pool if pg.usable()]
+    if not pool:
+      return None
+    best = min(range(len(pool)), key=lambda i: pool[i].slot.sessions + pool[i].slot.opening)
+    return pool.pop(best)
+
+  async def _pick_slot(self) -> _Slot:
+    """The connected browser with the fewest sessions (waits for a relaunch if none is up)."""
+    up = [s for s in self.slots if s.up()]
+    slot = min(up or self.slots, key=lambda s: (s.sessions + s.opening, s.index))
+    if not up:
+      await self._ensure(slot)
+    return slot
+
+  async def _new_page(self, slot: _Slot, task: str) -> _Page:
+    browser = await self._ensure(slot)
     ts = tasks.get(task)
     ctx = await browser.new_context(viewport={"width": ts.width, "height": ts.height}, device_scale_factor=1,
                                     timezone_id="UTC", locale="en-US")
     try:
-      page = await ctx.new_page()
-      await page.clock.install(time=EPOCH_MS)
-      await page.clock.pause_at(EPOCH_MS + 1000)  # paused: from now on only steps move time
-      await page.goto(ts.url)
-      if ts.css:
-        await page.add_style_tag(content=ts.css)
+      async with asyncio.timeout(self.page_timeout_s):
+        page = await ctx.new_page()
+        await page.clock.install(time=EPOCH_MS)
+        await page.clock.pause_at(EPOCH_MS + 1000)  # paused: from now on only steps move time
+        await page.goto(ts.url)
+        if ts.css:
+          await page.add_style_tag(content=ts.css)
     except PlaywrightError:
-      await _close_context(ctx)
+      await _close_context(ctx, self.page_timeout_s)
       raise
-    return _Page(ctx, page, self._generation)
+    pg = _Page(ctx, page, slot, slot.generation)
+    page.on("crash", lambda _p: self._on_page_crash(pg))
+    self.events.add("page_created", browser=slot.index, task=task)
+    return pg
+
+  def _on_page_crash(self, pg: _Page) -> None:
+    pg.crashed = f"page renderer crashed (browser {pg.slot.index})"
+    self.counters["page_crashes"] += 1
+    self.metrics.page_crashes.inc()
+    self.events.add("page_crashed", browser=pg.slot.index, session=pg.session_id)
+    s = self.sessions.get(pg.session_id) if pg.session_id else None
+    if s is not None and s.pg is pg:
+      self._lose(s, pg.crashed, "page_crash")
+    if not self._stopping:
+      self._spawn(self._discard_page(pg))
 
   @staticmethod
   async def _start_episode(page, ts: tasks.TaskSpec, seed: int, data_mode: str) -> str:
@@ -226,44 +470,60 @@ class BrowserSandbox:
     """Parses and executes one action string, advances virtual time by step_ms, observes.
 
     Unparseable actions (and unknown keys) give an observation with info.error, reward 0.
-    Raises: UnknownSession, LeaseExpired, SessionLost.
+    Raises: UnknownSession, LeaseExpired, SessionLost (browser/page crashed or hung).
     """
+    t0 = time.perf_counter()
     s = self._get(sid)
     async with s.lock:
       if s.done:
         return await self._observation(s, 0.0, {"error": "episode already done"})
-      s.step += 1
-      s.pg.steps += 1
       self.counters["steps"] += 1
-      info: dict = {}
-      end = False
+      self.metrics.count_step()
       try:
-        try:
-          if len(text) > P.MAX_ACTION_CHARS:
-            raise A.ActionParseError(f"action longer than {P.MAX_ACTION_CHARS} characters")
-          action = A.parse(text, s.coords)
-          info["action"] = A.format_action(action, s.coords)
-          ts = tasks.get(s.task)
-          end = await executor.execute(s.page, action, ts.width, ts.height)
-        except (A.ActionParseError, executor.InvalidKey) as e:
-          # A malformed action is an observation (and a format signal), never a crash.
-          info["error"] = f"invalid action: {getattr(e, 'reason', None) or e}"
-        await s.page.clock.run_for(self.step_ms)
-        s.elapsed_ms += self.step_ms
-        st = await s.page.evaluate(tasks.get(s.task).state_script)
-      except PlaywrightError as e:
-        await self._lost(s, f"page failed during step: {e}")
-      s.done = bool(st["done"]) or end  # finished()/call_user(): ends with what the page has scored
-      reward = float(st["reward"]) if st["done"] else 0.0
-      info.update(raw_reward=float(st["raw_reward"]) if st["done"] else 0.0, reason=st["reason"],
-                  **tasks.get(s.task).info(st))
-      return await self._observation(s, reward, info)
+        async with asyncio.timeout(self.page_timeout_s):
+          reward, info = await self._act(s, text)
+      except (PlaywrightError, TimeoutError) as e:
+        await self._page_failed(s, e, "step")
+      obs = await self._observation(s, reward, info)
+    self.metrics.op("step").observe(time.perf_counter() - t0)
+    return obs
+
+  async def _act(self, s: Session, text: str) -> tuple[float, dict]:
+    """One counted step on the page (no screenshot) -> (reward, info). Raises: PlaywrightError."""
+    if s.pg.crashed:
+      raise PlaywrightError(s.pg.crashed)
+    s.step += 1
+    s.pg.steps += 1
+    s.actions.append(text[:P.MAX_ACTION_CHARS + 1])  # longer ones only need to stay too long on replay
+    info: dict = {}
+    end = False
+    try:
+      if len(text) > P.MAX_ACTION_CHARS:
+        raise A.ActionParseError(f"action longer than {P.MAX_ACTION_CHARS} characters")
+      action = A.parse(text, s.coords)
+      info["action"] = A.format_action(action, s.coords)
+      ts = tasks.get(s.task)
+      end = await executor.execute(s.page, action, ts.width, ts.height)
+    except (A.ActionParseError, executor.InvalidKey) as e:
+      # A malformed action is an observation (and a format signal), never a crash.
+      info["error"] = f"invalid action: {getattr(e, 'reason', None) or e}"
+    await s.page.clock.run_for(self.step_ms)
+    s.elapsed_ms += self.step_ms
+    ts = tasks.get(s.task)
+    st = await s.page.evaluate(ts.state_script)
+    s.done = bool(st["done"]) or end  # finished()/call_user(): ends with what the page has scored
+    reward = float(st["reward"]) if st["done"] else 0.0
+    info.update(raw_reward=float(st["raw_reward"]) if st["done"] else 0.0, reason=st["reason"], **ts.info(st))
+    return reward, info
 
   async def observe(self, sid: str) -> P.Observation:
     """The current screenshot; no action, no time passes; reward 0 (rewards come with steps)."""
+    t0 = time.perf_counter()
     s = self._get(sid)
     async with s.lock:
-      return await self._observation(s, 0.0, {})
+      obs = await self._observation(s, 0.0, {})
+    self.metrics.op("observe").observe(time.perf_counter() - t0)
+    return obs
 
   async def close(self, sid: str) -> None:
     """Ends a session; its page goes back to the idle pool of its task (or is closed).
@@ -271,6 +531,7 @@ class BrowserSandbox:
     Idempotent for sessions that already ended (closed, expired, lost). Raises: UnknownSession for
     ids never opened.
     """
+    t0 = time.perf_counter()
     s = self.sessions.get(sid)
     if s is None:
       if sid in self.gone:
@@ -278,13 +539,75 @@ class BrowserSandbox:
       raise P.UnknownSession(f"no session {sid!r}")
     self._forget(sid, P.UnknownSession(f"session {sid} was closed"))
     self.counters["closed"] += 1
+    self.metrics.events.labels("closed").inc()
+    self.events.add("session_closed", session=sid, browser=s.pg.slot.index, steps=s.step)
     async with s.lock:  # let a step in flight finish before the page changes hands
       pg = s.pg
-      if (pg.generation == self._generation and not pg.page.is_closed() and pg.steps < MAX_PAGE_STEPS
+      pg.session_id = None
+      if (pg.usable() and pg.steps < MAX_PAGE_STEPS and s.task not in REUSE_UNSAFE_TASKS
           and sum(map(len, self.idle.values())) < self.max_idle_pages):
         self.idle.setdefault(s.task, []).append(pg)
       else:
-        await _close_context(pg.context)
+        await self._discard_page(pg)
+    self.metrics.op("close").observe(time.perf_counter() - t0)
+
+  async def snapshot(self, sid: str) -> dict:
+    """A replay snapshot of the session (see the module docstring) -> `protocol.Snapshot` fields.
+
+    Raises: the typed session errors.
+    """
+    t0 = time.perf_counter()
+    s = self._get(sid)
+    async with s.lock:
+      png = await self._screenshot(s)
+      snap = {"version": SNAPSHOT_VERSION, "kind": "replay", "task": s.task, "seed": s.seed,
+              "data_mode": s.data_mode, "coords": s.coords.mode, "step_ms": self.step_ms,
+              "actions": list(s.actions), "step": s.step, "elapsed_ms": s.elapsed_ms, "done": s.done,
+              "screenshot_sha256": hashlib.sha256(png).hexdigest()}
+    self.counters["snapshots"] += 1
+    self.metrics.op("snapshot").observe(time.perf_counter() - t0)
+    return snap
+
+  async def restore(self, sid: str, snap: dict) -> P.Observation:
+    """Puts the session into the state of `snap` (made by `snapshot` on any server with the same
+    step_ms and task) by restarting its episode and replaying the snapshot's actions.
+
+    Returns: the observation at the restored state (reward 0).
+    Raises: InvalidAction (another task, step_ms or version); TaskError (the replay did not reach
+      the snapshot's screenshot); the typed session errors.
+    """
+    t0 = time.perf_counter()
+    s = self._get(sid)
+    if snap.get("version") != SNAPSHOT_VERSION or snap.get("kind") != "replay":
+      raise P.InvalidAction(f"unsupported snapshot version/kind {snap.get('version')}/{snap.get('kind')}")
+    if snap["task"] != s.task:
+      raise P.InvalidAction(f"snapshot of {snap['task']!r} cannot be restored into a {s.task!r} session")
+    if snap["step_ms"] != self.step_ms:
+      raise P.InvalidAction(f"snapshot taken at step_ms={snap['step_ms']}, this server runs {self.step_ms}")
+    async with s.lock:
+      try:
+        async with asyncio.timeout(self.page_timeout_s * (1 + len(snap["actions"]))):
+          if s.pg.crashed:
+            raise PlaywrightError(s.pg.crashed)
+          ts = tasks.get(s.task)
+          s.instruction = await self._start_episode(s.page, ts, snap["seed"], snap["data_mode"])
+          s.seed, s.data_mode, s.step, s.elapsed_ms, s.done, s.actions = \
+              snap["seed"], snap["data_mode"], 0, 0, False, []
+          s.coords = A.CoordSpec(snap["coords"], ts.width, ts.height) if snap["coords"] == "absolute" \
+              else A.CoordSpec()
+          for text in snap["actions"]:
+            await self._act(s, text)
+      except (PlaywrightError, TimeoutError) as e:
+        await self._page_failed(s, e, "restore")
+      png = await self._screenshot(s)
+      if hashlib.sha256(png).hexdigest() != snap["screenshot_sha256"]:
+        raise P.TaskError(f"restore of {s.task} seed {s.seed} replayed {len(snap['actions'])} actions but the "
+                          "screenshot differs from the snapshot's")
+      obs = self._make_obs(s, png, 0.0, {})
+    self.counters["restores"] += 1
+    self.events.add("session_restored", session=sid, task=s.task, steps=s.step)
+    self.metrics.op("restore").observe(time.perf_counter() - t0)
+    return obs
 
   async def element_box(self, sid: str, selector: str) -> dict | None:
     """Bounding box {x, y, width, height} (px) of the first element matching a CSS `selector`, or
@@ -295,35 +618,128 @@ class BrowserSandbox:
     s = self._get(sid)
     async with s.lock:
       try:
-        el = await s.page.query_selector(selector)
-        return None if el is None else await el.bounding_box()
+        async with asyncio.timeout(self.page_timeout_s):
+          el = await s.page.query_selector(selector)
+          return None if el is None else await el.bounding_box()
+      except TimeoutError as e:
+        await self._page_failed(s, e, "element_box")
       except PlaywrightError as e:
-        if s.page.is_closed():
-          await self._lost(s, f"page failed: {e}")
+        if s.page.is_closed() or s.pg.crashed or s.pg.slot.dead():
+          await self._page_failed(s, e, "element_box")
         raise P.InvalidAction(f"selector {selector!r}: {e}") from e
 
+  def health(self) -> dict:
+    """{ok, sessions, config, browsers: [{index, pid, up, generation, sessions, pages}], idle_pages,
+    **counters}; ok is False when no browser is connected."""
+    browsers = [{"index": s.index, "pid": s.pid, "up": s.up(), "generation": s.generation,
+                 "sessions": s.sessions, "pages": len(s.browser.contexts) if s.up() else 0} for s in self.slots]
+    return {"ok": any(b["up"] for b in browsers), "sessions": len(self.sessions), "step_ms": self.step_ms,
+            "lease_s": self.lease_s, "max_sessions": self.max_sessions, "n_browsers": len(self.slots),
+            "page_timeout_s": self.page_timeout_s, "browsers": browsers,
+            "idle_pages": sum(map(len, self.idle.values())), **self.counters}
+
+  def metrics_text(self) -> bytes:
+    """Prometheus text exposition of the sandbox metrics."""
+    for s in self.slots:
+      self.metrics.pages.labels(str(s.index)).set(len(s.browser.contexts) if s.up() else 0)
+    self.metrics.browsers_up.set(sum(s.up() for s in self.slots))
+    return self.metrics.render()
+
   # -- internals --------------------------------------------------------------------------------
-  async def _observation(self, s: Session, reward: float, info: dict) -> P.Observation:
+  async def _page_failed(self, s: Session, e: BaseException, during: str):
+    """Maps a page failure to SessionLost with the most precise cause, cleans up, raises."""
+    slot = s.pg.slot
+    if slot.dead():
+      self._browser_died(slot, f"noticed during {during}")
+      self._spawn(self._recover(slot))
+    elif s.pg.crashed:
+      self._lose(s, s.pg.crashed, "page_crash")
+    elif isinstance(e, TimeoutError):
+      self.counters["page_hangs"] += 1
+      self.metrics.page_hangs.inc()
+      self.events.add("page_hung", browser=slot.index, session=s.id, during=during, timeout_s=self.page_timeout_s)
+      self._lose(s, f"page did not answer within {self.page_timeout_s:g} s during {during}", "page_hang")
+    else:
+      self._lose(s, f"page failed during {during}: {str(e)[:300]}", "page_error")
+    await self._discard_page(s.pg)
+    err = self.gone.get(s.id)
+    raise err if isinstance(err, P.SessionLost) else P.SessionLost(f"page failed during {during}: {e}")
+
+  async def _discard_page(self, pg: _Page) -> None:
+    """Closes a page's context; one that does not close in time takes its Chromium down with it."""
+    for task, pool in self.idle.items():
+      if pg in pool:
+        pool.remove(pg)
+    if pg.generation != pg.slot.generation or not pg.slot.up():
+      return  # its browser is gone already
+    if not await _close_context(pg.context, self.page_timeout_s):
+      slot = pg.slot
+      log.error("a page of browser %d did not close; killing that Chromium (pid %s)", slot.index, slot.pid)
+      self.events.add("browser_killed", browser=slot.index, pid=slot.pid, why="page did not close")
+      if slot.pid:
+        try:
+          os.kill(slot.pid, signal.SIGKILL)  # -> disconnected -> sessions lost, relaunch
+        except ProcessLookupError:
+          pass
+
+  async def _screenshot(self, s: Session) -> bytes:
     try:
-      png = await s.page.screenshot(type="png")  # the viewport is exactly MiniWoB's #wrap
-    except PlaywrightError as e:
-      await self._lost(s, f"screenshot failed: {e}")
+      async with asyncio.timeout(self.page_timeout_s):
+        if s.pg.crashed:
+          raise PlaywrightError(s.pg.crashed)
+        return await s.page.screenshot(type="png")  # the viewport is exactly MiniWoB's #wrap
+    except (PlaywrightError, TimeoutError) as e:
+      await self._page_failed(s, e, "screenshot")
+
+  async def _observation(self, s: Session, reward: float, info: dict) -> P.Observation:
+    return self._make_obs(s, await self._screenshot(s), reward, info)
+
+  @staticmethod
+  def _make_obs(s: Session, png: bytes, reward: float, info: dict) -> P.Observation:
     full = {"instruction": s.instruction, "step": s.step, "elapsed_ms": s.elapsed_ms, "raw_reward": 0.0,
             "reason": None, "error": None, "task": s.task, "seed": s.seed}
     full.update(info)
     return P.Observation(screenshot_png_b64=base64.b64encode(png).decode(), reward=reward, done=s.done,
                          info=full)
 
-  async def _lost(self, s: Session, reason: str):
-    self.counters["lost"] += 1
-    self._forget(s.id, P.SessionLost(reason))
-    await _close_context(s.pg.context)
-    await self._ensure_browser()
-    raise P.SessionLost(reason)
 
-
-async def _close_context(ctx) -> None:
+async def _browser_pid(browser) -> int | None:
+  """The Chromium browser process id (CDP SystemInfo.getProcessInfo), None if unavailable."""
   try:
-    await ctx.close()
+    cdp = await browser.new_browser_cdp_session()
+    info = await cdp.send("SystemInfo.getProcessInfo")
+    await cdp.detach()
+    return next((p["id"] for p in info["processInfo"] if p["type"] == "browser"), None)
+  except (PlaywrightError, KeyError):
+    return None
+
+
+async def _close_browser(browser) -> None:
+  try:
+    async with asyncio.timeout(10):
+      await browser.close()
+  except (PlaywrightError, TimeoutError):
+    pass
+
+
+def _pid_alive(pid: int) -> bool:
+  """False if the process is gone or a zombie (Linux /proc; True where /proc is unavailable)."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+  except FileNotFoundError:
+    return False
+  except (OSError, IndexError):
+    return True
+
+
+async def _close_context(ctx, timeout_s: float = 60.0) -> bool:
+  """Closes a browser context; False if it did not close within `timeout_s`."""
+  try:
+    async with asyncio.timeout(timeout_s):
+      await ctx.close()
   except PlaywrightError:
     pass
+  except TimeoutError:
+    return False
+  return True

@@ -9,6 +9,7 @@ command -v Xvfb >/dev/null 2>&1 || need_apt+=(xvfb)
 command -v xterm >/dev/null 2>&1 || need_apt+=(xterm)
 command -v xedit >/dev/null 2>&1 || need_apt+=(x11-apps)
 command -v xmessage >/dev/null 2>&1 || need_apt+=(x11-utils)
+command -v bwrap >/dev/null 2>&1 || need_apt+=(bubblewrap)
 if ((${#need_apt[@]})); then
   echo "[setup] installing Debian packages: ${need_apt[*]}"
   SUDO=""; [[ $(id -u) -eq 0 ]] || SUDO="sudo"

@@ -118,6 +118,25 @@ def test_cpu_and_memory_rlimits(tmp_path):
   assert "MemoryError" in r.output and r.exit_code == 1
 
 
+def test_commands_see_only_the_session_directory(tmp_path):
+  if not terminal.Limits.fs_confined():
+    pytest.skip("bubblewrap missing or not permitted here: commands can read outside the session directory")
+  root, outside = tmp_path / "session", tmp_path / "other_session"
+  root.mkdir()
+  outside.mkdir()
+  (outside / "secret.txt").write_text("s3cret\n")
+  (root / "mine.txt").write_text("mine\n")
+  r = run(terminal.run_command(f"cat mine.txt; cat {outside}/secret.txt; ls {os.getcwd()}; touch /usr/x; "
+                               "echo w > made.txt; echo t > /tmp/t && cat /tmp/t", str(root)))
+  assert r.output.startswith("mine\n") and "s3cret" not in r.output
+  assert f"{outside}/secret.txt: No such file or directory" in r.output  # the sibling is not there at all
+  assert f"cannot access '{os.getcwd()}': No such file or directory" in r.output  # nor the project
+  assert "touch: cannot touch '/usr/x': Read-only file system" in r.output and r.output.endswith("t\n")  # private /tmp works
+  assert (root / "made.txt").read_text() == "w\n" and not (outside / "made.txt").exists()
+  r = run(terminal.run_command(f"cat {outside}/secret.txt", str(root), terminal.Limits(confine_fs=False)))
+  assert r.output == "s3cret\n"  # the same command unconfined reads it: the confinement did the refusing
+
+
 def test_no_network(tmp_path):
   if not terminal.Limits.network_isolated():
     pytest.skip("unshare --net not permitted here (needs root / CAP_SYS_ADMIN): commands keep the network")
@@ -128,7 +147,12 @@ def test_no_network(tmp_path):
     port = srv.getsockname()[1]
     probe = f"python3 -c 'import socket; socket.create_connection((\"127.0.0.1\", {port}), timeout=2)'"
     r = run(terminal.run_command(probe, str(tmp_path)))
-    assert "Network is unreachable" in r.output and r.exit_code == 1
+    # The host's listener is not there: a loopback of its own (bubblewrap brings one up: refused) or
+    # none at all (`unshare --net`: unreachable).
+    assert ("Connection refused" in r.output or "Network is unreachable" in r.output) and r.exit_code == 1
+    r = run(terminal.run_command("python3 -c 'import socket; socket.create_connection((\"192.0.2.1\", 80), timeout=2)'",
+                                 str(tmp_path)))
+    assert "Network is unreachable" in r.output and r.exit_code == 1  # no route out at all
     r = run(terminal.run_command(probe, str(tmp_path), terminal.Limits(no_network=False)))
     assert r.output == "" and r.exit_code == 0  # the same probe with network: connects
 

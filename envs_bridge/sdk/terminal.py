@@ -1,16 +1,20 @@
 """Terminal commands of the GUI-SDK: `bash -c` in the session directory, confined (report 2.1-2.2).
 
 Each command runs as
-  prlimit --cpu=S --as=B --fsize=B --nproc=N -- [unshare --net --] bash --noprofile --norc -c CMD
-in its own process group with cwd = HOME = the session directory:
+  prlimit --cpu=S --as=B --fsize=B --nproc=N -- bwrap <mounts> --unshare-net --unshare-pid -- bash -c CMD
+(falling back to `unshare --net` where bubblewrap is missing or not permitted) in its own process
+group with cwd = HOME = the session directory:
+  - file system: the command sees only the session directory (read-write, at its own path), the
+    OS read-only (/usr, /etc and the /bin, /lib links), a private /tmp, /proc and /dev — not the
+    project, other sessions' directories or /root (bubblewrap mount namespace; `Limits.fs_confined()`
+    says whether it is in force here);
   - wall-clock time-out: the whole group is killed, the output so far comes back marked;
   - output cap: stdout+stderr beyond `max_output` bytes are not kept; a command that floods output
     is killed when it passes `kill_output` bytes (so `yes` ends at once), marked;
   - CPU seconds, address space, file size and process count limits (resource rlimits via prlimit);
-  - no network: a fresh network namespace (`unshare --net`, needs root / CAP_SYS_ADMIN); where it is
-    not permitted the command runs with network and `Limits.network_isolated()` says so.
-Commands can still read files outside the session directory (no mount namespace or chroot); the
-file functions of `sdk.files` are path-confined.
+  - no network: a fresh network namespace (bubblewrap's or `unshare --net`, needs root /
+    CAP_SYS_ADMIN); where it is not permitted the command runs with network and
+    `Limits.network_isolated()` says so.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ class Limits:
   memory_bytes: address space (RLIMIT_AS); file_bytes: largest file written (RLIMIT_FSIZE);
   nproc: processes of the user (RLIMIT_NPROC, 0 = unlimited: root ignores it anyway);
   max_output: bytes of stdout+stderr shown; kill_output: bytes after which the command is killed;
-  no_network: run in a new network namespace."""
+  no_network: run in a new network namespace; confine_fs: only the session directory is visible
+  (and writable) besides the read-only OS (bubblewrap)."""
 
   timeout_s: float = 10.0
   cpu_s: int = 10
@@ -40,6 +45,7 @@ class Limits:
   max_output: int = 8192
   kill_output: int = 1 << 20
   no_network: bool = True
+  confine_fs: bool = True
 
   @staticmethod
   @functools.lru_cache(maxsize=1)
@@ -47,7 +53,33 @@ class Limits:
     """True if `unshare --net` works here (root or CAP_SYS_ADMIN)."""
     if not shutil.which("unshare"):
       return False
+    if Limits.fs_confined():
+      return True  # bubblewrap's --unshare-net
     return subprocess.run(["unshare", "--net", "--", "true"], capture_output=True).returncode == 0
+
+  @staticmethod
+  @functools.lru_cache(maxsize=1)
+  def fs_confined() -> bool:
+    """True if bubblewrap (Debian `bubblewrap`, installed by scripts/setup.sh) runs here."""
+    if not shutil.which("bwrap"):
+      return False
+    return subprocess.run(_bwrap("/") + ["true"], capture_output=True).returncode == 0
+
+
+def _bwrap(root: str) -> list[str]:
+  """bubblewrap argv prefix: read-only OS, private /tmp, `root` read-write at its own path, no network,
+  own pid namespace; dies with its parent. Binds after `--tmpfs /tmp` so a root under /tmp shows."""
+  argv = ["bwrap", "--ro-bind", "/usr", "/usr", "--ro-bind", "/etc", "/etc"]
+  for d in ("bin", "lib", "lib64", "sbin"):  # merged-/usr links (or real dirs on older systems)
+    p = "/" + d
+    if os.path.islink(p):
+      argv += ["--symlink", os.readlink(p), p]
+    elif os.path.isdir(p):
+      argv += ["--ro-bind", p, p]
+  argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+  if root != "/":
+    argv += ["--bind", root, root]
+  return argv + ["--chdir", root, "--unshare-net", "--unshare-pid", "--die-with-parent", "--"]
 
 
 @dataclasses.dataclass
@@ -72,14 +104,19 @@ class CommandResult:
     return out + "\n".join(marks)
 
 
-def command_line(command: str, limits: Limits) -> list[str]:
-  """argv that runs `command` under `limits` (see the module docstring)."""
+def command_line(command: str, limits: Limits, cwd: str = "/") -> list[str]:
+  """argv that runs `command` under `limits` with `cwd` as the only visible directory (module docstring)."""
   pl = ["prlimit", f"--cpu={int(limits.cpu_s)}", f"--as={int(limits.memory_bytes)}",
         f"--fsize={int(limits.file_bytes)}"]
   if limits.nproc:
     pl.append(f"--nproc={int(limits.nproc)}")
-  net = ["unshare", "--net", "--"] if limits.no_network and Limits.network_isolated() else []
-  return [*pl, "--", *net, "bash", "--noprofile", "--norc", "-c", command]
+  if limits.confine_fs and Limits.fs_confined():
+    box = _bwrap(os.path.realpath(cwd))
+    if not limits.no_network:
+      box.remove("--unshare-net")
+  else:
+    box = ["unshare", "--net", "--"] if limits.no_network and Limits.network_isolated() else []
+  return [*pl, "--", *box, "bash", "--noprofile", "--norc", "-c", command]
 
 
 async def run_command(command: str, cwd: str, limits: Limits = Limits(), env: dict | None = None) -> CommandResult:
@@ -93,7 +130,7 @@ async def run_command(command: str, cwd: str, limits: Limits = Limits(), env: di
   base_env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": cwd, "LANG": "C.UTF-8", "TERM": "dumb",
               "PS1": "$ "}
   proc = await asyncio.create_subprocess_exec(
-      *command_line(command, limits), cwd=cwd, env={**base_env, **(env or {})}, stdin=asyncio.subprocess.DEVNULL,
+      *command_line(command, limits, cwd), cwd=cwd, env={**base_env, **(env or {})}, stdin=asyncio.subprocess.DEVNULL,
       stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
   buf = bytearray()
   total = 0

@@ -162,7 +162,7 @@ def test_image_features_fill_image_blocks_in_order():
   pol = Policy(CFG, nnx.Rngs(0))
   toks, mask, pix = _batch(np.random.default_rng(0), [2, 4], n_images=2)
   img_mask = jnp.array([[True, True], [True, False]])
-  x = nnx.jit(lambda t: t.embed_inputs(toks, pix, img_mask))(pol.trunk)
+  x = nnx.jit(lambda t: t.embed_inputs(toks, pix, img_mask)[0])(pol.trunk)
   alone = nnx.jit(lambda v: v(pix.reshape((-1,) + pix.shape[2:])))(pol.trunk.visual).reshape(2, 2, -1, CFG.hidden)
   n = CFG.n_img_tokens
   for b in range(2):
@@ -199,7 +199,7 @@ def test_padding_invariance_and_vision_gradient():
   loss, grads = nnx.jit(nnx.value_and_grad(lm_loss))(pol)
   assert np.isfinite(float(loss))
   vis = grads.trunk.visual
-  for g in (vis.patch_embed.kernel, vis.pos_embed, vis.blocks[0].attn.qkv.kernel, vis.merger.linear_fc2.kernel):
+  for g in (vis.patch_embed.proj.kernel, vis.pos_embed, vis.blocks[0].attn.qkv.kernel, vis.merger.linear_fc2.kernel):
     g = np.asarray(g[...])
     assert np.all(np.isfinite(g)) and np.abs(g).sum() > 0
   # the router gets gradient through the aux loss and the routing weights
@@ -233,5 +233,8 @@ def test_config_from_dict_and_presets():
     ModelConfig(mrope_section=(1, 1, 1))
   tiny = ModelConfig.tiny()
   assert tiny.merged_grid == (8, 6) and tiny.n_img_tokens == 48 and tiny.sections == (6, 5, 5)
+  assert tiny.pos_table_side == 16 and tiny.family == "qwen3_vl_moe"
+  with pytest.raises(ValueError, match="qwen3_vl_moe"):
+    ModelConfig(family="llama")
   with pytest.raises(ValueError):
     ModelConfig(image_h=100).merged_grid

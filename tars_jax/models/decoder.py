@@ -118,9 +118,11 @@ class Decoder(nnx.Module):
     self.layers = nnx.List([DecoderLayer(cfg, i, rngs) for i in range(cfg.layers)])
     self.norm = nnx.RMSNorm(cfg.hidden, epsilon=cfg.rms_eps, dtype=cfg.jdtype, rngs=rngs)
 
-  def __call__(self, x, positions, attn_mask, cache: KVCache | None = None, cache_index=0):
+  def __call__(self, x, positions, attn_mask, cache: KVCache | None = None, cache_index=0, deepstack=None):
     """x [B, L, D]; positions [3, B, L] int32; attn_mask [B, L] bool (real tokens).
 
+    deepstack: None or [n, B, L, D] added to the hidden states after layers 0 .. n-1 (zero away from
+    image tokens; transformers `_deepstack_process`).
     Without cache: causal attention over the L tokens restricted to `attn_mask` keys.
     With cache: the L tokens go to slots cache_index.. (their `attn_mask` is recorded in
     `cache.mask`) and attend causally over all valid cache slots; cache_index is an int32 scalar
@@ -139,6 +141,8 @@ class Decoder(nnx.Module):
     for i, layer in enumerate(self.layers):
       kv = None if cache is None else (cache.k[i], cache.v[i])
       x, r, kv = layer(x, cos, sin, key_mask, kv, cache_index)
+      if deepstack is not None and i < deepstack.shape[0]:
+        x = x + deepstack[i].astype(x.dtype)
       if r is not None:
         routers.append(r)
       if cache is not None:

@@ -71,14 +71,3 @@ def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   d = x.shape[-1] // 2
   rot = jnp.concatenate([-x[..., d:], x[..., :d]], axis=-1)
   return x * cos[:, :, None] + rot * sin[:, :, None]
-
-
-def rope_2d_cos_sin(gh: int, gw: int, head_dim: int, theta: float):
-  """cos, sin [gh*gw, head_dim] of a 2D rotary embedding (half the frequencies per axis), as the
-  Qwen2-VL vision tower."""
-  quarter = head_dim // 4
-  inv = 1.0 / (theta ** (jnp.arange(quarter, dtype=jnp.float32) / quarter))
-  r, c = jnp.meshgrid(jnp.arange(gh), jnp.arange(gw), indexing="ij")
-  ang = jnp.concatenate([r.reshape(-1, 1) * inv, c.reshape(-1, 1) * inv], axis=-1)  # [N, half]
-  ang = jnp.concatenate([ang, ang], axis=-1)
-  return jnp.cos(ang), jnp.sin(ang)

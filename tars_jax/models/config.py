@@ -18,7 +18,9 @@ from typing import Any
 
 import jax.numpy as jnp
 
-FAMILIES = ("qwen3_vl_moe",)  # transformers model_type values this code implements
+FAMILIES = ("qwen3_vl_moe", "qwen2_5_vl")  # transformers model_type values this code implements
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OpenAI CLIP normalisation (Qwen2.5-VL processor)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +43,12 @@ class ModelConfig:
   the image-token hidden states after decoder layers 0, 1, ... (DeepStack; () = none).
   `mlp_only_layers`: decoder layers forced dense. `image_token_id`: the placeholder id (our byte
   tokenizer's IMAGE = 259). `tie_word_embeddings`: LM head = embedding matrix.
+  `family = "qwen2_5_vl"` (transformers `Qwen2_5_VLForConditionalGeneration`): RMSNorm + SwiGLU
+  (with biases) vision blocks, no learned positions, window attention (windows of `window_size`
+  pixels) except in `fullatt_block_indexes`, RMSNorm merger; a dense Qwen2 decoder (q/k/v biases,
+  no qk-norm, `experts = 0`, head_dim = hidden / heads) with contiguous (not interleaved) M-RoPE
+  sections. `image_mean` / `image_std` normalise [0, 1] pixels (None: the family's processor
+  default, 0.5 / 0.5 for qwen3_vl_moe, CLIP's for qwen2_5_vl).
   The defaults are the `tiny()` preset (1.48M parameters: 0.42M vision, 1.05M text) for RL on CPU.
   """
 
@@ -76,12 +84,24 @@ class ModelConfig:
   mlp_only_layers: tuple[int, ...] = ()
   image_token_id: int = 259
   tie_word_embeddings: bool = False
+  window_size: int = 112
+  fullatt_block_indexes: tuple[int, ...] = ()
+  image_mean: tuple[float, float, float] | None = None
+  image_std: tuple[float, float, float] | None = None
 
   def __post_init__(self):
     if self.family not in FAMILIES:
       raise ValueError(f"unknown model family {self.family!r}; known: {list(FAMILIES)}")
-    for name in ("deepstack_visual_indexes", "mlp_only_layers"):
+    for name in ("deepstack_visual_indexes", "mlp_only_layers", "fullatt_block_indexes"):
       object.__setattr__(self, name, tuple(int(i) for i in getattr(self, name)))
+    for name in ("image_mean", "image_std"):
+      if getattr(self, name) is not None:
+        object.__setattr__(self, name, tuple(float(x) for x in getattr(self, name)))
+    if self.family == "qwen2_5_vl":
+      if self.experts or self.deepstack_visual_indexes:
+        raise ValueError("qwen2_5_vl is a dense model without DeepStack: set experts=0, deepstack_visual_indexes=()")
+      if self.head_dim * self.heads != self.hidden:
+        raise ValueError(f"qwen2_5_vl needs head_dim * heads == hidden ({self.head_dim} * {self.heads} != {self.hidden})")
     if any(not 0 <= i < self.vision_depth for i in self.deepstack_visual_indexes):
       raise ValueError(f"deepstack_visual_indexes {self.deepstack_visual_indexes} outside [0, {self.vision_depth})")
     if len(self.deepstack_visual_indexes) > self.layers:
@@ -114,8 +134,8 @@ class ModelConfig:
     if unknown:
       raise ValueError(f"unknown model config fields {sorted(unknown)}")
     d = dict(d)
-    for name in ("deepstack_visual_indexes", "mlp_only_layers"):
-      if name in d:
+    for name in ("deepstack_visual_indexes", "mlp_only_layers", "fullatt_block_indexes", "image_mean", "image_std"):
+      if d.get(name) is not None:
         d[name] = tuple(int(x) for x in d[name])
     if d.get("mrope_section") is not None:
       d["mrope_section"] = tuple(int(x) for x in d["mrope_section"])
@@ -135,6 +155,20 @@ class ModelConfig:
     if self.image_h % p2 or self.image_w % p2:
       raise ValueError(f"image {self.image_h}x{self.image_w} not divisible by merge*patch_size={p2}")
     return self.image_h // p2, self.image_w // p2
+
+  @property
+  def interleaved_mrope(self) -> bool:
+    """Qwen3-VL interleaves the (t, h, w) frequencies; Qwen2.5-VL gives each a contiguous chunk."""
+    return self.family != "qwen2_5_vl"
+
+  @property
+  def pixel_norm(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(mean, std) per channel applied to [0, 1] pixels."""
+    if self.family == "qwen2_5_vl":
+      default = (CLIP_MEAN, CLIP_STD)
+    else:
+      default = ((0.5,) * 3, (0.5,) * 3)
+    return (self.image_mean or default[0], self.image_std or default[1])
 
   @property
   def pos_table_side(self) -> int:

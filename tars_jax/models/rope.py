@@ -52,15 +52,25 @@ def next_position(tokens, attn_mask, image_token_id, grid_hw) -> jax.Array:
   return incr.sum(-1).astype(jnp.int32)
 
 
-def mrope_cos_sin(positions: jax.Array, head_dim: int, theta: float, sections: tuple[int, int, int]):
-  """cos, sin [B, T, head_dim] for positions [3, B, T] with interleaved (t, h, w) frequencies."""
+def mrope_cos_sin(positions: jax.Array, head_dim: int, theta: float, sections: tuple[int, int, int],
+                  interleaved: bool = True):
+  """cos, sin [B, T, head_dim] for positions [3, B, T].
+
+  interleaved (Qwen3-VL): frequency j uses h if j % 3 == 1 and j < 3 * s_h, w if j % 3 == 2 and
+  j < 3 * s_w, else t. Contiguous (Qwen2/2.5-VL): the first s_t frequencies use t, the next s_h h,
+  the last s_w w.
+  """
   half = head_dim // 2
   inv = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
   ang = positions.astype(jnp.float32)[..., None] * inv  # [3, B, T, half]
   idx = jnp.arange(half)
-  _, s_h, s_w = sections
-  use_h = (idx % 3 == 1) & (idx < 3 * s_h)
-  use_w = (idx % 3 == 2) & (idx < 3 * s_w)
+  s_t, s_h, s_w = sections
+  if interleaved:
+    use_h = (idx % 3 == 1) & (idx < 3 * s_h)
+    use_w = (idx % 3 == 2) & (idx < 3 * s_w)
+  else:
+    use_h = (idx >= s_t) & (idx < s_t + s_h)
+    use_w = idx >= s_t + s_h
   a = jnp.where(use_h, ang[1], jnp.where(use_w, ang[2], ang[0]))
   a = jnp.concatenate([a, a], axis=-1)
   return jnp.cos(a), jnp.sin(a)

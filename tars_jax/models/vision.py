@@ -1,4 +1,5 @@
-"""ViT vision encoder of `qwen3_vl_moe` (transformers `Qwen3VLMoeVisionModel`): patch embedding
+"""ViT vision encoder of `qwen3_vl_moe` (transformers `Qwen3VLMoeVisionModel`) and `qwen2_5_vl`
+(`Qwen2_5_VisionTransformerPretrainedModel`: see `ModelConfig` for its differences): patch embedding
 (a linear map of the flattened (channel, time, dy, dx) patch = the Conv3d), learned absolute
 positions bilinearly resampled to the patch grid, 2D rotary attention per image, pre-norm blocks,
 2x2 patch merger into the decoder width, and DeepStack mergers on chosen blocks.
@@ -71,13 +72,23 @@ def rope_2d_cos_sin(gh: int, gw: int, head_dim: int, theta: float, m: int):
   return jnp.cos(ang), jnp.sin(ang)
 
 
-def patchify(images: jax.Array, p: int, t: int, m: int) -> jax.Array:
+@functools.lru_cache(maxsize=64)
+def window_mask(gh: int, gw: int, m: int, window: int) -> np.ndarray:
+  """[L, L] bool (merge-block order): patches in the same window of `window` x `window` merged
+  tokens, windows tiled from the top-left (transformers `get_vision_window_index`)."""
+  k = np.arange(gh * gw) // (m * m)
+  bw = gw // m
+  wid = (k // bw // window) * (bw // window + 1) + (k % bw) // window
+  return wid[:, None] == wid[None, :]
+
+
+def patchify(images: jax.Array, p: int, t: int, m: int, mean=(0.5,) * 3, std=(0.5,) * 3) -> jax.Array:
   """images [N, H, W, 3] float in [0, 1] -> patches [N, L, 3*t*p*p] in merge-block order, each
-  flattened as (channel, time, dy, dx) after normalising to [-1, 1] (mean = std = 0.5, the Qwen3-VL
-  image processor's) and repeating the still frame t times (as the processor does)."""
+  flattened as (channel, time, dy, dx) after normalising per channel ((x - mean) / std, the image
+  processor's) and repeating the still frame t times (as the processor does)."""
   n, h, w, c = images.shape
   gh, gw = h // p, w // p
-  x = (images.astype(jnp.float32) - 0.5) / 0.5
+  x = (images.astype(jnp.float32) - jnp.asarray(mean, jnp.float32)) / jnp.asarray(std, jnp.float32)
   x = x.reshape(n, gh // m, m, p, gw // m, m, p, c).transpose(0, 1, 4, 2, 5, 7, 3, 6)  # n bh bw mr mc c dy dx
   x = x.reshape(n, gh * gw, c, 1, p, p)
   return jnp.broadcast_to(x, (n, gh * gw, c, t, p, p)).reshape(n, gh * gw, c * t * p * p)
@@ -89,14 +100,17 @@ class VisionAttention(nnx.Module):
     self.qkv = nnx.Linear(d, 3 * d, dtype=dtype, rngs=rngs)
     self.proj = nnx.Linear(d, d, dtype=dtype, rngs=rngs)
 
-  def __call__(self, x, cos, sin):
-    """x [N, L, d] (L patches of one image each); cos/sin [L, head_dim]. Full (non-causal) attention."""
+  def __call__(self, x, cos, sin, mask=None):
+    """x [N, L, d] (L patches of one image each); cos/sin [L, head_dim]; mask None (full attention)
+    or [L, L] bool (window attention)."""
     n, l, d = x.shape
     hd = d // self.heads
     qkv = self.qkv(x).reshape(n, l, 3, self.heads, hd)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     q, k = rotate(q, cos[None], sin[None]).astype(x.dtype), rotate(k, cos[None], sin[None]).astype(x.dtype)
     att = jnp.einsum("nqhd,nkhd->nhqk", q, k).astype(jnp.float32) / jnp.sqrt(jnp.float32(hd))
+    if mask is not None:
+      att = jnp.where(jnp.asarray(mask), att, -1e30)
     o = jnp.einsum("nhqk,nkhd->nqhd", jax.nn.softmax(att, axis=-1).astype(v.dtype), v).reshape(n, l, d)
     return self.proj(o)
 
@@ -112,18 +126,38 @@ class VisionMLP(nnx.Module):
     return self.linear_fc2(jax.nn.gelu(self.linear_fc1(x), approximate=True))
 
 
+class VisionSwiGLU(nnx.Module):
+  """down_proj(silu(gate_proj(x)) * up_proj(x)), all with biases (Qwen2.5-VL `Qwen2_5_VLMLP(bias=True)`)."""
+
+  def __init__(self, d: int, i: int, dtype, rngs: nnx.Rngs):
+    self.gate_proj = nnx.Linear(d, i, dtype=dtype, rngs=rngs)
+    self.up_proj = nnx.Linear(d, i, dtype=dtype, rngs=rngs)
+    self.down_proj = nnx.Linear(i, d, dtype=dtype, rngs=rngs)
+
+  def __call__(self, x):
+    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _norm(cfg: ModelConfig, d: int, rngs: nnx.Rngs):
+  """Vision norm: LayerNorm (qwen3_vl_moe) or RMSNorm (qwen2_5_vl), eps 1e-6."""
+  if cfg.family == "qwen2_5_vl":
+    return nnx.RMSNorm(d, epsilon=1e-6, dtype=cfg.jdtype, rngs=rngs)
+  return nnx.LayerNorm(d, epsilon=1e-6, dtype=cfg.jdtype, rngs=rngs)
+
+
 class VisionBlock(nnx.Module):
-  """Pre-norm ViT block: LayerNorm -> rotary MHA; LayerNorm -> MLP."""
+  """Pre-norm ViT block: norm -> rotary MHA; norm -> MLP (tanh-GELU MLP, or SwiGLU for qwen2_5_vl)."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     d, dt = cfg.vision_hidden, cfg.jdtype
-    self.norm1 = nnx.LayerNorm(d, epsilon=1e-6, dtype=dt, rngs=rngs)
+    self.norm1 = _norm(cfg, d, rngs)
     self.attn = VisionAttention(d, cfg.vision_heads, dt, rngs)
-    self.norm2 = nnx.LayerNorm(d, epsilon=1e-6, dtype=dt, rngs=rngs)
-    self.mlp = VisionMLP(d, cfg.vision_mlp, dt, rngs)
+    self.norm2 = _norm(cfg, d, rngs)
+    mlp = VisionSwiGLU if cfg.family == "qwen2_5_vl" else VisionMLP
+    self.mlp = mlp(d, cfg.vision_mlp, dt, rngs)
 
-  def __call__(self, x, cos, sin):
-    x = x + self.attn(self.norm1(x), cos, sin)
+  def __call__(self, x, cos, sin, mask=None):
+    x = x + self.attn(self.norm1(x), cos, sin, mask)
     return x + self.mlp(self.norm2(x))
 
 
@@ -131,9 +165,11 @@ class PatchMerger(nnx.Module):
   """Concatenate each 2x2 block's 4 patches, MLP (exact GELU) to the decoder width. LayerNorm per
   patch before (main merger) or over the concatenation after (`postshuffle`, DeepStack mergers)."""
 
-  def __init__(self, d: int, out: int, dtype, rngs: nnx.Rngs, m: int = 2, postshuffle: bool = False):
+  def __init__(self, d: int, out: int, dtype, rngs: nnx.Rngs, m: int = 2, postshuffle: bool = False,
+               rms: bool = False):
     self.m2, self.postshuffle = m * m, postshuffle
-    self.norm = nnx.LayerNorm(d * self.m2 if postshuffle else d, epsilon=1e-6, dtype=dtype, rngs=rngs)
+    norm = nnx.RMSNorm if rms else nnx.LayerNorm  # RMSNorm: Qwen2.5-VL's `ln_q`
+    self.norm = norm(d * self.m2 if postshuffle else d, epsilon=1e-6, dtype=dtype, rngs=rngs)
     self.linear_fc1 = nnx.Linear(self.m2 * d, self.m2 * d, dtype=dtype, rngs=rngs)
     self.linear_fc2 = nnx.Linear(self.m2 * d, out, dtype=dtype, rngs=rngs)
 
@@ -153,7 +189,8 @@ class PatchEmbed(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     n_in = 3 * cfg.temporal_patch_size * cfg.patch_size ** 2
-    self.proj = nnx.Linear(n_in, cfg.vision_hidden, dtype=cfg.jdtype, rngs=rngs)
+    self.proj = nnx.Linear(n_in, cfg.vision_hidden, use_bias=cfg.family != "qwen2_5_vl", dtype=cfg.jdtype,
+                           rngs=rngs)
 
   def __call__(self, patches):
     return self.proj(patches)
@@ -174,9 +211,12 @@ class VisionEncoder(nnx.Module):
     self.patch_embed = PatchEmbed(cfg, rngs)
     # Learned absolute positions, initialised to a 2D sin-cos table (MAE) so that where a patch is
     # is readable from the first step: an RL policy trained from scratch must point at things.
-    self.pos_embed = nnx.Param(sincos_2d(side, side, d))
+    # (Qwen2.5-VL has none: 2D rotary only.)
+    self.learned_pos = cfg.family != "qwen2_5_vl"
+    if self.learned_pos:
+      self.pos_embed = nnx.Param(sincos_2d(side, side, d))
     self.blocks = nnx.List([VisionBlock(cfg, rngs) for _ in range(cfg.vision_depth)])
-    self.merger = PatchMerger(d, cfg.hidden, dt, rngs, m)
+    self.merger = PatchMerger(d, cfg.hidden, dt, rngs, m, rms=not self.learned_pos)
     self.deepstack_merger_list = nnx.List([PatchMerger(d, cfg.hidden, dt, rngs, m, postshuffle=True)
                                            for _ in cfg.deepstack_visual_indexes])
 
@@ -188,13 +228,17 @@ class VisionEncoder(nnx.Module):
     if gh % m or gw % m:
       raise ValueError(f"patch grid {gh}x{gw} not divisible by spatial_merge_size={m}")
     x = self.patch_embed(patches.astype(cfg.jdtype))
-    idx, w = pos_interp(gh, gw, self.cfg.pos_table_side, m)
-    pos = jnp.einsum("lkd,lk->ld", self.pos_embed[...][jnp.asarray(idx)], jnp.asarray(w))
-    x = x + pos[None].astype(x.dtype)
+    if self.learned_pos:
+      idx, w = pos_interp(gh, gw, self.cfg.pos_table_side, m)
+      pos = jnp.einsum("lkd,lk->ld", self.pos_embed[...][jnp.asarray(idx)], jnp.asarray(w))
+      x = x + pos[None].astype(x.dtype)
     cos, sin = rope_2d_cos_sin(gh, gw, cfg.vision_hidden // cfg.vision_heads, cfg.vision_rope_theta, m)
+    win = None
+    if cfg.family == "qwen2_5_vl":  # window attention except in the full-attention blocks
+      win = window_mask(gh, gw, m, cfg.window_size // m // cfg.patch_size)
     deep = []
     for i, blk in enumerate(self.blocks):
-      x = blk(x, cos, sin)
+      x = blk(x, cos, sin, None if i in cfg.fullatt_block_indexes else win)
       if i in cfg.deepstack_visual_indexes:
         deep.append(self.deepstack_merger_list[cfg.deepstack_visual_indexes.index(i)](x))
     return jnp.stack([self.merger(x)] + deep)
@@ -202,7 +246,8 @@ class VisionEncoder(nnx.Module):
   def encode(self, pixel_values: jax.Array) -> jax.Array:
     """pixel_values [N, image_h, image_w, 3] in [0, 1] -> [1 + n_deepstack, N, n_img_tokens, hidden]."""
     cfg = self.cfg
-    patches = patchify(pixel_values, cfg.patch_size, cfg.temporal_patch_size, cfg.spatial_merge_size)
+    patches = patchify(pixel_values, cfg.patch_size, cfg.temporal_patch_size, cfg.spatial_merge_size,
+                       *cfg.pixel_norm)
     return self.encode_patches(patches, self.gh, self.gw)
 
   def __call__(self, pixel_values: jax.Array) -> jax.Array:

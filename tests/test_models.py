@@ -238,3 +238,26 @@ def test_config_from_dict_and_presets():
     ModelConfig(family="llama")
   with pytest.raises(ValueError):
     ModelConfig(image_h=100).merged_grid
+
+
+@pytest.mark.parametrize("remat", ["full", "dots"])
+def test_remat_same_loss_and_gradients(remat):
+  """Rematerialisation changes memory, not math: loss and every gradient equal the plain ones."""
+  import dataclasses
+  toks, mask, pix = _batch(np.random.default_rng(5), [2, 6])
+  pos = rope_positions(toks, mask, IMAGE, CFG.merged_grid)
+
+  def loss_and_grads(cfg):
+    pol = Policy(cfg, nnx.Rngs(0))
+    def loss(m):
+      lg, aux = m(toks, pos, mask, pix)
+      return jnp.mean(jax.nn.log_softmax(lg)[..., 7]) + 0.1 * aux
+    return nnx.jit(nnx.value_and_grad(loss))(pol)
+
+  l0, g0 = loss_and_grads(CFG)
+  l1, g1 = loss_and_grads(dataclasses.replace(CFG, remat=remat))
+  np.testing.assert_allclose(l1, l0, rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)  # float32 reassociation
+  with pytest.raises(ValueError, match="remat"):
+    ModelConfig(remat="some")

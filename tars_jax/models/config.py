@@ -21,6 +21,9 @@ import jax.numpy as jnp
 FAMILIES = ("qwen3_vl_moe", "qwen2_5_vl")  # transformers model_type values this code implements
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OpenAI CLIP normalisation (Qwen2.5-VL processor)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+# Rematerialisation of each decoder layer / vision block in the backward pass (`jax.checkpoint`):
+# "none" keeps all activations; "full" recomputes the block; "dots" saves matmul outputs only.
+REMAT_POLICIES = ("none", "full", "dots")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +52,8 @@ class ModelConfig:
   no qk-norm, `experts = 0`, head_dim = hidden / heads) with contiguous (not interleaved) M-RoPE
   sections. `image_mean` / `image_std` normalise [0, 1] pixels (None: the family's processor
   default, 0.5 / 0.5 for qwen3_vl_moe, CLIP's for qwen2_5_vl).
+  Memory knobs: `dtype = "bfloat16"` (activations), `remat` in `REMAT_POLICIES` (per decoder layer
+  and vision block: "none", "full" recompute, or "dots" = keep matmul outputs, recompute the rest).
   The defaults are the `tiny()` preset (1.48M parameters: 0.42M vision, 1.05M text) for RL on CPU.
   """
 
@@ -88,8 +93,11 @@ class ModelConfig:
   fullatt_block_indexes: tuple[int, ...] = ()
   image_mean: tuple[float, float, float] | None = None
   image_std: tuple[float, float, float] | None = None
+  remat: str = "none"
 
   def __post_init__(self):
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"remat={self.remat!r}; known: {list(REMAT_POLICIES)}")
     if self.family not in FAMILIES:
       raise ValueError(f"unknown model family {self.family!r}; known: {list(FAMILIES)}")
     for name in ("deepstack_visual_indexes", "mlp_only_layers", "fullatt_block_indexes"):

@@ -116,6 +116,14 @@ class DecoderLayer(nnx.Module):
     return x + m, router, kv
 
 
+def remat_call(cfg: ModelConfig, block, *args):
+  """block(*args), under `nnx.remat` with the policy `cfg.remat` names (identity for "none")."""
+  if cfg.remat == "none":
+    return block(*args)
+  policy = None if cfg.remat == "full" else jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+  return nnx.remat(lambda b, *a: b(*a), policy=policy)(block, *args)
+
+
 class Decoder(nnx.Module):
   """Embedded inputs -> decoder layers -> final RMSNorm (no embedding, no head)."""
 
@@ -146,7 +154,7 @@ class Decoder(nnx.Module):
     routers, ks, vs = [], [], []
     for i, layer in enumerate(self.layers):
       kv = None if cache is None else (cache.k[i], cache.v[i])
-      x, r, kv = layer(x, cos, sin, key_mask, kv, cache_index)
+      x, r, kv = remat_call(cfg, layer, x, cos, sin, key_mask, kv, cache_index)
       if deepstack is not None and i < deepstack.shape[0]:
         x = x + deepstack[i].astype(x.dtype)
       if r is not None:

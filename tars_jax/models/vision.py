@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from tars_jax.models.config import ModelConfig
+from tars_jax.models.decoder import remat_call
 from tars_jax.models.rope import rotate
 
 
@@ -42,10 +43,11 @@ def block_order(gh: int, gw: int, m: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 @functools.lru_cache(maxsize=64)
-def pos_interp(gh: int, gw: int, side: int, m: int) -> tuple[np.ndarray, np.ndarray]:
-  """Bilinear (align_corners=True) resampling of a side x side table to a gh x gw grid, in
-  merge-block order: (indices [L, 4] int32 into the flattened table, weights [L, 4] float32).
-  As transformers `get_vision_interpolation_indices_and_weights(mode='bilinear', align_corners=True)`."""
+def pos_interp(gh: int, gw: int, side: int, m: int) -> np.ndarray:
+  """[L, side*side] float32 matrix resampling a side x side table bilinearly (align_corners=True) to
+  a gh x gw grid, rows in merge-block order: as transformers `get_vision_interpolation_indices_and_
+  weights(mode='bilinear', align_corners=True)`, as a dense matrix (its gradient is a matmul, not a
+  scatter, which is slow on CPU)."""
   row, col = block_order(gh, gw, m)
 
   def axis(i, size):
@@ -57,8 +59,11 @@ def pos_interp(gh: int, gw: int, side: int, m: int) -> tuple[np.ndarray, np.ndar
 
   ht, hw = axis(row, gh)
   wt, ww = axis(col, gw)
-  idx = (ht[:, :, None] * side + wt[:, None, :]).reshape(-1, 4).astype(np.int32)
-  return idx, (hw[:, :, None] * ww[:, None, :]).reshape(-1, 4)
+  idx = (ht[:, :, None] * side + wt[:, None, :]).reshape(-1, 4)
+  w = (hw[:, :, None] * ww[:, None, :]).reshape(-1, 4)
+  mat = np.zeros((gh * gw, side * side), np.float32)
+  np.add.at(mat, (np.repeat(np.arange(gh * gw), 4), idx.reshape(-1)), w.reshape(-1))
+  return mat
 
 
 def rope_2d_cos_sin(gh: int, gw: int, head_dim: int, theta: float, m: int):
@@ -229,8 +234,7 @@ class VisionEncoder(nnx.Module):
       raise ValueError(f"patch grid {gh}x{gw} not divisible by spatial_merge_size={m}")
     x = self.patch_embed(patches.astype(cfg.jdtype))
     if self.learned_pos:
-      idx, w = pos_interp(gh, gw, self.cfg.pos_table_side, m)
-      pos = jnp.einsum("lkd,lk->ld", self.pos_embed[...][jnp.asarray(idx)], jnp.asarray(w))
+      pos = jnp.asarray(pos_interp(gh, gw, self.cfg.pos_table_side, m)) @ self.pos_embed[...]
       x = x + pos[None].astype(x.dtype)
     cos, sin = rope_2d_cos_sin(gh, gw, cfg.vision_hidden // cfg.vision_heads, cfg.vision_rope_theta, m)
     win = None
@@ -238,7 +242,7 @@ class VisionEncoder(nnx.Module):
       win = window_mask(gh, gw, m, cfg.window_size // m // cfg.patch_size)
     deep = []
     for i, blk in enumerate(self.blocks):
-      x = blk(x, cos, sin, None if i in cfg.fullatt_block_indexes else win)
+      x = remat_call(cfg, blk, x, cos, sin, None if i in cfg.fullatt_block_indexes else win)
       if i in cfg.deepstack_visual_indexes:
         deep.append(self.deepstack_merger_list[cfg.deepstack_visual_indexes.index(i)](x))
     return jnp.stack([self.merger(x)] + deep)

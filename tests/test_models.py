@@ -162,7 +162,7 @@ def test_image_features_fill_image_blocks_in_order():
   pol = Policy(CFG, nnx.Rngs(0))
   toks, mask, pix = _batch(np.random.default_rng(0), [2, 4], n_images=2)
   img_mask = jnp.array([[True, True], [True, False]])
-  x = nnx.jit(lambda t: t.embed_inputs(toks, pix, img_mask))(pol.trunk)
+  x = nnx.jit(lambda t: t.embed_inputs(toks, pix, img_mask)[0])(pol.trunk)
   alone = nnx.jit(lambda v: v(pix.reshape((-1,) + pix.shape[2:])))(pol.trunk.visual).reshape(2, 2, -1, CFG.hidden)
   n = CFG.n_img_tokens
   for b in range(2):
@@ -199,7 +199,7 @@ def test_padding_invariance_and_vision_gradient():
   loss, grads = nnx.jit(nnx.value_and_grad(lm_loss))(pol)
   assert np.isfinite(float(loss))
   vis = grads.trunk.visual
-  for g in (vis.patch_embed.kernel, vis.pos_embed, vis.blocks[0].attn.qkv.kernel, vis.merger.linear_fc2.kernel):
+  for g in (vis.patch_embed.proj.kernel, vis.pos_embed, vis.blocks[0].attn.qkv.kernel, vis.merger.linear_fc2.kernel):
     g = np.asarray(g[...])
     assert np.all(np.isfinite(g)) and np.abs(g).sum() > 0
   # the router gets gradient through the aux loss and the routing weights
@@ -233,5 +233,31 @@ def test_config_from_dict_and_presets():
     ModelConfig(mrope_section=(1, 1, 1))
   tiny = ModelConfig.tiny()
   assert tiny.merged_grid == (8, 6) and tiny.n_img_tokens == 48 and tiny.sections == (6, 5, 5)
+  assert tiny.pos_table_side == 16 and tiny.family == "qwen3_vl_moe"
+  with pytest.raises(ValueError, match="qwen3_vl_moe"):
+    ModelConfig(family="llama")
   with pytest.raises(ValueError):
     ModelConfig(image_h=100).merged_grid
+
+
+@pytest.mark.parametrize("remat", ["full", "dots"])
+def test_remat_same_loss_and_gradients(remat):
+  """Rematerialisation changes memory, not math: loss and every gradient equal the plain ones."""
+  import dataclasses
+  toks, mask, pix = _batch(np.random.default_rng(5), [2, 6])
+  pos = rope_positions(toks, mask, IMAGE, CFG.merged_grid)
+
+  def loss_and_grads(cfg):
+    pol = Policy(cfg, nnx.Rngs(0))
+    def loss(m):
+      lg, aux = m(toks, pos, mask, pix)
+      return jnp.mean(jax.nn.log_softmax(lg)[..., 7]) + 0.1 * aux
+    return nnx.jit(nnx.value_and_grad(loss))(pol)
+
+  l0, g0 = loss_and_grads(CFG)
+  l1, g1 = loss_and_grads(dataclasses.replace(CFG, remat=remat))
+  np.testing.assert_allclose(l1, l0, rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)  # float32 reassociation
+  with pytest.raises(ValueError, match="remat"):
+    ModelConfig(remat="some")

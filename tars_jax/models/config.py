@@ -1,12 +1,14 @@
 """Model configuration of the policy/critic family (structure of transformers' `qwen3_vl_moe`).
 
-Field <-> transformers `Qwen3VLMoeConfig` names (for the later weight-import issue):
+Field <-> transformers `Qwen3VLMoeConfig` names (`hf_io.config_from_hf` / `config_to_hf` convert):
   vision: patch_size, vision_hidden = hidden_size, vision_depth = depth, vision_heads = num_heads,
-          vision_mlp = intermediate_size (spatial_merge_size = 2, temporal_patch_size = 1 here);
+          vision_mlp = intermediate_size, temporal_patch_size, spatial_merge_size,
+          num_position_embeddings, deepstack_visual_indexes;
   text:   vocab_size, hidden = hidden_size, layers = num_hidden_layers, heads = num_attention_heads,
           kv_heads = num_key_value_heads, head_dim, experts = num_experts, top_k = num_experts_per_tok,
           moe_intermediate = moe_intermediate_size, dense_intermediate = intermediate_size,
-          decoder_sparse_step, norm_topk_prob, mrope_section (rope_scaling), rope_theta, rms_eps.
+          decoder_sparse_step, mlp_only_layers, norm_topk_prob, mrope_section (rope_parameters),
+          rope_theta, rms_eps; top level: image_token_id, tie_word_embeddings.
 """
 
 from __future__ import annotations
@@ -15,6 +17,13 @@ import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
+
+FAMILIES = ("qwen3_vl_moe", "qwen2_5_vl")  # transformers model_type values this code implements
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OpenAI CLIP normalisation (Qwen2.5-VL processor)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+# Rematerialisation of each decoder layer / vision block in the backward pass (`jax.checkpoint`):
+# "none" keeps all activations; "full" recomputes the block; "dots" saves matmul outputs only.
+REMAT_POLICIES = ("none", "full", "dots")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +38,22 @@ class ModelConfig:
   `mrope_section` splits the head_dim / 2 rotary frequencies over (t, h, w), interleaved as
   Qwen3-VL; None = an even split. `dtype` is the activation/compute dtype ("float32" or "bfloat16");
   parameters are always float32 and logits are returned in float32.
+  `family` picks the architecture (`FAMILIES`). Vision: each image is cut into `patch_size` patches
+  (`temporal_patch_size` copies of the frame, as transformers' image processor does for stills);
+  the learned position table has `num_position_embeddings` = side^2 entries, bilinearly resampled
+  to the image's patch grid (None = (max patch-grid side)^2 of `image_h` x `image_w`: no resampling
+  for square grids); `deepstack_visual_indexes` lists vision blocks whose merged outputs are added to
+  the image-token hidden states after decoder layers 0, 1, ... (DeepStack; () = none).
+  `mlp_only_layers`: decoder layers forced dense. `image_token_id`: the placeholder id (our byte
+  tokenizer's IMAGE = 259). `tie_word_embeddings`: LM head = embedding matrix.
+  `family = "qwen2_5_vl"` (transformers `Qwen2_5_VLForConditionalGeneration`): RMSNorm + SwiGLU
+  (with biases) vision blocks, no learned positions, window attention (windows of `window_size`
+  pixels) except in `fullatt_block_indexes`, RMSNorm merger; a dense Qwen2 decoder (q/k/v biases,
+  no qk-norm, `experts = 0`, head_dim = hidden / heads) with contiguous (not interleaved) M-RoPE
+  sections. `image_mean` / `image_std` normalise [0, 1] pixels (None: the family's processor
+  default, 0.5 / 0.5 for qwen3_vl_moe, CLIP's for qwen2_5_vl).
+  Memory knobs: `dtype = "bfloat16"` (activations), `remat` in `REMAT_POLICIES` (per decoder layer
+  and vision block: "none", "full" recompute, or "dots" = keep matmul outputs, recompute the rest).
   The defaults are the `tiny()` preset (1.48M parameters: 0.42M vision, 1.05M text) for RL on CPU.
   """
 
@@ -56,8 +81,39 @@ class ModelConfig:
   rms_eps: float = 1e-6
   mrope_section: tuple[int, int, int] | None = None
   dtype: str = "float32"
+  family: str = "qwen3_vl_moe"
+  temporal_patch_size: int = 1
+  spatial_merge_size: int = 2
+  num_position_embeddings: int | None = None
+  deepstack_visual_indexes: tuple[int, ...] = ()
+  mlp_only_layers: tuple[int, ...] = ()
+  image_token_id: int = 259
+  tie_word_embeddings: bool = False
+  window_size: int = 112
+  fullatt_block_indexes: tuple[int, ...] = ()
+  image_mean: tuple[float, float, float] | None = None
+  image_std: tuple[float, float, float] | None = None
+  remat: str = "none"
 
   def __post_init__(self):
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"remat={self.remat!r}; known: {list(REMAT_POLICIES)}")
+    if self.family not in FAMILIES:
+      raise ValueError(f"unknown model family {self.family!r}; known: {list(FAMILIES)}")
+    for name in ("deepstack_visual_indexes", "mlp_only_layers", "fullatt_block_indexes"):
+      object.__setattr__(self, name, tuple(int(i) for i in getattr(self, name)))
+    for name in ("image_mean", "image_std"):
+      if getattr(self, name) is not None:
+        object.__setattr__(self, name, tuple(float(x) for x in getattr(self, name)))
+    if self.family == "qwen2_5_vl":
+      if self.experts or self.deepstack_visual_indexes:
+        raise ValueError("qwen2_5_vl is a dense model without DeepStack: set experts=0, deepstack_visual_indexes=()")
+      if self.head_dim * self.heads != self.hidden:
+        raise ValueError(f"qwen2_5_vl needs head_dim * heads == hidden ({self.head_dim} * {self.heads} != {self.hidden})")
+    if any(not 0 <= i < self.vision_depth for i in self.deepstack_visual_indexes):
+      raise ValueError(f"deepstack_visual_indexes {self.deepstack_visual_indexes} outside [0, {self.vision_depth})")
+    if len(self.deepstack_visual_indexes) > self.layers:
+      raise ValueError(f"{len(self.deepstack_visual_indexes)} deepstack levels > {self.layers} decoder layers")
     if self.heads % self.kv_heads:
       raise ValueError(f"heads={self.heads} not a multiple of kv_heads={self.kv_heads}")
     if self.vision_hidden % self.vision_heads or (self.vision_hidden // self.vision_heads) % 4:
@@ -86,6 +142,9 @@ class ModelConfig:
     if unknown:
       raise ValueError(f"unknown model config fields {sorted(unknown)}")
     d = dict(d)
+    for name in ("deepstack_visual_indexes", "mlp_only_layers", "fullatt_block_indexes", "image_mean", "image_std"):
+      if d.get(name) is not None:
+        d[name] = tuple(int(x) for x in d[name])
     if d.get("mrope_section") is not None:
       d["mrope_section"] = tuple(int(x) for x in d["mrope_section"])
     return cls(**d)
@@ -100,10 +159,34 @@ class ModelConfig:
   @property
   def merged_grid(self) -> tuple[int, int]:
     """(rows, cols) of merged vision tokens per image. Raises ValueError if not divisible."""
-    p2 = 2 * self.patch_size
+    p2 = self.spatial_merge_size * self.patch_size
     if self.image_h % p2 or self.image_w % p2:
-      raise ValueError(f"image {self.image_h}x{self.image_w} not divisible by 2*patch_size={p2}")
+      raise ValueError(f"image {self.image_h}x{self.image_w} not divisible by merge*patch_size={p2}")
     return self.image_h // p2, self.image_w // p2
+
+  @property
+  def interleaved_mrope(self) -> bool:
+    """Qwen3-VL interleaves the (t, h, w) frequencies; Qwen2.5-VL gives each a contiguous chunk."""
+    return self.family != "qwen2_5_vl"
+
+  @property
+  def pixel_norm(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(mean, std) per channel applied to [0, 1] pixels."""
+    if self.family == "qwen2_5_vl":
+      default = (CLIP_MEAN, CLIP_STD)
+    else:
+      default = ((0.5,) * 3, (0.5,) * 3)
+    return (self.image_mean or default[0], self.image_std or default[1])
+
+  @property
+  def pos_table_side(self) -> int:
+    """Side of the square learned vision position table (`num_position_embeddings` = side^2)."""
+    if self.num_position_embeddings is None:
+      return max(self.image_h, self.image_w) // self.patch_size
+    side = int(round(self.num_position_embeddings ** 0.5))
+    if side * side != self.num_position_embeddings:
+      raise ValueError(f"num_position_embeddings={self.num_position_embeddings} is not a square")
+    return side
 
   @property
   def n_img_tokens(self) -> int:
@@ -120,4 +203,6 @@ class ModelConfig:
     return (half - h - w, h, w)
 
   def is_sparse(self, layer_idx: int) -> bool:
-    return self.experts > 0 and (layer_idx + 1) % self.decoder_sparse_step == 0
+    """transformers' rule: MoE iff not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0."""
+    return (layer_idx not in self.mlp_only_layers and self.experts > 0
+            and (layer_idx + 1) % self.decoder_sparse_step == 0)

@@ -49,17 +49,21 @@ def write_slots(buf: jax.Array, new: jax.Array, index) -> jax.Array:
 
 
 class Attention(nnx.Module):
-  """GQA self-attention with RMS qk-norm (per head, before rotary), as `Qwen3VLMoeTextAttention`."""
+  """GQA self-attention with RMS qk-norm (per head, before rotary), as `Qwen3VLMoeTextAttention`;
+  for qwen2_5_vl with q/k/v biases and no qk-norm (`Qwen2_5_VLAttention`)."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     d, h, kv, hd, dt = cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.jdtype
     self.h, self.kv, self.hd = h, kv, hd
-    self.q_proj = nnx.Linear(d, h * hd, use_bias=False, dtype=dt, rngs=rngs)
-    self.k_proj = nnx.Linear(d, kv * hd, use_bias=False, dtype=dt, rngs=rngs)
-    self.v_proj = nnx.Linear(d, kv * hd, use_bias=False, dtype=dt, rngs=rngs)
+    qwen2 = cfg.family == "qwen2_5_vl"  # Qwen2 attention: q/k/v biases, no qk-norm
+    self.q_proj = nnx.Linear(d, h * hd, use_bias=qwen2, dtype=dt, rngs=rngs)
+    self.k_proj = nnx.Linear(d, kv * hd, use_bias=qwen2, dtype=dt, rngs=rngs)
+    self.v_proj = nnx.Linear(d, kv * hd, use_bias=qwen2, dtype=dt, rngs=rngs)
     self.o_proj = nnx.Linear(h * hd, d, use_bias=False, dtype=dt, rngs=rngs)
-    self.q_norm = nnx.RMSNorm(hd, epsilon=cfg.rms_eps, dtype=dt, rngs=rngs)
-    self.k_norm = nnx.RMSNorm(hd, epsilon=cfg.rms_eps, dtype=dt, rngs=rngs)
+    self.qk_norm = not qwen2
+    if self.qk_norm:
+      self.q_norm = nnx.RMSNorm(hd, epsilon=cfg.rms_eps, dtype=dt, rngs=rngs)
+      self.k_norm = nnx.RMSNorm(hd, epsilon=cfg.rms_eps, dtype=dt, rngs=rngs)
 
   def __call__(self, x, cos, sin, key_mask, kv=None, write_index=0):
     """x [B, L, D]; cos/sin [B, L, hd]; key_mask [B, S] bool over key slots.
@@ -71,8 +75,10 @@ class Attention(nnx.Module):
     lengths per row). Returns (y [B, L, D], (k, v) | None).
     """
     b, l, _ = x.shape
-    q = self.q_norm(self.q_proj(x).reshape(b, l, self.h, self.hd))
-    k = self.k_norm(self.k_proj(x).reshape(b, l, self.kv, self.hd))
+    q = self.q_proj(x).reshape(b, l, self.h, self.hd)
+    k = self.k_proj(x).reshape(b, l, self.kv, self.hd)
+    if self.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
     v = self.v_proj(x).reshape(b, l, self.kv, self.hd)
     q, k = rotate(q, cos, sin).astype(x.dtype), rotate(k, cos, sin).astype(x.dtype)
     if kv is not None:
@@ -110,6 +116,14 @@ class DecoderLayer(nnx.Module):
     return x + m, router, kv
 
 
+def remat_call(cfg: ModelConfig, block, *args):
+  """block(*args), under `nnx.remat` with the policy `cfg.remat` names (identity for "none")."""
+  if cfg.remat == "none":
+    return block(*args)
+  policy = None if cfg.remat == "full" else jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+  return nnx.remat(lambda b, *a: b(*a), policy=policy)(block, *args)
+
+
 class Decoder(nnx.Module):
   """Embedded inputs -> decoder layers -> final RMSNorm (no embedding, no head)."""
 
@@ -118,9 +132,11 @@ class Decoder(nnx.Module):
     self.layers = nnx.List([DecoderLayer(cfg, i, rngs) for i in range(cfg.layers)])
     self.norm = nnx.RMSNorm(cfg.hidden, epsilon=cfg.rms_eps, dtype=cfg.jdtype, rngs=rngs)
 
-  def __call__(self, x, positions, attn_mask, cache: KVCache | None = None, cache_index=0):
+  def __call__(self, x, positions, attn_mask, cache: KVCache | None = None, cache_index=0, deepstack=None):
     """x [B, L, D]; positions [3, B, L] int32; attn_mask [B, L] bool (real tokens).
 
+    deepstack: None or [n, B, L, D] added to the hidden states after layers 0 .. n-1 (zero away from
+    image tokens; transformers `_deepstack_process`).
     Without cache: causal attention over the L tokens restricted to `attn_mask` keys.
     With cache: the L tokens go to slots cache_index.. (their `attn_mask` is recorded in
     `cache.mask`) and attend causally over all valid cache slots; cache_index is an int32 scalar
@@ -129,7 +145,7 @@ class Decoder(nnx.Module):
     new cache or None).
     """
     cfg = self.cfg
-    cos, sin = mrope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, cfg.sections)
+    cos, sin = mrope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, cfg.sections, cfg.interleaved_mrope)
     attn_mask = attn_mask.astype(bool)
     if cache is not None:
       key_mask = write_slots(cache.mask, attn_mask, cache_index)
@@ -138,7 +154,9 @@ class Decoder(nnx.Module):
     routers, ks, vs = [], [], []
     for i, layer in enumerate(self.layers):
       kv = None if cache is None else (cache.k[i], cache.v[i])
-      x, r, kv = layer(x, cos, sin, key_mask, kv, cache_index)
+      x, r, kv = remat_call(cfg, layer, x, cos, sin, key_mask, kv, cache_index)
+      if deepstack is not None and i < deepstack.shape[0]:
+        x = x + deepstack[i].astype(x.dtype)
       if r is not None:
         routers.append(r)
       if cache is not None:

@@ -1,4 +1,4 @@
-"""The VLM policy: vision encoder + MoE decoder + LM head (structure of `qwen3_vl_moe`).
+"""The VLM policy: vision encoder + MoE decoder + LM head (transformers `qwen3_vl_moe`).
 
 Image features replace the embeddings of `IMAGE` placeholder tokens in order: image m of a row
 fills that row's m-th block of `n_img_tokens` IMAGE tokens (Qwen2-VL `<|image_pad|>` convention).
@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tars_jax.agent.tokenizer import IMAGE
 from tars_jax.models.config import ModelConfig
 from tars_jax.models.decoder import Decoder, KVCache, init_cache
 from tars_jax.models.moe import load_balance_loss
@@ -18,46 +17,59 @@ from tars_jax.models.vision import VisionEncoder
 
 
 class Trunk(nnx.Module):
-  """Token embeddings (+ spliced image features) -> MoE decoder -> final RMSNorm.
+  """Token embeddings (+ spliced image features) -> MoE decoder (+ DeepStack) -> final RMSNorm.
 
   Shared by `Policy` and `ValueModel` (each has its own instance, i.e. separate parameters).
   """
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, image_token_id: int = IMAGE):
-    self.cfg, self.image_token_id = cfg, image_token_id
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, image_token_id: int | None = None):
+    self.cfg = cfg
+    self.image_token_id = cfg.image_token_id if image_token_id is None else image_token_id
     self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden, dtype=cfg.jdtype, rngs=rngs)
     self.visual = VisionEncoder(cfg, rngs)
     self.decoder = Decoder(cfg, rngs)
 
-  def embed_inputs(self, tokens, pixel_values=None, image_mask=None):
-    """tokens [B, T] -> [B, T, D]; the k-th IMAGE token of a row takes merged vision token k of that
-    row's images laid end to end ([M * n_img_tokens]). Image slots with image_mask False give zeros."""
-    x = self.embed_tokens(tokens)
-    if pixel_values is None:
-      return x
+  def visual_per_token(self, tokens, pixel_values, image_mask=None):
+    """[1 + n_deepstack, B, T, D]: for each IMAGE token, its merged vision token (then its DeepStack
+    features); the k-th IMAGE token of a row takes merged token k of that row's images laid end to end
+    ([M * n_img_tokens]). Image slots with image_mask False give zeros; other tokens get garbage."""
     b, m = pixel_values.shape[:2]
-    feats = self.visual(pixel_values.reshape((b * m,) + pixel_values.shape[2:]))  # [B*M, n, D]
-    n = feats.shape[1]
-    feats = feats.reshape(b, m, n, -1)
+    feats = self.visual.encode(pixel_values.reshape((b * m,) + pixel_values.shape[2:]))  # [S, B*M, n, D]
+    s, _, n, d = feats.shape
+    feats = feats.reshape(s, b, m, n, d)
     if image_mask is not None:
-      feats = feats * image_mask.astype(feats.dtype)[:, :, None, None]
-    feats = feats.reshape(b, m * n, -1).astype(x.dtype)
+      feats = feats * image_mask.astype(feats.dtype)[None, :, :, None, None]
+    feats = feats.reshape(s, b, m * n, d)
     is_img = tokens == self.image_token_id
     idx = jnp.clip(jnp.cumsum(is_img, axis=-1) - 1, 0, m * n - 1)
-    gathered = jnp.take_along_axis(feats, idx[..., None], axis=1)
-    return jnp.where(is_img[..., None], gathered, x)
+    return jnp.take_along_axis(feats, idx[None, ..., None], axis=2)
+
+  def embed_inputs(self, tokens, pixel_values=None, image_mask=None, visual=None):
+    """tokens [B, T] -> ([B, T, D], deepstack [n, B, T, D] or None): token embeddings with the IMAGE
+    tokens' replaced by `visual[0]` (`visual_per_token`, computed from pixel_values if not given)."""
+    x = self.embed_tokens(tokens)
+    if visual is None and pixel_values is not None:
+      visual = self.visual_per_token(tokens, pixel_values, image_mask)
+    if visual is None:
+      return x, None
+    is_img = (tokens == self.image_token_id)[..., None]
+    x = jnp.where(is_img, visual[0].astype(x.dtype), x)
+    deep = jnp.where(is_img[None], visual[1:], 0) if visual.shape[0] > 1 else None
+    return x, deep
 
   def __call__(self, tokens, positions, attn_mask, pixel_values=None, image_mask=None,
-               cache: KVCache | None = None, cache_index=None):
+               cache: KVCache | None = None, cache_index=None, visual=None):
     """See `Policy.__call__`. Returns (hidden [B, T, D], aux_loss float32 scalar, new cache or None).
 
+    visual: None, or precomputed per-token image features [1 + n_deepstack, B, T, D] (used instead of
+    pixel_values; `hf_io.HFModel` builds them for images of several sizes).
     aux_loss: switch load-balance loss pooled over all MoE layers and the `attn_mask` tokens
     (transformers `load_balancing_loss_func`), unscaled; 0 for a dense model.
     """
     attn_mask = attn_mask.astype(bool)
-    x = self.embed_inputs(tokens, pixel_values, image_mask)
+    x, deep = self.embed_inputs(tokens, pixel_values, image_mask, visual)
     ci = 0 if cache_index is None else cache_index
-    h, routers, cache = self.decoder(x, positions, attn_mask, cache, ci)
+    h, routers, cache = self.decoder(x, positions, attn_mask, cache, ci, deep)
     if routers:
       probs = jnp.stack([r[0] for r in routers])
       idx = jnp.stack([r[1] for r in routers])
@@ -76,10 +88,17 @@ class Policy(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg
     self.trunk = Trunk(cfg, rngs)
-    self.lm_head = nnx.Linear(cfg.hidden, cfg.vocab_size, use_bias=False, dtype=cfg.jdtype, rngs=rngs)
+    if not cfg.tie_word_embeddings:
+      self.lm_head = nnx.Linear(cfg.hidden, cfg.vocab_size, use_bias=False, dtype=cfg.jdtype, rngs=rngs)
+
+  def logits(self, h):
+    """Final hidden states [..., D] -> float32 logits [..., V] (tied: embedding matrix transposed)."""
+    if self.cfg.tie_word_embeddings:
+      return self.trunk.embed_tokens.attend(h).astype(jnp.float32)
+    return self.lm_head(h).astype(jnp.float32)
 
   def __call__(self, tokens, positions, attn_mask, pixel_values=None, image_mask=None,
-               cache: KVCache | None = None, cache_index=None):
+               cache: KVCache | None = None, cache_index=None, visual=None):
     """Next-token logits.
 
     Args:
@@ -93,8 +112,9 @@ class Policy(nnx.Module):
       (logits [B, T, V] float32, aux_loss float32 scalar) without cache;
       (logits, aux_loss, new KVCache) with cache.
     """
-    h, aux, new_cache = self.trunk(tokens, positions, attn_mask, pixel_values, image_mask, cache, cache_index)
-    logits = self.lm_head(h).astype(jnp.float32)
+    h, aux, new_cache = self.trunk(tokens, positions, attn_mask, pixel_values, image_mask, cache, cache_index,
+                                   visual)
+    logits = self.logits(h)
     if cache is None:
       return logits, aux
     return logits, aux, new_cache

@@ -52,15 +52,25 @@ def next_position(tokens, attn_mask, image_token_id, grid_hw) -> jax.Array:
   return incr.sum(-1).astype(jnp.int32)
 
 
-def mrope_cos_sin(positions: jax.Array, head_dim: int, theta: float, sections: tuple[int, int, int]):
-  """cos, sin [B, T, head_dim] for positions [3, B, T] with interleaved (t, h, w) frequencies."""
+def mrope_cos_sin(positions: jax.Array, head_dim: int, theta: float, sections: tuple[int, int, int],
+                  interleaved: bool = True):
+  """cos, sin [B, T, head_dim] for positions [3, B, T].
+
+  interleaved (Qwen3-VL): frequency j uses h if j % 3 == 1 and j < 3 * s_h, w if j % 3 == 2 and
+  j < 3 * s_w, else t. Contiguous (Qwen2/2.5-VL): the first s_t frequencies use t, the next s_h h,
+  the last s_w w.
+  """
   half = head_dim // 2
   inv = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
   ang = positions.astype(jnp.float32)[..., None] * inv  # [3, B, T, half]
   idx = jnp.arange(half)
-  _, s_h, s_w = sections
-  use_h = (idx % 3 == 1) & (idx < 3 * s_h)
-  use_w = (idx % 3 == 2) & (idx < 3 * s_w)
+  s_t, s_h, s_w = sections
+  if interleaved:
+    use_h = (idx % 3 == 1) & (idx < 3 * s_h)
+    use_w = (idx % 3 == 2) & (idx < 3 * s_w)
+  else:
+    use_h = (idx >= s_t) & (idx < s_t + s_h)
+    use_w = idx >= s_t + s_h
   a = jnp.where(use_h, ang[1], jnp.where(use_w, ang[2], ang[0]))
   a = jnp.concatenate([a, a], axis=-1)
   return jnp.cos(a), jnp.sin(a)
@@ -71,14 +81,3 @@ def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   d = x.shape[-1] // 2
   rot = jnp.concatenate([-x[..., d:], x[..., :d]], axis=-1)
   return x * cos[:, :, None] + rot * sin[:, :, None]
-
-
-def rope_2d_cos_sin(gh: int, gw: int, head_dim: int, theta: float):
-  """cos, sin [gh*gw, head_dim] of a 2D rotary embedding (half the frequencies per axis), as the
-  Qwen2-VL vision tower."""
-  quarter = head_dim // 4
-  inv = 1.0 / (theta ** (jnp.arange(quarter, dtype=jnp.float32) / quarter))
-  r, c = jnp.meshgrid(jnp.arange(gh), jnp.arange(gw), indexing="ij")
-  ang = jnp.concatenate([r.reshape(-1, 1) * inv, c.reshape(-1, 1) * inv], axis=-1)  # [N, half]
-  ang = jnp.concatenate([ang, ang], axis=-1)
-  return jnp.cos(ang), jnp.sin(ang)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tars_jax.agent.tokenizer import EOS, IMAGE, PAD
+from tars_jax.agent.tokenizer import EOS, PAD
 from tars_jax.models.rope import next_position, rope_positions
 from tars_jax.rl.losses import masked_log_softmax
 
@@ -75,6 +75,8 @@ def _generate(params, tokens, attn_mask, pixel_values, image_mask, key, table, s
               max_new_tokens, temperature, top_p, eos_id, pad_id, image_token_id, chunk):
   model = nnx.merge(graphdef, params)
   cfg = model.cfg
+  if image_token_id is None:
+    image_token_id = cfg.image_token_id
   b, p = tokens.shape
   n, k = max_new_tokens, chunk
   grid = cfg.merged_grid
@@ -151,7 +153,7 @@ def _generate(params, tokens, attn_mask, pixel_values, image_mask, key, table, s
 
 def generate(policy, tokens, attn_mask, pixel_values, image_mask, key, *rest, max_new_tokens: int,
              temperature: float = 1.0, top_p: float = 1.0, grammar_table=None, start_state=None,
-             eos_id: int = EOS, pad_id: int = PAD, image_token_id: int = IMAGE,
+             eos_id: int = EOS, pad_id: int = PAD, image_token_id: int | None = None,
              jump_forward: int = 1) -> Generation:
   """Samples up to `max_new_tokens` tokens after LEFT-padded prompts.
 
@@ -165,7 +167,8 @@ def generate(policy, tokens, attn_mask, pixel_values, image_mask, key, *rest, ma
     key: PRNG key.
     max_new_tokens: N; temperature: > 0, or 0 for greedy; top_p: nucleus mass (1.0 = plain sampling).
     grammar_table: [S, V] int32 automaton or None; start_state: [B] int32 (required with a table).
-    eos_id, pad_id: a row is done after EOS and then emits PAD with log-prob 0.
+    eos_id, pad_id: a row is done after EOS and then emits PAD with log-prob 0 (eos_id = -1: never).
+    image_token_id: the placeholder id (None = the model config's `image_token_id`).
     jump_forward: K >= 1 tokens per decode step. With a grammar and K > 1, each step samples one
       token and appends up to K - 1 tokens the grammar then forces (exactly one allowed token:
       probability 1, log-prob 0), running them through the model in one chunk (SGLang's
@@ -194,5 +197,5 @@ def generate(policy, tokens, attn_mask, pixel_values, image_mask, key, *rest, ma
   return _generate(params, jnp.asarray(tokens, jnp.int32), jnp.asarray(attn_mask, bool), pixel_values,
                    image_mask, key, grammar_table, start, graphdef=graphdef, max_new_tokens=int(max_new_tokens),
                    temperature=float(temperature), top_p=float(top_p), eos_id=int(eos_id), pad_id=int(pad_id),
-                   image_token_id=int(image_token_id),
+                   image_token_id=None if image_token_id is None else int(image_token_id),
                    chunk=int(jump_forward) if grammar_table is not None else 1)

@@ -1,20 +1,26 @@
-"""ViT vision encoder (Qwen3-VL structure, transformers `Qwen3VLMoeVisionModel`): patch embedding,
-learned absolute + 2D rotary positions, pre-norm blocks, 2x2 patch merger into the decoder width.
+"""ViT vision encoder of `qwen3_vl_moe` (transformers `Qwen3VLMoeVisionModel`) and `qwen2_5_vl`
+(`Qwen2_5_VisionTransformerPretrainedModel`: see `ModelConfig` for its differences): patch embedding
+(a linear map of the flattened (channel, time, dy, dx) patch = the Conv3d), learned absolute
+positions bilinearly resampled to the patch grid, 2D rotary attention per image, pre-norm blocks,
+2x2 patch merger into the decoder width, and DeepStack mergers on chosen blocks.
 
-Differences kept on purpose (small-scale, fixed-size images): temporal patch size 1, one fixed
-image size (so the learned position table is not interpolated), patches in raster order (the merger
-regroups 2x2 neighbourhoods by reshaping; transformers pre-orders patches by merge window — the same
-math), no deepstack features.
+Patches are kept in transformers' merge-block order (for each 2x2 block in raster order, its 4
+patches in raster order), so the merger concatenates 4 consecutive patches and the flattened
+`pixel_values` of the transformers image processor feed `encode_patches` unchanged.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from tars_jax.models.config import ModelConfig
-from tars_jax.models.rope import rope_2d_cos_sin, rotate
+from tars_jax.models.decoder import remat_call
+from tars_jax.models.rope import rotate
 
 
 def sincos_2d(gh: int, gw: int, d: int) -> jax.Array:
@@ -27,83 +33,227 @@ def sincos_2d(gh: int, gw: int, d: int) -> jax.Array:
   return jnp.pad(table, ((0, 0), (0, d - table.shape[1])))
 
 
+@functools.lru_cache(maxsize=64)
+def block_order(gh: int, gw: int, m: int) -> tuple[np.ndarray, np.ndarray]:
+  """(row [L], col [L]) int32 of the patches of a gh x gw grid in merge-block order (transformers
+  `get_vision_position_ids`)."""
+  r, c = np.meshgrid(np.arange(gh), np.arange(gw), indexing="ij")
+  f = lambda a: a.reshape(gh // m, m, gw // m, m).transpose(0, 2, 1, 3).reshape(-1).astype(np.int32)
+  return f(r), f(c)
+
+
+@functools.lru_cache(maxsize=64)
+def pos_interp(gh: int, gw: int, side: int, m: int) -> np.ndarray:
+  """[L, side*side] float32 matrix resampling a side x side table bilinearly (align_corners=True) to
+  a gh x gw grid, rows in merge-block order: as transformers `get_vision_interpolation_indices_and_
+  weights(mode='bilinear', align_corners=True)`, as a dense matrix (its gradient is a matmul, not a
+  scatter, which is slow on CPU)."""
+  row, col = block_order(gh, gw, m)
+
+  def axis(i, size):
+    src = i.astype(np.float32) * np.float32(side - 1) / np.float32(max(size - 1, 1))
+    fl = np.floor(src)
+    taps = fl.astype(np.int64)[:, None] + np.arange(2)
+    w = np.clip(1.0 - np.abs(src[:, None] - fl[:, None] - np.arange(2)), 0.0, None).astype(np.float32)
+    return np.clip(taps, 0, side - 1), w
+
+  ht, hw = axis(row, gh)
+  wt, ww = axis(col, gw)
+  idx = (ht[:, :, None] * side + wt[:, None, :]).reshape(-1, 4)
+  w = (hw[:, :, None] * ww[:, None, :]).reshape(-1, 4)
+  mat = np.zeros((gh * gw, side * side), np.float32)
+  np.add.at(mat, (np.repeat(np.arange(gh * gw), 4), idx.reshape(-1)), w.reshape(-1))
+  return mat
+
+
+def rope_2d_cos_sin(gh: int, gw: int, head_dim: int, theta: float, m: int):
+  """cos, sin [gh*gw, head_dim] (merge-block order) of the axial 2D rotary embedding: head_dim / 4
+  frequencies per axis, laid out [rows | cols] twice (`Qwen3VLMoeVisionRotaryEmbedding`)."""
+  quarter = head_dim // 4
+  inv = 1.0 / (theta ** (jnp.arange(quarter, dtype=jnp.float32) / quarter))
+  row, col = block_order(gh, gw, m)
+  ang = jnp.concatenate([jnp.asarray(row)[:, None] * inv, jnp.asarray(col)[:, None] * inv], axis=-1)
+  ang = jnp.concatenate([ang, ang], axis=-1)
+  return jnp.cos(ang), jnp.sin(ang)
+
+
+@functools.lru_cache(maxsize=64)
+def window_mask(gh: int, gw: int, m: int, window: int) -> np.ndarray:
+  """[L, L] bool (merge-block order): patches in the same window of `window` x `window` merged
+  tokens, windows tiled from the top-left (transformers `get_vision_window_index`)."""
+  k = np.arange(gh * gw) // (m * m)
+  bw = gw // m
+  wid = (k // bw // window) * (bw // window + 1) + (k % bw) // window
+  return wid[:, None] == wid[None, :]
+
+
+def patchify(images: jax.Array, p: int, t: int, m: int, mean=(0.5,) * 3, std=(0.5,) * 3) -> jax.Array:
+  """images [N, H, W, 3] float in [0, 1] -> patches [N, L, 3*t*p*p] in merge-block order, each
+  flattened as (channel, time, dy, dx) after normalising per channel ((x - mean) / std, the image
+  processor's) and repeating the still frame t times (as the processor does)."""
+  n, h, w, c = images.shape
+  gh, gw = h // p, w // p
+  x = (images.astype(jnp.float32) - jnp.asarray(mean, jnp.float32)) / jnp.asarray(std, jnp.float32)
+  x = x.reshape(n, gh // m, m, p, gw // m, m, p, c).transpose(0, 1, 4, 2, 5, 7, 3, 6)  # n bh bw mr mc c dy dx
+  x = x.reshape(n, gh * gw, c, 1, p, p)
+  return jnp.broadcast_to(x, (n, gh * gw, c, t, p, p)).reshape(n, gh * gw, c * t * p * p)
+
+
 class VisionAttention(nnx.Module):
   def __init__(self, d: int, heads: int, dtype, rngs: nnx.Rngs):
     self.heads = heads
     self.qkv = nnx.Linear(d, 3 * d, dtype=dtype, rngs=rngs)
     self.proj = nnx.Linear(d, d, dtype=dtype, rngs=rngs)
 
-  def __call__(self, x, cos, sin):
-    """x [N, L, d] (L patches of one image each); cos/sin [L, head_dim]. Full (non-causal) attention."""
+  def __call__(self, x, cos, sin, mask=None):
+    """x [N, L, d] (L patches of one image each); cos/sin [L, head_dim]; mask None (full attention)
+    or [L, L] bool (window attention)."""
     n, l, d = x.shape
     hd = d // self.heads
     qkv = self.qkv(x).reshape(n, l, 3, self.heads, hd)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     q, k = rotate(q, cos[None], sin[None]).astype(x.dtype), rotate(k, cos[None], sin[None]).astype(x.dtype)
     att = jnp.einsum("nqhd,nkhd->nhqk", q, k).astype(jnp.float32) / jnp.sqrt(jnp.float32(hd))
+    if mask is not None:
+      att = jnp.where(jnp.asarray(mask), att, -1e30)
     o = jnp.einsum("nhqk,nkhd->nqhd", jax.nn.softmax(att, axis=-1).astype(v.dtype), v).reshape(n, l, d)
     return self.proj(o)
 
 
+class VisionMLP(nnx.Module):
+  """linear_fc1 -> tanh-GELU (`gelu_pytorch_tanh`) -> linear_fc2."""
+
+  def __init__(self, d: int, i: int, dtype, rngs: nnx.Rngs):
+    self.linear_fc1 = nnx.Linear(d, i, dtype=dtype, rngs=rngs)
+    self.linear_fc2 = nnx.Linear(i, d, dtype=dtype, rngs=rngs)
+
+  def __call__(self, x):
+    return self.linear_fc2(jax.nn.gelu(self.linear_fc1(x), approximate=True))
+
+
+class VisionSwiGLU(nnx.Module):
+  """down_proj(silu(gate_proj(x)) * up_proj(x)), all with biases (Qwen2.5-VL `Qwen2_5_VLMLP(bias=True)`)."""
+
+  def __init__(self, d: int, i: int, dtype, rngs: nnx.Rngs):
+    self.gate_proj = nnx.Linear(d, i, dtype=dtype, rngs=rngs)
+    self.up_proj = nnx.Linear(d, i, dtype=dtype, rngs=rngs)
+    self.down_proj = nnx.Linear(i, d, dtype=dtype, rngs=rngs)
+
+  def __call__(self, x):
+    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _norm(cfg: ModelConfig, d: int, rngs: nnx.Rngs):
+  """Vision norm: LayerNorm (qwen3_vl_moe) or RMSNorm (qwen2_5_vl), eps 1e-6."""
+  if cfg.family == "qwen2_5_vl":
+    return nnx.RMSNorm(d, epsilon=1e-6, dtype=cfg.jdtype, rngs=rngs)
+  return nnx.LayerNorm(d, epsilon=1e-6, dtype=cfg.jdtype, rngs=rngs)
+
+
 class VisionBlock(nnx.Module):
-  """Pre-norm ViT block: LayerNorm -> rotary MHA; LayerNorm -> MLP (tanh-GELU, `gelu_pytorch_tanh`)."""
+  """Pre-norm ViT block: norm -> rotary MHA; norm -> MLP (tanh-GELU MLP, or SwiGLU for qwen2_5_vl)."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     d, dt = cfg.vision_hidden, cfg.jdtype
-    self.norm1 = nnx.LayerNorm(d, epsilon=1e-6, dtype=dt, rngs=rngs)
+    self.norm1 = _norm(cfg, d, rngs)
     self.attn = VisionAttention(d, cfg.vision_heads, dt, rngs)
-    self.norm2 = nnx.LayerNorm(d, epsilon=1e-6, dtype=dt, rngs=rngs)
-    self.linear_fc1 = nnx.Linear(d, cfg.vision_mlp, dtype=dt, rngs=rngs)
-    self.linear_fc2 = nnx.Linear(cfg.vision_mlp, d, dtype=dt, rngs=rngs)
+    self.norm2 = _norm(cfg, d, rngs)
+    mlp = VisionSwiGLU if cfg.family == "qwen2_5_vl" else VisionMLP
+    self.mlp = mlp(d, cfg.vision_mlp, dt, rngs)
 
-  def __call__(self, x, cos, sin):
-    x = x + self.attn(self.norm1(x), cos, sin)
-    return x + self.linear_fc2(jax.nn.gelu(self.linear_fc1(self.norm2(x)), approximate=True))
+  def __call__(self, x, cos, sin, mask=None):
+    x = x + self.attn(self.norm1(x), cos, sin, mask)
+    return x + self.mlp(self.norm2(x))
 
 
 class PatchMerger(nnx.Module):
-  """LayerNorm per patch, concatenate each 2x2 neighbourhood, MLP (exact GELU) to the decoder width."""
+  """Concatenate each 2x2 block's 4 patches, MLP (exact GELU) to the decoder width. LayerNorm per
+  patch before (main merger) or over the concatenation after (`postshuffle`, DeepStack mergers)."""
 
-  def __init__(self, d: int, out: int, dtype, rngs: nnx.Rngs):
-    self.norm = nnx.LayerNorm(d, epsilon=1e-6, dtype=dtype, rngs=rngs)
-    self.linear_fc1 = nnx.Linear(4 * d, 4 * d, dtype=dtype, rngs=rngs)
-    self.linear_fc2 = nnx.Linear(4 * d, out, dtype=dtype, rngs=rngs)
+  def __init__(self, d: int, out: int, dtype, rngs: nnx.Rngs, m: int = 2, postshuffle: bool = False,
+               rms: bool = False):
+    self.m2, self.postshuffle = m * m, postshuffle
+    norm = nnx.RMSNorm if rms else nnx.LayerNorm  # RMSNorm: Qwen2.5-VL's `ln_q`
+    self.norm = norm(d * self.m2 if postshuffle else d, epsilon=1e-6, dtype=dtype, rngs=rngs)
+    self.linear_fc1 = nnx.Linear(self.m2 * d, self.m2 * d, dtype=dtype, rngs=rngs)
+    self.linear_fc2 = nnx.Linear(self.m2 * d, out, dtype=dtype, rngs=rngs)
 
-  def __call__(self, x, gh: int, gw: int):
-    """x [N, gh*gw, d] raster-ordered patches -> [N, (gh/2)*(gw/2), out] raster-ordered merged tokens."""
-    n, _, d = x.shape
-    x = self.norm(x)
-    x = x.reshape(n, gh // 2, 2, gw // 2, 2, d).transpose(0, 1, 3, 2, 4, 5)
-    x = x.reshape(n, (gh // 2) * (gw // 2), 4 * d)  # channel order: (dr, dc, d) as the HF merge window
+  def __call__(self, x):
+    """x [N, L, d] merge-block-ordered patches -> [N, L/4, out] raster-ordered merged tokens."""
+    n, l, d = x.shape
+    if not self.postshuffle:
+      x = self.norm(x)
+    x = x.reshape(n, l // self.m2, self.m2 * d)
+    if self.postshuffle:
+      x = self.norm(x)
     return self.linear_fc2(jax.nn.gelu(self.linear_fc1(x), approximate=False))
+
+
+class PatchEmbed(nnx.Module):
+  """`proj`: the Conv3d of transformers as a Linear over (channel, time, dy, dx)-flattened patches."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    n_in = 3 * cfg.temporal_patch_size * cfg.patch_size ** 2
+    self.proj = nnx.Linear(n_in, cfg.vision_hidden, use_bias=cfg.family != "qwen2_5_vl", dtype=cfg.jdtype,
+                           rngs=rngs)
+
+  def __call__(self, patches):
+    return self.proj(patches)
 
 
 class VisionEncoder(nnx.Module):
   """pixel_values [N, H, W, 3] float32 in [0, 1] -> merged tokens [N, (H/2p)*(W/2p), cfg.hidden].
 
-  Raises ValueError (at construction) if H or W is not divisible by 2 * patch_size.
+  Raises ValueError (at construction) if image_h or image_w is not divisible by 2 * patch_size.
   """
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg
-    p, d, dt = cfg.patch_size, cfg.vision_hidden, cfg.jdtype
+    m = cfg.spatial_merge_size
     mh, mw = cfg.merged_grid  # validates divisibility
-    self.gh, self.gw = 2 * mh, 2 * mw
-    self.patch_embed = nnx.Linear(p * p * 3, d, dtype=dt, rngs=rngs)
+    self.gh, self.gw = m * mh, m * mw
+    d, dt, side = cfg.vision_hidden, cfg.jdtype, cfg.pos_table_side
+    self.patch_embed = PatchEmbed(cfg, rngs)
     # Learned absolute positions, initialised to a 2D sin-cos table (MAE) so that where a patch is
     # is readable from the first step: an RL policy trained from scratch must point at things.
-    self.pos_embed = nnx.Param(sincos_2d(self.gh, self.gw, d))
+    # (Qwen2.5-VL has none: 2D rotary only.)
+    self.learned_pos = cfg.family != "qwen2_5_vl"
+    if self.learned_pos:
+      self.pos_embed = nnx.Param(sincos_2d(side, side, d))
     self.blocks = nnx.List([VisionBlock(cfg, rngs) for _ in range(cfg.vision_depth)])
-    self.merger = PatchMerger(d, cfg.hidden, dt, rngs)
+    self.merger = PatchMerger(d, cfg.hidden, dt, rngs, m, rms=not self.learned_pos)
+    self.deepstack_merger_list = nnx.List([PatchMerger(d, cfg.hidden, dt, rngs, m, postshuffle=True)
+                                           for _ in cfg.deepstack_visual_indexes])
+
+  def encode_patches(self, patches: jax.Array, gh: int, gw: int) -> jax.Array:
+    """patches [N, gh*gw, 3*t*p*p] (merge-block order, `patchify` / the transformers processor's
+    `pixel_values` of N images of one size) -> [1 + n_deepstack, N, gh*gw/4, hidden]: the merged
+    tokens, then each DeepStack level's."""
+    cfg, m = self.cfg, self.cfg.spatial_merge_size
+    if gh % m or gw % m:
+      raise ValueError(f"patch grid {gh}x{gw} not divisible by spatial_merge_size={m}")
+    x = self.patch_embed(patches.astype(cfg.jdtype))
+    if self.learned_pos:
+      pos = jnp.asarray(pos_interp(gh, gw, self.cfg.pos_table_side, m)) @ self.pos_embed[...]
+      x = x + pos[None].astype(x.dtype)
+    cos, sin = rope_2d_cos_sin(gh, gw, cfg.vision_hidden // cfg.vision_heads, cfg.vision_rope_theta, m)
+    win = None
+    if cfg.family == "qwen2_5_vl":  # window attention except in the full-attention blocks
+      win = window_mask(gh, gw, m, cfg.window_size // m // cfg.patch_size)
+    deep = []
+    for i, blk in enumerate(self.blocks):
+      x = remat_call(cfg, blk, x, cos, sin, None if i in cfg.fullatt_block_indexes else win)
+      if i in cfg.deepstack_visual_indexes:
+        deep.append(self.deepstack_merger_list[cfg.deepstack_visual_indexes.index(i)](x))
+    return jnp.stack([self.merger(x)] + deep)
+
+  def encode(self, pixel_values: jax.Array) -> jax.Array:
+    """pixel_values [N, image_h, image_w, 3] in [0, 1] -> [1 + n_deepstack, N, n_img_tokens, hidden]."""
+    cfg = self.cfg
+    patches = patchify(pixel_values, cfg.patch_size, cfg.temporal_patch_size, cfg.spatial_merge_size,
+                       *cfg.pixel_norm)
+    return self.encode_patches(patches, self.gh, self.gw)
 
   def __call__(self, pixel_values: jax.Array) -> jax.Array:
-    cfg, p = self.cfg, self.cfg.patch_size
-    n = pixel_values.shape[0]
-    x = ((pixel_values.astype(jnp.float32) - 0.5) / 0.5).astype(cfg.jdtype)  # [0,1] -> [-1,1]
-    # patch (r, c) flattened as (dy, dx, channel)
-    x = x.reshape(n, self.gh, p, self.gw, p, 3).transpose(0, 1, 3, 2, 4, 5).reshape(n, self.gh * self.gw, -1)
-    x = self.patch_embed(x) + self.pos_embed[...][None].astype(cfg.jdtype)
-    cos, sin = rope_2d_cos_sin(self.gh, self.gw, cfg.vision_hidden // cfg.vision_heads, cfg.vision_rope_theta)
-    for blk in self.blocks:
-      x = blk(x, cos, sin)
-    return self.merger(x, self.gh, self.gw)
+    """Merged tokens only: [N, n_img_tokens, hidden]."""
+    return self.encode(pixel_values)[0]

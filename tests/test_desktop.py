@@ -180,6 +180,9 @@ def test_lease_expiry_reclaims_the_display():
         await asyncio.sleep(0.1)
       with pytest.raises(P.LeaseExpired):
         await sb.step(sid, "wait()")
+      # The session is forgotten first, then torn down (programs, MCP servers, Xvfb) off the loop.
+      while xvfb.poll() is None and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
       return xvfb.poll(), sb.counters["expired"]
     finally:
       await sb.stop()

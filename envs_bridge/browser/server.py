@@ -10,15 +10,15 @@ the error bodies. `envs_bridge.launch.launch_server` starts this as a subprocess
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi import Query
 from fastapi.responses import JSONResponse, Response
 
 from envs_bridge import protocol as P
+from envs_bridge.app import protocol_app
 from envs_bridge.browser import tasks as task_registry
 from envs_bridge.browser import telemetry
 from envs_bridge.browser.sessions import BrowserSandbox
@@ -34,24 +34,7 @@ def create_app(step_ms: int = 1000, lease_s: float = 300.0, max_sessions: int = 
   sandbox = BrowserSandbox(step_ms=step_ms, lease_s=lease_s, max_sessions=max_sessions, n_browsers=n_browsers,
                            page_timeout_s=page_timeout_s, gc_interval_s=gc_interval_s)
 
-  @contextlib.asynccontextmanager
-  async def lifespan(app):
-    await sandbox.start()
-    yield
-    await sandbox.stop()
-
-  app = FastAPI(title="tars_jax browser sandbox", lifespan=lifespan)
-  app.state.sandbox = sandbox
-
-  @app.exception_handler(P.SandboxError)
-  async def _typed(request: Request, exc: P.SandboxError):
-    return JSONResponse(status_code=exc.status, content=exc.body())
-
-  @app.exception_handler(Exception)
-  async def _unexpected(request: Request, exc: Exception):
-    # A bug must cost one request, not the server (and its other sessions).
-    log.exception("unexpected error in %s %s", request.method, request.url.path)
-    return JSONResponse(status_code=500, content={"error": "InternalError", "reason": repr(exc)[:500]})
+  app = protocol_app("tars_jax browser sandbox", sandbox, task_registry.task_names, log)
 
   @app.get("/health")
   async def health():
@@ -71,23 +54,6 @@ def create_app(step_ms: int = 1000, lease_s: float = 300.0, max_sessions: int = 
     evs = sandbox.events.since(since, limit)
     return {"events": evs, "last": evs[-1]["seq"] if evs else since}
 
-  @app.get("/tasks")
-  async def tasks():
-    return {"tasks": list(task_registry.task_names())}
-
-  @app.post("/sessions", response_model=P.OpenResponse)
-  async def open_session(req: P.OpenRequest):
-    sid, obs = await sandbox.open(req.task, req.seed, req.coords, req.data_mode)
-    return P.OpenResponse(session_id=sid, observation=obs)
-
-  @app.post("/sessions/{sid}/step", response_model=P.Observation)
-  async def step(sid: str, req: P.StepRequest):
-    return await sandbox.step(sid, req.action)
-
-  @app.get("/sessions/{sid}/observe", response_model=P.Observation)
-  async def observe(sid: str):
-    return await sandbox.observe(sid)
-
   @app.post("/sessions/{sid}/snapshot", response_model=P.Snapshot)
   async def snapshot(sid: str):
     return P.Snapshot(**await sandbox.snapshot(sid))
@@ -95,11 +61,6 @@ def create_app(step_ms: int = 1000, lease_s: float = 300.0, max_sessions: int = 
   @app.post("/sessions/{sid}/restore", response_model=P.Observation)
   async def restore(sid: str, snap: P.Snapshot):
     return await sandbox.restore(sid, snap.model_dump())
-
-  @app.delete("/sessions/{sid}")
-  async def close(sid: str):
-    await sandbox.close(sid)
-    return {"closed": sid}
 
   @app.get("/debug/sessions/{sid}/element_box", tags=["debug"])
   async def element_box(sid: str, selector: str):

@@ -14,15 +14,13 @@ Additions: `info.tool_output` / `info.tool_error` after SDK actions, `info.gui_o
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 
 import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI
 
-from envs_bridge import protocol as P
+from envs_bridge.app import protocol_app
 from envs_bridge.desktop import tasks
 from envs_bridge.desktop.sessions import DesktopSandbox
 from envs_bridge.launch import die_with_parent
@@ -38,50 +36,12 @@ def create_app(step_ms: int = 300, lease_s: float = 300.0, max_sessions: int = 8
   sandbox = DesktopSandbox(step_ms=step_ms, lease_s=lease_s, max_sessions=max_sessions, width=width,
                            height=height, gui_only=gui_only, limits=limits, mcp_servers=mcp_servers)
 
-  @contextlib.asynccontextmanager
-  async def lifespan(app):
-    await sandbox.start()
-    yield
-    await sandbox.stop()
-
-  app = FastAPI(title="tars_jax desktop sandbox", lifespan=lifespan)
-  app.state.sandbox = sandbox
-
-  @app.exception_handler(P.SandboxError)
-  async def _typed(request: Request, exc: P.SandboxError):
-    return JSONResponse(status_code=exc.status, content=exc.body())
-
-  @app.exception_handler(Exception)
-  async def _unexpected(request: Request, exc: Exception):
-    log.exception("unexpected error in %s %s", request.method, request.url.path)
-    return JSONResponse(status_code=500, content={"error": "InternalError", "reason": repr(exc)[:500]})
+  app = protocol_app("tars_jax desktop sandbox", sandbox, tasks.task_names, log)
 
   @app.get("/health")
   async def health():
     return {"ok": True, "sessions": len(sandbox.sessions), "step_ms": sandbox.step_ms, "lease_s": sandbox.lease_s,
             "max_sessions": sandbox.max_sessions, "gui_only": sandbox.gui_only, **sandbox.counters}
-
-  @app.get("/tasks")
-  async def task_list():
-    return {"tasks": list(tasks.task_names())}
-
-  @app.post("/sessions", response_model=P.OpenResponse)
-  async def open_session(req: P.OpenRequest):
-    sid, obs = await sandbox.open(req.task, req.seed, req.coords, req.data_mode)
-    return P.OpenResponse(session_id=sid, observation=obs)
-
-  @app.post("/sessions/{sid}/step", response_model=P.Observation)
-  async def step(sid: str, req: P.StepRequest):
-    return await sandbox.step(sid, req.action)
-
-  @app.get("/sessions/{sid}/observe", response_model=P.Observation)
-  async def observe(sid: str):
-    return await sandbox.observe(sid)
-
-  @app.delete("/sessions/{sid}")
-  async def close(sid: str):
-    await sandbox.close(sid)
-    return {"closed": sid}
 
   @app.get("/debug/sessions/{sid}/state", tags=["debug"])
   async def debug_state(sid: str):

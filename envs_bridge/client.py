@@ -24,6 +24,18 @@ import prometheus_client as prom
 from envs_bridge import protocol as P
 
 
+def response_json(r: httpx.Response):
+  """The JSON body of a sandbox response. Raises: the typed `protocol.SandboxError` of an HTTP error
+  (`protocol.error_from_body`; a non-JSON error body is passed on as text)."""
+  if r.status_code >= 400:
+    try:
+      body = r.json()
+    except ValueError:
+      body = r.text
+    raise P.error_from_body(r.status_code, body)
+  return r.json()
+
+
 class SandboxClient:
   """One sandbox server. All calls are coroutines; many sessions may be driven concurrently.
 
@@ -45,14 +57,7 @@ class SandboxClient:
                                                        max_keepalive_connections=max_connections))
 
   async def _call(self, method: str, path: str, **kw):
-    r = await self._http.request(method, path, **kw)
-    if r.status_code >= 400:
-      try:
-        body = r.json()
-      except ValueError:
-        body = r.text
-      raise P.error_from_body(r.status_code, body)
-    return r.json()
+    return response_json(await self._http.request(method, path, **kw))
 
   async def open(self, task: str, seed: int = 0, coords: str = "relative1000",
                  data_mode: str = "train") -> tuple[str, P.Observation]:

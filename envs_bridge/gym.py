@@ -33,6 +33,7 @@ import numpy as np
 from gymnasium import spaces
 
 from envs_bridge import protocol as P
+from envs_bridge.client import response_json
 from envs_bridge.desktop import tasks as desktop_tasks
 
 MAX_TEXT = 8192
@@ -119,14 +120,7 @@ class TarsEnv(gymnasium.Env):
   def _call(self, method: str, path: str, **kw):
     if self._http is None:
       self._http = httpx.Client(base_url=self._url or _server_url(self.task), timeout=self._timeout)
-    r = self._http.request(method, path, **kw)
-    if r.status_code >= 400:
-      try:
-        body = r.json()
-      except ValueError:
-        body = r.text
-      raise P.error_from_body(r.status_code, body)
-    return r.json()
+    return response_json(self._http.request(method, path, **kw))
 
   def _convert(self, o: P.Observation, text_extra: str = "") -> tuple[dict, dict]:
     img = o.image()

@@ -9,7 +9,9 @@ does not exit cleanly; servers still running when the interpreter exits are stop
 
 from __future__ import annotations
 
+import asyncio
 import atexit
+import contextlib
 import ctypes
 import os
 import signal
@@ -155,3 +157,27 @@ def launch_server(module: str = "envs_bridge.browser.server", port: int | None =
   tail = h.log_tail()
   h.stop()
   raise RuntimeError(f"sandbox server did not answer /health within {wait_s} s:\n{tail}")
+
+
+@contextlib.contextmanager
+def sandbox_fleet(urls, step_ms: int = 1000, lease_s: float = 300.0):
+  """(event loop, [SandboxClient]) over the servers at `urls`, or over one browser server launched
+  here (`launch_server(step_ms=, lease_s=)`) when `urls` is empty. On exit the clients, the loop and
+  the launched server are closed — also when the body raises (a trainer's SIGTERM unwinds through here).
+  """
+  from envs_bridge.client import SandboxClient  # local: the server side imports this module too
+  server = None
+  urls = list(urls or ())
+  if not urls:
+    server = launch_server(step_ms=step_ms, lease_s=lease_s)
+    urls = [server.url]
+  loop = asyncio.new_event_loop()
+  clients = [SandboxClient(u) for u in urls]
+  try:
+    yield loop, clients
+  finally:
+    for c in clients:
+      loop.run_until_complete(c.aclose())
+    loop.close()
+    if server is not None:
+      server.stop()

@@ -8,7 +8,6 @@ Actions are the policy's own samples (same temperature and constrained grammar a
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
@@ -17,8 +16,7 @@ from absl import app, flags
 import ml_collections as mlc
 from tqdm import tqdm
 
-from envs_bridge.client import SandboxClient
-from envs_bridge.launch import launch_server
+from envs_bridge.launch import sandbox_fleet
 from tars_jax.rollout.agent_loop import RolloutStats, run_episodes
 from tars_jax.rollout.evaluation import eval_jobs, format_table, summarize
 from tars_jax.train import checkpoint as ckpt
@@ -48,24 +46,12 @@ def evaluate(run: str, tasks: list[str] | None, episodes: int, step: int | None 
   sessions = sessions or config.env.num_sessions
   policy = parts.batched_policy(state["policy"], batch_size=sessions, seed=config.seed + 7)
   jobs = eval_jobs(tasks, episodes, config.env.eval_seed_offset)
-  server = None
-  if not servers:
-    server = launch_server(step_ms=config.env.step_ms, lease_s=config.env.lease_s)
-    servers = [server.url]
-  loop = asyncio.new_event_loop()
-  clients = [SandboxClient(u) for u in servers]
   results = []
-  try:
+  with sandbox_fleet(servers, config.env.step_ms, config.env.lease_s) as (loop, clients):
     for s in tqdm(range(0, len(jobs), sessions), desc="eval", unit="batch"):
       results += loop.run_until_complete(run_episodes(
           policy.act, clients, jobs[s:s + sessions], parts.loop_cfg, parts.tokenizer, version=step,
           stats=RolloutStats()))
-  finally:
-    for c in clients:
-      loop.run_until_complete(c.aclose())
-    loop.close()
-    if server is not None:
-      server.stop()
   return step, summarize(results)
 
 

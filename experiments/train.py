@@ -11,7 +11,6 @@ Layout of the run dir: config.json, metrics.jsonl, tensorboard/, checkpoints/, t
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
@@ -27,8 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from envs_bridge.client import SandboxClient
-from envs_bridge.launch import launch_server
+from envs_bridge.launch import sandbox_fleet
 from tars_jax.agent.trajectory import collate
 from tars_jax.rollout.agent_loop import RolloutStats, run_episodes
 from tars_jax.rollout.jobs import group_ids, rollout_jobs
@@ -78,82 +76,68 @@ def main(argv):
   hp, rng = parts.hparams, np.random.default_rng([config.seed, start_iter])
 
   # ----------------------------------------------------------------------------------------------
-  # Sandbox servers: the configured fleet, or one local server subprocess.
-  # ----------------------------------------------------------------------------------------------
-  server = None
-  urls = list(config.env.servers)
-  if not urls:
-    server = launch_server(step_ms=config.env.step_ms, lease_s=config.env.lease_s)
-    urls = [server.url]
-  loop = asyncio.new_event_loop()
-  clients = [SandboxClient(u) for u in urls]
-
-  # ----------------------------------------------------------------------------------------------
   # Training loop.
   # ----------------------------------------------------------------------------------------------
-  t_start, it = time.time(), start_iter
-  bar = tqdm(total=config.iterations, initial=start_iter, desc=config.rl.algo, unit="it", dynamic_ncols=True)
-  tasks, n = tuple(config.tasks), config.env.num_sessions
-  try:
-    for it in range(start_iter, config.iterations):
-      if (time.time() - t_start) / 60 > config.max_minutes:
-        print(f"[train] wall-clock budget of {config.max_minutes} min reached at iteration {it}")
-        break
-      t0 = time.perf_counter()
-      jobs = rollout_jobs(tasks, n, config.rl.group_size, it, config.env.train_seed_offset)
-      stats = RolloutStats()
-      episodes = loop.run_until_complete(
-          run_episodes(policy.act, clients, jobs, parts.loop_cfg, parts.tokenizer, version=it, stats=stats))
-      episodes = [e for e in episodes if not e.lost]
-      t_roll = time.perf_counter() - t0
-      batch = collate(episodes, pad_id=parts.tokenizer.pad_id, max_images=config.env.max_turns,
-                      image_hw=parts.image_hw, length_multiple=config.length_multiple,
-                      batch_size=n).as_dict()
-      t1 = time.perf_counter()
-      state, train_m = ppo.ppo_update(state, batch, parts.table, policy_gd=parts.policy_gd,
-                                      critic_gd=parts.critic_gd, popt=parts.popt, copt=parts.copt, hp=hp,
-                                      epochs=config.rl.epochs, minibatch_size=config.rl.minibatch_size,
-                                      rng=rng, n_real=len(episodes),
-                                      scores=np.array([e.shaped_return for e in episodes], np.float32),
-                                      group_ids=group_ids(episodes), ref_params=ref_params)
-      policy.params = state["policy"]
-      t_train = time.perf_counter() - t1
-      train_tokens = train_m.pop("tokens_trained")
-      m = episode_metrics(episodes, tasks, parts.tokenizer)
-      m.update({f"train/{k}": v for k, v in train_m.items()})
-      m.update({f"reward_terms/{k}": v / max(1, len(episodes)) for k, v in stats.reward_terms.items()})
-      m.update({
-          "perf/env_steps_per_s": stats.env_steps / max(t_roll, 1e-9),
-          "perf/gen_tokens_per_s": stats.generated_tokens / max(stats.policy_time_s, 1e-9),
-          "perf/train_tokens_per_s": train_tokens / max(t_train, 1e-9),
-          "perf/rollout_s": t_roll, "perf/train_s": t_train,
-          "perf/env_wait_s": stats.env_time_s, "perf/policy_s": stats.policy_time_s,
-          "episodes_lost": stats.episodes_lost, "episodes_retried": stats.episodes_retried,
-          "episodes_total": (it + 1) * n,
-          "perf/wall_min": (time.time() - t_start) / 60,  # since this (possibly resumed) process started
-      })
-      writer.write(it + 1, m)
-      if config.log_trajectories and (it % config.save_trajectories_every == 0 or it + 1 == config.iterations):
-        save_episodes(os.path.join(workdir, "trajectories", f"iter_{it + 1:05d}"),
-                      episodes[: config.log_trajectories])
-      if (it + 1) % config.ckpt_every == 0 or it + 1 == config.iterations:
-        ckpt.save(mngr, it + 1, state, {"iteration": it + 1, "episodes": (it + 1) * n})
-      bar.update(1)
-      bar.set_postfix(success=f"{m['success_rate']:.2f}", reward=f"{m['reward']:.2f}",
-                      kl=f"{train_m.get('approx_kl', 0.0):.3f}",
-                      ev=f"{train_m.get('explained_variance', float('nan')):.2f}")
-    else:
-      it = config.iterations
-    if mngr.latest_step() != it and it > start_iter:
-      ckpt.save(mngr, it, state, {"iteration": it, "episodes": it * n})
-  finally:
-    bar.close()
-    writer.close()
-    for c in clients:
-      loop.run_until_complete(c.aclose())
-    loop.close()
-    if server is not None:
-      server.stop()
+  # Sandbox servers: the configured fleet, or one local server subprocess (stopped on any exit).
+  with sandbox_fleet(config.env.servers, config.env.step_ms, config.env.lease_s) as (loop, clients):
+    t_start, it = time.time(), start_iter
+    bar = tqdm(total=config.iterations, initial=start_iter, desc=config.rl.algo, unit="it", dynamic_ncols=True)
+    tasks, n = tuple(config.tasks), config.env.num_sessions
+    try:
+      for it in range(start_iter, config.iterations):
+        if (time.time() - t_start) / 60 > config.max_minutes:
+          print(f"[train] wall-clock budget of {config.max_minutes} min reached at iteration {it}")
+          break
+        t0 = time.perf_counter()
+        jobs = rollout_jobs(tasks, n, config.rl.group_size, it, config.env.train_seed_offset)
+        stats = RolloutStats()
+        episodes = loop.run_until_complete(
+            run_episodes(policy.act, clients, jobs, parts.loop_cfg, parts.tokenizer, version=it, stats=stats))
+        episodes = [e for e in episodes if not e.lost]
+        t_roll = time.perf_counter() - t0
+        batch = collate(episodes, pad_id=parts.tokenizer.pad_id, max_images=config.env.max_turns,
+                        image_hw=parts.image_hw, length_multiple=config.length_multiple,
+                        batch_size=n).as_dict()
+        t1 = time.perf_counter()
+        state, train_m = ppo.ppo_update(state, batch, parts.table, policy_gd=parts.policy_gd,
+                                        critic_gd=parts.critic_gd, popt=parts.popt, copt=parts.copt, hp=hp,
+                                        epochs=config.rl.epochs, minibatch_size=config.rl.minibatch_size,
+                                        rng=rng, n_real=len(episodes),
+                                        scores=np.array([e.shaped_return for e in episodes], np.float32),
+                                        group_ids=group_ids(episodes), ref_params=ref_params)
+        policy.params = state["policy"]
+        t_train = time.perf_counter() - t1
+        train_tokens = train_m.pop("tokens_trained")
+        m = episode_metrics(episodes, tasks, parts.tokenizer)
+        m.update({f"train/{k}": v for k, v in train_m.items()})
+        m.update({f"reward_terms/{k}": v / max(1, len(episodes)) for k, v in stats.reward_terms.items()})
+        m.update({
+            "perf/env_steps_per_s": stats.env_steps / max(t_roll, 1e-9),
+            "perf/gen_tokens_per_s": stats.generated_tokens / max(stats.policy_time_s, 1e-9),
+            "perf/train_tokens_per_s": train_tokens / max(t_train, 1e-9),
+            "perf/rollout_s": t_roll, "perf/train_s": t_train,
+            "perf/env_wait_s": stats.env_time_s, "perf/policy_s": stats.policy_time_s,
+            "episodes_lost": stats.episodes_lost, "episodes_retried": stats.episodes_retried,
+            "episodes_total": (it + 1) * n,
+            "perf/wall_min": (time.time() - t_start) / 60,  # since this (possibly resumed) process started
+        })
+        writer.write(it + 1, m)
+        if config.log_trajectories and (it % config.save_trajectories_every == 0 or it + 1 == config.iterations):
+          save_episodes(os.path.join(workdir, "trajectories", f"iter_{it + 1:05d}"),
+                        episodes[: config.log_trajectories])
+        if (it + 1) % config.ckpt_every == 0 or it + 1 == config.iterations:
+          ckpt.save(mngr, it + 1, state, {"iteration": it + 1, "episodes": (it + 1) * n})
+        bar.update(1)
+        bar.set_postfix(success=f"{m['success_rate']:.2f}", reward=f"{m['reward']:.2f}",
+                        kl=f"{train_m.get('approx_kl', 0.0):.3f}",
+                        ev=f"{train_m.get('explained_variance', float('nan')):.2f}")
+      else:
+        it = config.iterations
+      if mngr.latest_step() != it and it > start_iter:
+        ckpt.save(mngr, it, state, {"iteration": it, "episodes": it * n})
+    finally:
+      bar.close()
+      writer.close()
   print(f"[train] done: {it} iterations in {(time.time() - t_start) / 60:.1f} min | "
         f"checkpoints: {mngr.directory} (latest {mngr.latest_step()}) | "
         f"metrics: {writer.path} | tensorboard --logdir {writer.tb_dir} | "

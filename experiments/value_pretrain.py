@@ -14,7 +14,6 @@ config.json and value_pretrain.json (why it stopped, final metrics). No resume: 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
@@ -28,8 +27,7 @@ from ml_collections import config_flags
 import jax
 import numpy as np
 
-from envs_bridge.client import SandboxClient
-from envs_bridge.launch import launch_server
+from envs_bridge.launch import sandbox_fleet
 from tars_jax.agent.trajectory import collate
 from tars_jax.rollout.agent_loop import RolloutStats, run_episodes
 from tars_jax.rollout.jobs import rollout_jobs
@@ -74,52 +72,40 @@ def main(argv):
   policy = parts.batched_policy(full["policy"], batch_size=config.env.num_sessions, seed=config.seed * 100_003)
   rng = np.random.default_rng([config.seed, 7])
 
-  server = None
-  urls = list(config.env.servers)
-  if not urls:
-    server = launch_server(step_ms=config.env.step_ms, lease_s=config.env.lease_s)
-    urls = [server.url]
-  loop = asyncio.new_event_loop()
-  clients = [SandboxClient(u) for u in urls]
-
   # ----------------------------------------------------------------------------------------------
   # Rollouts of the fixed policy -> critic updates until the stop rule holds.
   # ----------------------------------------------------------------------------------------------
-  t_start, streak, reason, it, m = time.time(), 0, "max_iterations", 0, {}
-  tasks, n = tuple(config.tasks), config.env.num_sessions
-  try:
-    for it in range(v.max_iterations):
-      jobs = rollout_jobs(tasks, n, config.rl.group_size, it, v.seed_offset)
-      stats = RolloutStats()
-      episodes = loop.run_until_complete(
-          run_episodes(policy.act, clients, jobs, parts.loop_cfg, parts.tokenizer, version=0, stats=stats))
-      episodes = [e for e in episodes if not e.lost]
-      batch = collate(episodes, pad_id=parts.tokenizer.pad_id, max_images=config.env.max_turns,
-                      image_hw=parts.image_hw, length_multiple=config.length_multiple, batch_size=n).as_dict()
-      state, train_m = vpt.value_update(state, batch, critic_gd=parts.critic_gd, copt=copt, hp=hp,
-                                        epochs=v.epochs, minibatch_size=v.minibatch_size, rng=rng,
-                                        n_real=len(episodes))
-      m = episode_metrics(episodes, tasks, parts.tokenizer)
-      m.update({f"train/{k}": x for k, x in train_m.items()})
-      m.update({f"reward_terms/{k}": x / max(1, len(episodes)) for k, x in stats.reward_terms.items()})
-      m["perf/wall_min"] = (time.time() - t_start) / 60
-      writer.write(it + 1, m)
-      streak = rule.streak(streak, train_m["fresh_value_loss"], train_m["explained_variance"])
-      print(f"[vpt] it {it + 1}: value loss (fresh) {train_m['fresh_value_loss']:.4f}, "
-            f"explained var {train_m['explained_variance']:.3f}, corr {train_m['value_return_corr']:.3f}")
-      if streak >= rule.patience:
-        reason = "thresholds"
-        break
-      if (time.time() - t_start) / 60 > v.max_minutes:
-        reason = "max_minutes"
-        break
-  finally:
-    writer.close()
-    for c in clients:
-      loop.run_until_complete(c.aclose())
-    loop.close()
-    if server is not None:
-      server.stop()
+  with sandbox_fleet(config.env.servers, config.env.step_ms, config.env.lease_s) as (loop, clients):
+    t_start, streak, reason, it, m = time.time(), 0, "max_iterations", 0, {}
+    tasks, n = tuple(config.tasks), config.env.num_sessions
+    try:
+      for it in range(v.max_iterations):
+        jobs = rollout_jobs(tasks, n, config.rl.group_size, it, v.seed_offset)
+        stats = RolloutStats()
+        episodes = loop.run_until_complete(
+            run_episodes(policy.act, clients, jobs, parts.loop_cfg, parts.tokenizer, version=0, stats=stats))
+        episodes = [e for e in episodes if not e.lost]
+        batch = collate(episodes, pad_id=parts.tokenizer.pad_id, max_images=config.env.max_turns,
+                        image_hw=parts.image_hw, length_multiple=config.length_multiple, batch_size=n).as_dict()
+        state, train_m = vpt.value_update(state, batch, critic_gd=parts.critic_gd, copt=copt, hp=hp,
+                                          epochs=v.epochs, minibatch_size=v.minibatch_size, rng=rng,
+                                          n_real=len(episodes))
+        m = episode_metrics(episodes, tasks, parts.tokenizer)
+        m.update({f"train/{k}": x for k, x in train_m.items()})
+        m.update({f"reward_terms/{k}": x / max(1, len(episodes)) for k, x in stats.reward_terms.items()})
+        m["perf/wall_min"] = (time.time() - t_start) / 60
+        writer.write(it + 1, m)
+        streak = rule.streak(streak, train_m["fresh_value_loss"], train_m["explained_variance"])
+        print(f"[vpt] it {it + 1}: value loss (fresh) {train_m['fresh_value_loss']:.4f}, "
+              f"explained var {train_m['explained_variance']:.3f}, corr {train_m['value_return_corr']:.3f}")
+        if streak >= rule.patience:
+          reason = "thresholds"
+          break
+        if (time.time() - t_start) / 60 > v.max_minutes:
+          reason = "max_minutes"
+          break
+    finally:
+      writer.close()
   path = ckpt.save_tree(os.path.join(workdir, "critic"), state["critic"])
   summary = {"iterations": it + 1, "stopped_by": reason, "critic": path,
              "final": {k: x for k, x in m.items() if k.startswith("train/")}}

@@ -25,7 +25,12 @@ Failures (each one is an event, a metric, and a `SessionLost` with the reason fo
     session is lost and its context closed; if even closing does not answer in time, its Chromium
     is killed and relaunched (which loses that browser's other sessions too).
 Leases: a session idle for `lease_s` is reclaimed (page closed) -> `LeaseExpired`. GC: a browser
-context that belongs to no session and no idle pool in two passes in a row is closed (leaked page).
+context owned by nobody in two passes in a row is closed (leaked page). Owners: a session, an idle
+pool, or the call handing the page over (`_transit`: an `open` creating or restarting it, a `close`
+returning it to the pool, a discard closing it). Without the hand-over owner a page being created or
+reused by a slow `open` was "unowned" at two GC passes and closed under the new session, which then
+failed with `SessionLost: page ... has been closed` at its first screenshot (issue #5, fixed
+2026-11-23; tests/test_browser_stress.py).
 
 Snapshots (`snapshot`/`restore`) are deterministic replays: MiniWoB keeps task state in JavaScript
 closures and jQuery handlers that no DOM copy can carry, so a snapshot is the episode's seed, data
@@ -108,10 +113,11 @@ class _Page:
   steps: int = 0  # over its whole life, all episodes
   session_id: str | None = None  # the session using it, None while idle
   crashed: str | None = None  # why the page is unusable (renderer crash)
+  discarded: bool = False  # its context is being / was closed: never pooled or reused again
 
   def usable(self) -> bool:
-    return (self.crashed is None and self.generation == self.slot.generation and self.slot.up()
-            and not self.page.is_closed())
+    return (self.crashed is None and not self.discarded and self.generation == self.slot.generation
+            and self.slot.up() and not self.page.is_closed())
 
 
 @dataclasses.dataclass(eq=False)
@@ -175,6 +181,8 @@ class BrowserSandbox:
     self._reaper: asyncio.Task | None = None
     self._background: set[asyncio.Task] = set()
     self._gc_suspects: set = set()
+    # Contexts between owners (see the module docstring): an open/close/discard holds them here.
+    self._transit: set = set()
     self._last_gc = 0.0
     self.counters = {"steps": 0, "opened": 0, "closed": 0, "expired": 0, "lost": 0, "browser_restarts": 0,
                      "recoveries": 0, "page_crashes": 0, "page_hangs": 0, "gc_closed": 0,
@@ -322,16 +330,16 @@ class BrowserSandbox:
         self._lose(s, "page was closed outside the sandbox", "page_closed")
     for task, pool in self.idle.items():
       self.idle[task] = [pg for pg in pool if pg.usable()]
-    owned = {s.pg.context for s in self.sessions.values()}
-    owned.update(pg.context for pool in self.idle.values() for pg in pool)
     suspects, closed = set(), 0
     for slot in self.slots:
       if not slot.up():
         continue
       for ctx in list(slot.browser.contexts):
-        if ctx in owned:
+        # Ownership is read afresh for every context: the closes below yield to the event loop, in
+        # which opens and closes hand pages over.
+        if self._owned(ctx):
           continue
-        if ctx in self._gc_suspects:  # unowned two passes in a row: leaked (a fresh one is owned by now)
+        if ctx in self._gc_suspects:  # unowned two passes in a row: leaked
           await _close_context(ctx, self.page_timeout_s)
           closed += 1
           self.events.add("gc_closed_page", browser=slot.index)
@@ -343,6 +351,11 @@ class BrowserSandbox:
       self.counters["gc_closed"] += closed
       self.metrics.gc_closed.inc(closed)
     return closed
+
+  def _owned(self, ctx) -> bool:
+    """True if a session, an idle pool or a hand-over in progress (`_transit`) holds `ctx`."""
+    return (ctx in self._transit or any(s.pg.context is ctx for s in self.sessions.values())
+            or any(pg.context is ctx for pool in self.idle.values() for pg in pool))
 
   # -- session API ------------------------------------------------------------------------------
   async def open(self, task: str, seed: int, coords: str = "relative1000",
@@ -373,6 +386,7 @@ class BrowserSandbox:
         slot.opening -= 1
         if pg is not None:
           await self._discard_page(pg)
+          self._transit.discard(pg.context)
         if reused:  # an idle page that went bad (e.g. its renderer crashed): try another
           continue
         why = f"page did not answer within {self.page_timeout_s:g} s" if isinstance(e, TimeoutError) else str(e)
@@ -385,17 +399,21 @@ class BrowserSandbox:
         raise P.SessionLost(f"could not open {task} on browser {slot.index}: {why}") from e
       except BaseException:  # cancelled (client went away): the page is left to the GC
         slot.opening -= 1
+        if pg is not None:
+          self._transit.discard(pg.context)
         raise
     slot.opening -= 1
     self.counters["pages_reused" if reused else "pages_created"] += 1
     sid = uuid.uuid4().hex
     s = Session(sid, task, seed, spec, pg, time.monotonic(), data_mode=data_mode, instruction=instruction)
     self._register(s)
+    self._transit.discard(pg.context)  # owned by the session from here on
     self.counters["opened"] += 1
     self.metrics.events.labels("opened").inc()
     self.events.add("session_opened", session=sid, browser=slot.index, task=task, seed=seed, reused=reused)
     async with s.lock:
       obs = await self._observation(s, 0.0, {})
+      s.last_used = time.monotonic()  # idle (lease) time counts from the end of a call
     self.metrics.op("open").observe(time.perf_counter() - t0)
     return sid, obs
 
@@ -408,7 +426,9 @@ class BrowserSandbox:
     if not pool:
       return None
     best = min(range(len(pool)), key=lambda i: pool[i].slot.sessions + pool[i].slot.opening)
-    return pool.pop(best)
+    pg = pool.pop(best)
+    self._transit.add(pg.context)  # the calling open owns it until the session is registered
+    return pg
 
   async def _pick_slot(self) -> _Slot:
     """The connected browser with the fewest sessions (waits for a relaunch if none is up)."""
@@ -423,6 +443,7 @@ class BrowserSandbox:
     ts = tasks.get(task)
     ctx = await browser.new_context(viewport={"width": ts.width, "height": ts.height}, device_scale_factor=1,
                                     timezone_id="UTC", locale="en-US")
+    self._transit.add(ctx)  # the calling open owns it until the session is registered
     try:
       async with asyncio.timeout(self.page_timeout_s):
         page = await ctx.new_page()
@@ -433,6 +454,10 @@ class BrowserSandbox:
           await page.add_style_tag(content=ts.css)
     except PlaywrightError:
       await _close_context(ctx, self.page_timeout_s)
+      self._transit.discard(ctx)
+      raise
+    except BaseException:  # cancelled: no one will register it, so the GC may take it
+      self._transit.discard(ctx)
       raise
     pg = _Page(ctx, page, slot, slot.generation)
     page.on("crash", lambda _p: self._on_page_crash(pg))
@@ -485,6 +510,7 @@ class BrowserSandbox:
       except (PlaywrightError, TimeoutError) as e:
         await self._page_failed(s, e, "step")
       obs = await self._observation(s, reward, info)
+      s.last_used = time.monotonic()
     self.metrics.op("step").observe(time.perf_counter() - t0)
     return obs
 
@@ -522,6 +548,7 @@ class BrowserSandbox:
     s = self._get(sid)
     async with s.lock:
       obs = await self._observation(s, 0.0, {})
+      s.last_used = time.monotonic()
     self.metrics.op("observe").observe(time.perf_counter() - t0)
     return obs
 
@@ -541,14 +568,19 @@ class BrowserSandbox:
     self.counters["closed"] += 1
     self.metrics.events.labels("closed").inc()
     self.events.add("session_closed", session=sid, browser=s.pg.slot.index, steps=s.step)
-    async with s.lock:  # let a step in flight finish before the page changes hands
-      pg = s.pg
-      pg.session_id = None
-      if (pg.usable() and pg.steps < MAX_PAGE_STEPS and s.task not in REUSE_UNSAFE_TASKS
-          and sum(map(len, self.idle.values())) < self.max_idle_pages):
-        self.idle.setdefault(s.task, []).append(pg)
-      else:
-        await self._discard_page(pg)
+    pg = s.pg
+    self._transit.add(pg.context)  # between the session and the idle pool: owned by this close
+    try:
+      async with s.lock:  # let a step in flight finish before the page changes hands
+        pg.session_id = None
+        pool = self.idle.setdefault(s.task, [])
+        if (pg.usable() and pg.steps < MAX_PAGE_STEPS and s.task not in REUSE_UNSAFE_TASKS
+            and sum(map(len, self.idle.values())) < self.max_idle_pages and pg not in pool):
+          pool.append(pg)
+        else:
+          await self._discard_page(pg)
+    finally:
+      self._transit.discard(pg.context)
     self.metrics.op("close").observe(time.perf_counter() - t0)
 
   async def snapshot(self, sid: str) -> dict:
@@ -667,12 +699,18 @@ class BrowserSandbox:
 
   async def _discard_page(self, pg: _Page) -> None:
     """Closes a page's context; one that does not close in time takes its Chromium down with it."""
+    pg.discarded = True
     for task, pool in self.idle.items():
       if pg in pool:
         pool.remove(pg)
     if pg.generation != pg.slot.generation or not pg.slot.up():
       return  # its browser is gone already
-    if not await _close_context(pg.context, self.page_timeout_s):
+    self._transit.add(pg.context)  # being closed here: not the GC's (it would count it as leaked)
+    try:
+      closed = await _close_context(pg.context, self.page_timeout_s)
+    finally:
+      self._transit.discard(pg.context)
+    if not closed:
       slot = pg.slot
       log.error("a page of browser %d did not close; killing that Chromium (pid %s)", slot.index, slot.pid)
       self.events.add("browser_killed", browser=slot.index, pid=slot.pid, why="page did not close")

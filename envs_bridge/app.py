@@ -5,28 +5,140 @@ errors as JSON (`SandboxError.status` + `.body()`), a 500 for bugs that costs on
 server, `GET /tasks`, and the session calls (`POST /sessions`, `POST /sessions/{id}/step`,
 `GET /sessions/{id}/observe`, `DELETE /sessions/{id}`). Each server adds its own routes (health,
 metrics, snapshots, debug) to the returned app.
+
+Access (issue #5 "Bad input"): with a `token`, every route but `/health` (the schema pages
+included) requires `Authorization: Bearer <token>`, else 401 `Unauthorized`. It is checked by an
+ASGI middleware before the request is read at all, so an unauthenticated client gets no 422 that
+tells it what the server expects (a FastAPI dependency would run after the body is parsed). Request bodies over `max_body_bytes`
+are refused with 413 `PayloadTooLarge` (`BodyLimit`: by Content-Length before reading, else counted
+while reading, so a chunked body is cut off too). Not FastAPI's own `max_body_size`: with a
+Content-Length it answers a plain-text 413 that replaces any typed body. `check_bind` refuses a non-loopback host
+without a token.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
+import os
+import secrets
 from typing import Any, Callable, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.datastructures import Headers
 
 from envs_bridge import protocol as P
 
+OPEN_PATHS = frozenset({"/health"})  # answered without a token (liveness probes, launch_server's wait)
+
+
+def server_token(flag: str | None) -> str | None:
+  """The server's token: `--token` if given, else the env var `protocol.TOKEN_ENV`; '' means none."""
+  token = flag if flag is not None else os.environ.get(P.TOKEN_ENV)
+  return token or None
+
+
+def is_loopback(host: str) -> bool:
+  """True for 'localhost' and loopback addresses (127.0.0.0/8, ::1); False for anything else,
+  including 0.0.0.0 / :: (all interfaces) and host names."""
+  if host == "localhost":
+    return True
+  try:
+    return ipaddress.ip_address(host.strip("[]")).is_loopback
+  except ValueError:
+    return False
+
+
+def check_bind(host: str, token: str | None) -> None:
+  """Raises ValueError if `host` is not loopback and there is no token (anyone on the network could
+  drive the browsers otherwise)."""
+  if not token and not is_loopback(host):
+    raise ValueError(f"refusing to bind {host!r} without a token: start with --token (or set {P.TOKEN_ENV}) "
+                     "or bind 127.0.0.1")
+
+
+class BearerAuth:
+  """ASGI middleware: HTTP requests to paths other than OPEN_PATHS need `Authorization: Bearer <token>`
+  (compared in constant time); others get 401 with the typed `Unauthorized` body."""
+
+  def __init__(self, app, token: str):
+    if not token:
+      raise ValueError("BearerAuth needs a non-empty token")
+    self.app, self._token = app, token.encode()
+
+  async def __call__(self, scope, receive, send):
+    if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+      scheme, _, cred = Headers(scope=scope).get("authorization", "").partition(" ")
+      if scheme.lower() != "bearer" or not cred:
+        err = P.Unauthorized("this server requires 'Authorization: Bearer <token>'")
+      elif not secrets.compare_digest(cred.strip().encode(), self._token):
+        err = P.Unauthorized("wrong bearer token")
+      else:
+        err = None
+      if err is not None:
+        await JSONResponse(status_code=401, content=err.body(), headers={"WWW-Authenticate": "Bearer"})(
+            scope, receive, send)
+        return
+    await self.app(scope, receive, send)
+
+
+class BodyLimit:
+  """ASGI middleware: an HTTP request body over `max_bytes` gets 413 with the typed `PayloadTooLarge`
+  body. The body is read (at most max_bytes + one chunk) before the app runs and then handed to it."""
+
+  def __init__(self, app, max_bytes: int):
+    self.app, self.max_bytes = app, max_bytes
+
+  async def _refuse(self, scope, receive, send):
+    err = P.PayloadTooLarge(f"request body over {self.max_bytes} bytes (this server's max_body_bytes)",
+                            max_body_bytes=self.max_bytes)
+    await JSONResponse(status_code=413, content=err.body(), headers={"Connection": "close"})(scope, receive, send)
+
+  async def __call__(self, scope, receive, send):
+    if scope["type"] != "http":
+      return await self.app(scope, receive, send)
+    length = Headers(scope=scope).get("content-length")
+    if length is not None and length.isdigit() and int(length) > self.max_bytes:
+      return await self._refuse(scope, receive, send)
+    chunks, size = [], 0
+    while True:
+      msg = await receive()
+      if msg["type"] != "http.request":  # the client went away: let the app see it
+        chunks = None
+        break
+      chunks.append(msg.get("body", b""))
+      size += len(chunks[-1])
+      if size > self.max_bytes:
+        return await self._refuse(scope, receive, send)
+      if not msg.get("more_body", False):
+        break
+    if chunks is None:
+      replay = [msg]
+    else:
+      replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+    async def replayed():
+      return replay.pop() if replay else await receive()
+    await self.app(scope, replayed, send)
+
 
 def protocol_app(title: str, sandbox: Any, task_names: Callable[[], Sequence[str]],
-                 log: logging.Logger) -> FastAPI:
+                 log: logging.Logger, token: str | None = None,
+                 max_body_bytes: int = P.MAX_BODY_BYTES) -> FastAPI:
   """FastAPI app serving `sandbox` (an object with async start/stop/open/step/observe/close).
 
   sandbox.open(task, seed, coords, data_mode) -> (session_id, Observation); step(sid, action) ->
   Observation; observe(sid) -> Observation; close(sid). They raise `protocol.SandboxError`
   subclasses, which become HTTP errors with the error's status and typed body.
+
+  Args:
+    token: bearer token required on every route but OPEN_PATHS (None: no auth; bind loopback only).
+    max_body_bytes: request bodies over this many bytes -> 413 PayloadTooLarge.
   """
+  if max_body_bytes < 1:
+    raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
 
   @contextlib.asynccontextmanager
   async def lifespan(app):
@@ -36,6 +148,9 @@ def protocol_app(title: str, sandbox: Any, task_names: Callable[[], Sequence[str
 
   app = FastAPI(title=title, lifespan=lifespan)
   app.state.sandbox = sandbox
+  app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+  if token:  # added last = outermost: checked before the body is read
+    app.add_middleware(BearerAuth, token=token)
 
   @app.exception_handler(P.SandboxError)
   async def _typed(request: Request, exc: P.SandboxError):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import os
 from typing import Awaitable, Callable
 
 import httpx
@@ -43,16 +44,22 @@ class SandboxClient:
     base_url: e.g. 'http://127.0.0.1:8765'.
     timeout_s: per-request timeout in seconds.
     max_connections: httpx connection pool size (>= concurrent sessions you drive).
+    token: the server's bearer token (sent as `Authorization: Bearer`); None: the env var
+      `protocol.TOKEN_ENV` if set, else none.
 
   Every call raises the typed `protocol.SandboxError` subclass of an error response (UnknownTask,
-  UnknownSession, LeaseExpired, SessionLost, TaskError, ServerBusy, InvalidAction; a plain
+  UnknownSession, LeaseExpired, SessionLost, TaskError, ServerBusy, InvalidAction, Unauthorized (401:
+  missing or wrong token), PayloadTooLarge (413); a plain
   SandboxError with `.status` for others, e.g. 422 validation errors), and httpx.TransportError
   when the server cannot be reached.
   """
 
-  def __init__(self, base_url: str, timeout_s: float = 60.0, max_connections: int = 256):
+  def __init__(self, base_url: str, timeout_s: float = 60.0, max_connections: int = 256,
+               token: str | None = None):
     self.base_url = base_url.rstrip("/")
-    self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s,
+    token = token if token is not None else os.environ.get(P.TOKEN_ENV)
+    headers = {"Authorization": f"Bearer {token}"} if token else None
+    self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, headers=headers,
                                    limits=httpx.Limits(max_connections=max_connections,
                                                        max_keepalive_connections=max_connections))
 
@@ -104,7 +111,8 @@ class SandboxClient:
   async def metrics(self) -> str:
     """The server's Prometheus text exposition."""
     r = await self._http.get("/metrics")
-    r.raise_for_status()
+    if r.status_code >= 400:
+      response_json(r)  # raises the typed error
     return r.text
 
   async def events(self, since: int = 0, limit: int = 1000) -> list[dict]:

@@ -23,6 +23,8 @@ import time
 
 import httpx
 
+from envs_bridge.protocol import TOKEN_ENV
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _RUNNING: set["ServerHandle"] = set()
 
@@ -37,8 +39,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 class ServerHandle:
   """A running server subprocess: `.url`, `.proc`, `.log_path`, `.stop()`; a context manager."""
 
-  def __init__(self, proc: subprocess.Popen, url: str, log_path: str, own_log: bool):
+  def __init__(self, proc: subprocess.Popen, url: str, log_path: str, own_log: bool, token: str | None = None):
     self.proc, self.url, self.log_path, self._own_log = proc, url, log_path, own_log
+    self.token = token  # what clients must send (None: the server requires none)
     _RUNNING.add(self)
 
   def alive(self) -> bool:
@@ -112,7 +115,7 @@ def launch_server(module: str = "envs_bridge.browser.server", port: int | None =
                   host: str = "127.0.0.1", step_ms: int = 1000, lease_s: float = 300.0,
                   max_sessions: int = 64, wait_s: float = 30.0, log_path: str | None = None,
                   extra_args: tuple[str, ...] = (), n_browsers: int = 1, page_timeout_s: float = 60.0,
-                  gc_interval_s: float = 30.0) -> ServerHandle:
+                  gc_interval_s: float = 30.0, token: str | None = None) -> ServerHandle:
   """Runs `python -m <module> --host H --port N --step-ms .. --lease-s .. --max-sessions ..` and waits
   until GET /health answers 200.
 
@@ -122,6 +125,9 @@ def launch_server(module: str = "envs_bridge.browser.server", port: int | None =
       deleted on stop). extra_args: more command-line flags for the module.
     n_browsers, page_timeout_s, gc_interval_s: browser-server flags (`--browsers`, ...), passed only
       when they differ from the defaults (other server modules need not know them).
+    token: bearer token the server requires (passed in its environment as `protocol.TOKEN_ENV`, never on
+      its command line, which every user can read); None: inherit that env var from this process
+      ('' there or unset: no token, and then the server binds loopback only). `.token` of the handle.
   Raises: RuntimeError (with the server's log tail) if it exits or does not answer within wait_s.
   """
   port = port or free_port(host)
@@ -131,6 +137,9 @@ def launch_server(module: str = "envs_bridge.browser.server", port: int | None =
     os.close(fd)
   env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
              **{PARENT_ENV: str(os.getpid())})
+  if token is not None:
+    env[TOKEN_ENV] = token
+  token = env.get(TOKEN_ENV) or None
   cmd = [sys.executable, "-m", module, "--host", host, "--port", str(port), "--step-ms", str(int(step_ms)),
          "--lease-s", str(lease_s), "--max-sessions", str(max_sessions)]
   for flag, value, default in (("--browsers", n_browsers, 1), ("--page-timeout-s", page_timeout_s, 60.0),
@@ -141,7 +150,7 @@ def launch_server(module: str = "envs_bridge.browser.server", port: int | None =
   with open(log_path, "ab") as out:
     proc = subprocess.Popen(cmd, env=env, cwd=_ROOT, stdout=out, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True)
-  h = ServerHandle(proc, f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}", log_path, own_log)
+  h = ServerHandle(proc, f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}", log_path, own_log, token)
   deadline = time.monotonic() + wait_s
   while time.monotonic() < deadline:
     if proc.poll() is not None:
@@ -160,19 +169,22 @@ def launch_server(module: str = "envs_bridge.browser.server", port: int | None =
 
 
 @contextlib.contextmanager
-def sandbox_fleet(urls, step_ms: int = 1000, lease_s: float = 300.0):
+def sandbox_fleet(urls, step_ms: int = 1000, lease_s: float = 300.0, token: str | None = None):
   """(event loop, [SandboxClient]) over the servers at `urls`, or over one browser server launched
   here (`launch_server(step_ms=, lease_s=)`) when `urls` is empty. On exit the clients, the loop and
   the launched server are closed — also when the body raises (a trainer's SIGTERM unwinds through here).
+
+  token: bearer token of the servers (and of the one launched here); None: the env var
+  `protocol.TOKEN_ENV` (kept out of configs on purpose: configs are logged and checkpointed).
   """
   from envs_bridge.client import SandboxClient  # local: the server side imports this module too
   server = None
   urls = list(urls or ())
   if not urls:
-    server = launch_server(step_ms=step_ms, lease_s=lease_s)
+    server = launch_server(step_ms=step_ms, lease_s=lease_s, token=token)
     urls = [server.url]
   loop = asyncio.new_event_loop()
-  clients = [SandboxClient(u) for u in urls]
+  clients = [SandboxClient(u, token=token) for u in urls]
   try:
     yield loop, clients
   finally:

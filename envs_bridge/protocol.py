@@ -36,6 +36,12 @@ raises the matching exception class. A closed (or never opened) session is `Unkn
 reclaimed after `lease_s` idle seconds is `LeaseExpired`; one whose page or browser died or hung is
 `SessionLost` with `reason` and `cause` (browser_crash, page_crash, page_hang, page_error,
 page_closed); a dead Chromium is relaunched at once. Malformed requests get FastAPI's 422.
+
+Auth and limits (envs_bridge/app.py): a server started without a token binds loopback only; one
+started with a token (`--token` or the env var TARS_SANDBOX_TOKEN) answers every route but
+`/health` (the schema pages /openapi.json, /docs included) with 401 `Unauthorized` unless the request has
+`Authorization: Bearer <token>`. A request body over `max_body_bytes` (default 4 MiB) gets 413
+`PayloadTooLarge`.
 """
 
 from __future__ import annotations
@@ -49,6 +55,8 @@ from pydantic import BaseModel, Field
 
 MAX_ACTION_CHARS = 4096  # longer actions are invalid actions (an observation), not HTTP errors
 MAX_REQUEST_CHARS = 1 << 20  # beyond this the request itself is rejected (422)
+MAX_BODY_BYTES = 4 << 20  # default request body limit of a server (413 PayloadTooLarge beyond)
+TOKEN_ENV = "TARS_SANDBOX_TOKEN"  # bearer token of servers and clients when not given explicitly
 GAME_INFO_KEYS = ("score", "level", "lives")  # optional Observation.info keys of game tasks
 
 
@@ -157,8 +165,20 @@ class ServerBusy(SandboxError):
   status = 503
 
 
+class Unauthorized(SandboxError):
+  """The server was started with a token and the request's `Authorization: Bearer` is missing or wrong."""
+
+  status = 401
+
+
+class PayloadTooLarge(SandboxError):
+  """The request body is over the server's `max_body_bytes`."""
+
+  status = 413
+
+
 ERRORS = {c.__name__: c for c in (UnknownTask, UnknownSession, LeaseExpired, SessionLost, InvalidAction,
-                                  TaskError, ServerBusy)}
+                                  TaskError, ServerBusy, Unauthorized, PayloadTooLarge)}
 
 
 def error_from_body(status: int, body: Any) -> SandboxError:

@@ -1,7 +1,12 @@
 r"""Browser sandbox server: FastAPI app over Chromium processes with many sessions (DESIGN.md protocol).
 
   python -m envs_bridge.browser.server --port 8765 [--host 127.0.0.1] [--step-ms 1000] \
-      [--lease-s 300] [--max-sessions 64] [--browsers 1] [--page-timeout-s 60] [--gc-interval-s 30]
+      [--lease-s 300] [--max-sessions 64] [--browsers 1] [--page-timeout-s 60] [--gc-interval-s 30] \
+      [--token T | env TARS_SANDBOX_TOKEN] [--max-body-bytes 4194304]
+
+Without a token the server binds loopback only (another --host is refused); with one, every route
+but /health needs `Authorization: Bearer <token>` (401 otherwise). Prefer the env var to --token:
+command lines are visible to every user of the machine (`ps`).
 
 OpenAPI schema at /openapi.json; `envs_bridge/protocol.py` documents the calls, the observation and
 the error bodies. `envs_bridge.launch.launch_server` starts this as a subprocess.
@@ -18,7 +23,7 @@ from fastapi import Query
 from fastapi.responses import JSONResponse, Response
 
 from envs_bridge import protocol as P
-from envs_bridge.app import protocol_app
+from envs_bridge.app import check_bind, protocol_app, server_token
 from envs_bridge.browser import tasks as task_registry
 from envs_bridge.browser import telemetry
 from envs_bridge.browser.sessions import BrowserSandbox
@@ -28,13 +33,15 @@ log = logging.getLogger("envs_bridge.browser")
 
 
 def create_app(step_ms: int = 1000, lease_s: float = 300.0, max_sessions: int = 64, n_browsers: int = 1,
-               page_timeout_s: float = 60.0, gc_interval_s: float = 30.0) -> FastAPI:
+               page_timeout_s: float = 60.0, gc_interval_s: float = 30.0, token: str | None = None,
+               max_body_bytes: int = P.MAX_BODY_BYTES) -> FastAPI:
   """The FastAPI app; the sandbox (Chromium) starts and stops with the app's lifespan.
-  Arguments: see `BrowserSandbox`."""
+  Arguments: see `BrowserSandbox`; token, max_body_bytes: see `envs_bridge.app.protocol_app`."""
   sandbox = BrowserSandbox(step_ms=step_ms, lease_s=lease_s, max_sessions=max_sessions, n_browsers=n_browsers,
                            page_timeout_s=page_timeout_s, gc_interval_s=gc_interval_s)
 
-  app = protocol_app("tars_jax browser sandbox", sandbox, task_registry.task_names, log)
+  app = protocol_app("tars_jax browser sandbox", sandbox, task_registry.task_names, log, token=token,
+                     max_body_bytes=max_body_bytes)
 
   @app.get("/health")
   async def health():
@@ -81,11 +88,20 @@ def main(argv=None):
   ap.add_argument("--browsers", type=int, default=1, help="Chromium processes (sessions spread over them)")
   ap.add_argument("--page-timeout-s", type=float, default=60.0, help="a page silent this long counts as hung")
   ap.add_argument("--gc-interval-s", type=float, default=30.0, help="seconds between leaked-page GC passes")
+  ap.add_argument("--token", default=None, help=f"bearer token required by every route but /health "
+                  f"(default: env {P.TOKEN_ENV}; none: loopback only)")
+  ap.add_argument("--max-body-bytes", type=int, default=P.MAX_BODY_BYTES, help="larger request bodies get 413")
   ap.add_argument("--log-level", default="warning")
   a = ap.parse_args(argv)
+  token = server_token(a.token)
+  try:
+    check_bind(a.host, token)
+  except ValueError as e:
+    ap.error(str(e))  # exit code 2, before any Chromium starts
   die_with_parent()  # started by launch_server: never outlive the trainer
   logging.basicConfig(level=a.log_level.upper())
-  uvicorn.run(create_app(a.step_ms, a.lease_s, a.max_sessions, a.browsers, a.page_timeout_s, a.gc_interval_s),
+  uvicorn.run(create_app(a.step_ms, a.lease_s, a.max_sessions, a.browsers, a.page_timeout_s, a.gc_interval_s,
+                         token=token, max_body_bytes=a.max_body_bytes),
               host=a.host, port=a.port,
               log_level=a.log_level)
 

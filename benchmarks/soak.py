@@ -17,8 +17,11 @@ leaked pages it had to close during the run (`gc_closed`, target 0).
 RSS growth = last sample / first sample after `warmup_s` - 1 (target < 10 %); the warm-up excludes
 the ramp while the idle pool fills.
 
+Chromium's memory follows its page count (the idle pool fills up to `max_idle_pages` as tasks come
+and go), so the table also gives Chromium PSS per page: flat = no per-page leak.
+
 Writes `<out>.json` (all samples), `<out>.png` (memory and pages over time) and prints a markdown
-table for benchmarks/RESULTS.md.
+table for benchmarks/RESULTS.md (`--report <out>.json` prints it again from a saved run).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import platform
 import random
 import time
 
+import httpx
 import psutil
 
 from envs_bridge import protocol as P
@@ -87,13 +91,13 @@ async def soak(url: str, server_pid: int, n: int, duration_s: float, interval_s:
               break
             obs = await c.step(sid, f"click(start_box='({rng.randrange(1000)},{rng.randrange(1000)})')")
           episodes[0] += 1
-        except P.SandboxError as e:  # counted and reported; the soak goes on
+        except (P.SandboxError, httpx.TransportError) as e:  # counted and reported; the soak goes on
           errors[type(e).__name__] = errors.get(type(e).__name__, 0) + 1
         finally:
           if sid is not None:
             try:
               await c.close(sid)
-            except P.SandboxError:
+            except (P.SandboxError, httpx.TransportError):
               pass
 
     async def sampler():
@@ -159,6 +163,30 @@ def _plot(samples: list[dict], path: str, title: str) -> None:
   fig.savefig(path, dpi=100)
 
 
+def report(run: dict, warmup_s: float, out: str) -> None:
+  """Prints the markdown summary of a soak run (the dict written to <out>.json)."""
+  s, e = run["samples"], run["end"]
+  for x in s:
+    x["pss_per_page"] = x["chromium_pss"] / x["pages"] if x["pages"] else float("nan")
+  print(f"Command: `{run['command']}`. Date: {run['date']}. Machine: {run['machine']}, load average at the end "
+        f"{run['loadavg_end'][0]:.1f}. Episodes: {run['episodes']}, steps: {e['steps']}, "
+        f"errors: {run['errors'] or 'none'}.")
+  print()
+  print("| quantity | after warm-up | end | growth |")
+  print("|---|---|---|---|")
+  for key, label in (("server_rss", "server RSS (MiB)"), ("chromium_pss", "Chromium PSS, all processes (MiB)"),
+                     ("chromium_rss", "Chromium RSS sum (MiB)"), ("driver_rss", "Playwright driver RSS (MiB)"),
+                     ("chromium_procs", "Chromium processes"), ("pages", "pages (contexts)"),
+                     ("pss_per_page", "Chromium PSS per page (MiB)")):
+    first, last, g = _growth(s, key, warmup_s)
+    print(f"| {label} | {first:.1f} | {last:.1f} | {100 * g:+.1f} % |")
+  print()
+  print(f"At the end: sessions {e['sessions']}, pages {e['pages']}, idle pages {e['idle_pages']}, "
+        f"**leaked pages {e['leaked_pages']}**, pages the GC closed during the run {e['gc_closed']}, "
+        f"sessions lost {e['lost']}, expired {e['expired']}, browser restarts {e['browser_restarts']}; "
+        f"pages created {e['pages_created']}, reused {e['pages_reused']}. Samples: {out}.json, plot: {out}.png.")
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--sessions", type=int, default=32)
@@ -167,7 +195,11 @@ def main(argv=None):
   ap.add_argument("--warmup-s", type=float, default=120.0, help="growth is measured from the first sample after this")
   ap.add_argument("--browsers", type=int, default=1)
   ap.add_argument("--out", default="benchmarks/soak", help="writes <out>.json and <out>.png")
+  ap.add_argument("--report", default=None, help="only print the summary of a saved <out>.json")
   a = ap.parse_args(argv)
+  if a.report:
+    with open(a.report) as f:
+      return report(json.load(f), a.warmup_s, a.report.removesuffix(".json"))
   with launch_server(step_ms=1000, lease_s=600.0, max_sessions=max(64, a.sessions), n_browsers=a.browsers) as h:
     r = asyncio.run(soak(h.url, h.proc.pid, a.sessions, a.duration_s, a.interval_s))
   cmd = (f"nice -n 10 .venv/bin/python -m benchmarks.soak --sessions {a.sessions} --duration-s {a.duration_s:g} "
@@ -178,23 +210,8 @@ def main(argv=None):
     json.dump({**meta, **r}, f, indent=1)
   _plot(r["samples"], a.out + ".png", f"soak: {a.sessions} sessions, {a.duration_s / 60:g} min, "
         f"{a.browsers} Chromium ({meta['date']})")
-  s, e = r["samples"], r["end"]
   print()
-  print(f"Command: `{cmd}`. Date: {meta['date']}. Machine: {meta['machine']}, load average at the end "
-        f"{meta['loadavg_end'][0]:.1f}. Episodes: {r['episodes']}, steps: {e['steps']}, errors: {r['errors'] or 'none'}.")
-  print()
-  print("| quantity | after warm-up | end | growth |")
-  print("|---|---|---|---|")
-  for key, label in (("server_rss", "server RSS (MiB)"), ("chromium_pss", "Chromium PSS, all processes (MiB)"),
-                     ("chromium_rss", "Chromium RSS sum (MiB)"), ("driver_rss", "Playwright driver RSS (MiB)"),
-                     ("chromium_procs", "Chromium processes"), ("pages", "pages (contexts)")):
-    first, last, g = _growth(s, key, a.warmup_s)
-    print(f"| {label} | {first:.1f} | {last:.1f} | {100 * g:+.1f} % |")
-  print()
-  print(f"At the end: sessions {e['sessions']}, pages {e['pages']}, idle pages {e['idle_pages']}, "
-        f"**leaked pages {e['leaked_pages']}**, pages the GC closed during the run {e['gc_closed']}, "
-        f"sessions lost {e['lost']}, expired {e['expired']}, browser restarts {e['browser_restarts']}; "
-        f"pages created {e['pages_created']}, reused {e['pages_reused']}. Samples: {a.out}.json, plot: {a.out}.png.")
+  report({**meta, **r}, a.warmup_s, a.out)
 
 
 if __name__ == "__main__":

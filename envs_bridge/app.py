@@ -31,6 +31,9 @@ from starlette.datastructures import Headers
 
 from envs_bridge import protocol as P
 
+# uvicorn's keep-alive timeout for servers of this protocol: longer than the client's KEEPALIVE_S, so
+# the client always closes an idle connection first (uvicorn's default 5 s equals httpx's default).
+SERVER_KEEPALIVE_S = 30
 OPEN_PATHS = frozenset({"/health"})  # answered without a token (liveness probes, launch_server's wait)
 
 

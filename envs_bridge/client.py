@@ -25,6 +25,12 @@ import prometheus_client as prom
 from envs_bridge import protocol as P
 
 
+# Idle keep-alive connections are dropped here before the server drops them (SERVER_KEEPALIVE_S in
+# envs_bridge/app.py): when both sides used 5 s, a request sent on a connection the server was closing
+# at that moment failed with httpx.ReadError (seen in benchmarks/soak.py after ~10 min at 12 sessions).
+KEEPALIVE_S = 10.0
+
+
 def response_json(r: httpx.Response):
   """The JSON body of a sandbox response. Raises: the typed `protocol.SandboxError` of an HTTP error
   (`protocol.error_from_body`; a non-JSON error body is passed on as text)."""
@@ -61,7 +67,8 @@ class SandboxClient:
     headers = {"Authorization": f"Bearer {token}"} if token else None
     self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, headers=headers,
                                    limits=httpx.Limits(max_connections=max_connections,
-                                                       max_keepalive_connections=max_connections))
+                                                       max_keepalive_connections=max_connections,
+                                                       keepalive_expiry=KEEPALIVE_S))
 
   async def _call(self, method: str, path: str, **kw):
     return response_json(await self._http.request(method, path, **kw))

@@ -23,7 +23,7 @@ from fastapi import Query
 from fastapi.responses import JSONResponse, Response
 
 from envs_bridge import protocol as P
-from envs_bridge.app import check_bind, protocol_app, server_token
+from envs_bridge.app import SERVER_KEEPALIVE_S, check_bind, protocol_app, server_token
 from envs_bridge.browser import tasks as task_registry
 from envs_bridge.browser import telemetry
 from envs_bridge.browser.sessions import BrowserSandbox
@@ -102,7 +102,7 @@ def main(argv=None):
   logging.basicConfig(level=a.log_level.upper())
   uvicorn.run(create_app(a.step_ms, a.lease_s, a.max_sessions, a.browsers, a.page_timeout_s, a.gc_interval_s,
                          token=token, max_body_bytes=a.max_body_bytes),
-              host=a.host, port=a.port,
+              host=a.host, port=a.port, timeout_keep_alive=SERVER_KEEPALIVE_S,
               log_level=a.log_level)
 
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import functools
 import hashlib
 import logging
 import os
@@ -62,7 +63,12 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networki
 # Wall-clock date every episode starts at (2024-01-01T00:00:00Z): tasks that print dates (terminal)
 # look the same on fresh and reused pages. Timers run on the clock's ticks, which this does not move.
 EPOCH_MS = 1_704_067_200_000
-MAX_PAGE_STEPS = 20_000  # a page is retired after this many steps (each clock call adds an init script)
+MAX_PAGE_STEPS = 20_000  # a page is retired after this many steps (each page.clock call adds an init script)
+# Caret hidden on every page for good: a caret blinks on real time, so it would make screenshots
+# depend on the wall clock. Playwright's page.screenshot hides it only while it shoots (an injected
+# `caret-color: transparent` style); the direct CDP screenshot of the step path needs it hidden
+# already. Same pixels as page.screenshot (bytes compared in tests/test_step_path.py).
+HIDE_CARET_CSS = "* { caret-color: transparent !important; }"
 SNAPSHOT_VERSION = 1
 # Tasks whose own reset leaves the previous episode on screen (a price, an open tab or dialog, a
 # cube's rotation): their first screenshot on a reused page differs from a fresh page's, so they
@@ -108,6 +114,7 @@ class _Page:
   steps: int = 0  # over its whole life, all episodes
   session_id: str | None = None  # the session using it, None while idle
   crashed: str | None = None  # why the page is unusable (renderer crash)
+  cdp: object = None  # CDPSession of the page for screenshots (made at its first screenshot)
 
   def usable(self) -> bool:
     return (self.crashed is None and self.generation == self.slot.generation and self.slot.up()
@@ -507,10 +514,9 @@ class BrowserSandbox:
     except (A.ActionParseError, executor.InvalidKey) as e:
       # A malformed action is an observation (and a format signal), never a crash.
       info["error"] = f"invalid action: {getattr(e, 'reason', None) or e}"
-    await s.page.clock.run_for(self.step_ms)
-    s.elapsed_ms += self.step_ms
     ts = tasks.get(s.task)
-    st = await s.page.evaluate(ts.state_script)
+    st = await _advance_and_read(s.page, self.step_ms, ts.state_script)
+    s.elapsed_ms += self.step_ms
     s.done = bool(st["done"]) or end  # finished()/call_user(): ends with what the page has scored
     reward = float(st["reward"]) if st["done"] else 0.0
     info.update(raw_reward=float(st["raw_reward"]) if st["done"] else 0.0, reason=st["reason"], **ts.info(st))
@@ -682,25 +688,65 @@ class BrowserSandbox:
         except ProcessLookupError:
           pass
 
-  async def _screenshot(self, s: Session) -> bytes:
+  async def _screenshot_b64(self, s: Session) -> str:
+    """PNG of the viewport (exactly MiniWoB's #wrap), base64. Raises: SessionLost."""
     try:
       async with asyncio.timeout(self.page_timeout_s):
         if s.pg.crashed:
           raise PlaywrightError(s.pg.crashed)
-        return await s.page.screenshot(type="png")  # the viewport is exactly MiniWoB's #wrap
+        return await _capture_png_b64(s.pg)
     except (PlaywrightError, TimeoutError) as e:
       await self._page_failed(s, e, "screenshot")
 
+  async def _screenshot(self, s: Session) -> bytes:
+    return base64.b64decode(await self._screenshot_b64(s))
+
   async def _observation(self, s: Session, reward: float, info: dict) -> P.Observation:
-    return self._make_obs(s, await self._screenshot(s), reward, info)
+    return self._make_obs(s, await self._screenshot_b64(s), reward, info)
 
   @staticmethod
-  def _make_obs(s: Session, png: bytes, reward: float, info: dict) -> P.Observation:
+  def _make_obs(s: Session, png: bytes | str, reward: float, info: dict) -> P.Observation:
+    """Observation of session `s`; `png` as bytes or already base64 (the CDP screenshot is)."""
     full = {"instruction": s.instruction, "step": s.step, "elapsed_ms": s.elapsed_ms, "raw_reward": 0.0,
             "reason": None, "error": None, "task": s.task, "seed": s.seed}
     full.update(info)
-    return P.Observation(screenshot_png_b64=base64.b64encode(png).decode(), reward=reward, done=s.done,
-                         info=full)
+    b64 = png if isinstance(png, str) else base64.b64encode(png).decode()
+    return P.Observation(screenshot_png_b64=b64, reward=reward, done=s.done, info=full)
+
+
+@functools.lru_cache(maxsize=None)
+def _advance_and_read_script(state_script: str) -> str:
+  return f"async (ms) => {{ await globalThis.__pwClock.controller.runFor(ms); return ({state_script})(); }}"
+
+
+async def _advance_and_read(page, step_ms: int, state_script: str) -> dict:
+  """Advances the page's virtual clock by `step_ms` ms, then runs `state_script` -> its result.
+
+  One page.evaluate instead of `page.clock.run_for` + `page.evaluate(state_script)`: run_for makes
+  Playwright add a log init script to the context (replayed only if the page navigates, which task
+  pages do not after their load) and then evaluate `__pwClock.controller.runFor(ms)` in every frame's
+  main world; here the same controller call runs in the page's main world, followed by the state read
+  in the same evaluate. Pages with child frames keep Playwright's call (it advances every frame).
+  Source: Playwright 1.65 server `Clock.runFor` (packages/playwright-core/src/server/clock.ts).
+  Raises: PlaywrightError (page gone, or a timer threw, as run_for would).
+  """
+  if page.main_frame.child_frames:
+    await page.clock.run_for(step_ms)
+    return await page.evaluate(state_script)
+  return await page.evaluate(_advance_and_read_script(state_script), step_ms)
+
+
+async def _capture_png_b64(pg: _Page) -> str:
+  """Viewport PNG (base64) by CDP `Page.captureScreenshot` on the page's own CDP session.
+
+  One protocol call where `page.screenshot` makes about six (viewport size, hide caret and fonts.ready
+  in every frame, layout metrics, capture, restore); with the caret hidden for good (HIDE_CARET_CSS)
+  the bytes are the same. Raises: PlaywrightError if the page is gone.
+  """
+  if pg.cdp is None:
+    await pg.page.add_style_tag(content=HIDE_CARET_CSS)
+    pg.cdp = await pg.context.new_cdp_session(pg.page)
+  return (await pg.cdp.send("Page.captureScreenshot", {"format": "png"}))["data"]
 
 
 async def _browser_pid(browser) -> int | None:

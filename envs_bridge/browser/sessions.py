@@ -5,6 +5,11 @@ Time is virtual (Playwright `page.clock`): the clock is installed and paused bef
 loads and only moves when a step advances it by `step_ms`, so the same seed and the same actions give
 the same screenshots and rewards, and MiniWoB's 10 s episode time-out takes 10 steps, not 10 s.
 
+A step is three page calls: the action (mouse/keyboard), one `page.evaluate` that advances the clock
+(Playwright's own clock controller, `_advance_and_read`) and reads the task state, and one CDP
+`Page.captureScreenshot` (byte-equal to `page.screenshot`, `_capture_png_b64`); `page.clock.run_for`
++ state read + `page.screenshot` took about ten protocol round trips.
+
 Pages are reused across episodes of the same task, as MiniWoB itself does: a closed session's page
 goes back to an idle pool and the next `open` only cleans it (focus, scroll, pointer, wall-clock
 date) and restarts the episode with the seed (no new context, no page load), which is what makes
@@ -459,12 +464,17 @@ class BrowserSandbox:
 
   @staticmethod
   async def _start_episode(page, ts: tasks.TaskSpec, seed: int, data_mode: str) -> str:
-    """Cleans what a previous episode may have left on the page, then restarts it with `seed`."""
-    await page.clock.set_system_time(EPOCH_MS)
-    await page.evaluate(ts.clean_script)
+    """Cleans what a previous episode may have left on the page, then restarts it with `seed`.
+
+    Three page calls: (wall-clock date + clean), pointer move, (start + instruction read).
+    """
+    if page.main_frame.child_frames:  # Playwright's clock call sets the date in every frame
+      await page.clock.set_system_time(EPOCH_MS)
+      await page.evaluate(ts.clean_script)
+    else:
+      await page.evaluate(_set_date_and_clean_script(ts.clean_script), EPOCH_MS)
     await page.mouse.move(0, 0)  # no element stays hovered (the instruction bar has no hover style)
-    await page.evaluate(ts.start_script(seed, data_mode))
-    return await page.evaluate(ts.utterance_script)
+    return await page.evaluate(_start_and_read_script(ts.start_script(seed, data_mode), ts.utterance_script))
 
   def _get(self, sid: str) -> Session:
     s = self.sessions.get(sid)
@@ -717,6 +727,18 @@ class BrowserSandbox:
 @functools.lru_cache(maxsize=None)
 def _advance_and_read_script(state_script: str) -> str:
   return f"async (ms) => {{ await globalThis.__pwClock.controller.runFor(ms); return ({state_script})(); }}"
+
+
+@functools.lru_cache(maxsize=64)
+def _set_date_and_clean_script(clean_script: str) -> str:
+  # `controller.setSystemTime` is what page.clock.set_system_time evaluates (see _advance_and_read).
+  return f"(ms) => {{ globalThis.__pwClock.controller.setSystemTime(ms); ({clean_script})(); }}"
+
+
+@functools.lru_cache(maxsize=1024)
+def _start_and_read_script(start_script: str, utterance_script: str) -> str:
+  # start scripts are synchronous statements (miniwob_tasks.start_script, games catalog.start_script)
+  return f"() => {{ {start_script}\n; return ({utterance_script})(); }}"
 
 
 async def _advance_and_read(page, step_ms: int, state_script: str) -> dict:

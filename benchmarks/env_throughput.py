@@ -96,10 +96,9 @@ async def raw(n: int, seconds: float, warmup_s: float, method: str = "playwright
       await page.clock.install(time=EPOCH_MS)
       await page.clock.pause_at(EPOCH_MS + 1000)
       await page.goto(mw.task_url(TASKS[k % len(TASKS)]))
-      await page.add_style_tag(content=mw.LOCK_VIEWPORT_CSS)
+      await page.add_style_tag(content=mw.LOCK_VIEWPORT_CSS + HIDE_CARET_CSS)  # as the sandbox's pages
       await page.evaluate(mw.start_script(1000 * k))
       if method == "cdp":
-        await page.add_style_tag(content=HIDE_CARET_CSS)
         cdp = await ctx.new_cdp_session(page)
         pages.append(lambda cdp=cdp: cdp.send("Page.captureScreenshot", {"format": "png"}))
       else:

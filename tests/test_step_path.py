@@ -24,8 +24,7 @@ async def _page(browser, task: str, seed: int):
   await page.clock.install(time=S.EPOCH_MS)
   await page.clock.pause_at(S.EPOCH_MS + 1000)
   await page.goto(ts.url)
-  if ts.css:
-    await page.add_style_tag(content=ts.css)
+  await page.add_style_tag(content=(ts.css or "") + S.HIDE_CARET_CSS)
   await page.evaluate(ts.start_script(seed))
   return S._Page(ctx, page, slot=None, generation=0)
 

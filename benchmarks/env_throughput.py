@@ -1,7 +1,8 @@
 """Environment throughput: our sandbox's steps/s on MiniWoB click tasks at 1, 4, 16, 32 sessions,
-beside the raw Playwright ceiling on the same pages (issue #5 item 5).
+beside the raw Playwright ceiling on the same pages and BrowserGym's MiniWoB env (issue #5 item 5).
 
   .venv/bin/python -m benchmarks.env_throughput [--sessions 1,4,16,32] [--seconds 8] [--browsers 1]
+      [--browsergym 1,4,16] [--browsergym-profiles default,no-delay]
 
 Ours: a sandbox server subprocess (`launch_server`) driven over HTTP by the async client; every
 session loops: step with a click at a random point of the task (a seeded RNG), and when the episode
@@ -11,7 +12,18 @@ ends, close it and open the next (resets are inside the measured time, not count
 Raw ceiling: in this process, one Chromium through Playwright with N contexts showing the same task
 pages (same viewport, virtual clock installed), taking PNG screenshots concurrently and nothing else:
 no actions, no HTTP, no clock, no JSON. A step can never be cheaper than its screenshot, so ours / raw
-is the fraction of the ceiling we reach. The two are run one after the other, on the same machine.
+is the fraction of the ceiling we reach. Two ceilings: `page.screenshot` (Playwright's API, the
+issue's definition) and CDP `Page.captureScreenshot` on a CDPSession (what our step uses since it
+makes one protocol call instead of about six: the stricter ceiling).
+
+BrowserGym: `benchmarks/browsergym_env.py` (its own venv under runs/bench_venvs/, made on first use;
+see there how it is pointed at /usr/bin/chromium and the miniwob wheel's HTML): N envs in N processes,
+`env.step("mouse_click(x, y)")`, resets inside the measured time, profiles "default" (as shipped) and
+"no-delay" (its 0.5 s pre-observation sleep and 100 ms slow_mo set to 0). Its window is longer
+(--browsergym-seconds, 30 s) because one of its resets takes seconds.
+
+All of a point's runs are made one after the other, on the same machine, so the ratios are comparable
+even when the machine is loaded.
 """
 
 from __future__ import annotations
@@ -26,8 +38,9 @@ import time
 
 from playwright.async_api import async_playwright
 
+from benchmarks import browsergym_env
 from envs_bridge.browser import miniwob_tasks as mw
-from envs_bridge.browser.sessions import CHROMIUM_ARGS, EPOCH_MS
+from envs_bridge.browser.sessions import CHROMIUM_ARGS, EPOCH_MS, HIDE_CARET_CSS
 from envs_bridge.client import SandboxClient
 from envs_bridge.launch import launch_server
 
@@ -67,8 +80,12 @@ async def ours(url: str, n: int, seconds: float, warmup_s: float) -> dict:
             "p50_ms": 1000 * lat[len(lat) // 2] if lat else float("nan")}
 
 
-async def raw(n: int, seconds: float, warmup_s: float) -> dict:
-  """Screenshots/s of n pages of the same tasks in one Chromium, taken concurrently (the ceiling)."""
+async def raw(n: int, seconds: float, warmup_s: float, method: str = "playwright") -> dict:
+  """Screenshots/s of n pages of the same tasks in one Chromium, taken concurrently (the ceiling).
+
+  method: "playwright" (page.screenshot) or "cdp" (Page.captureScreenshot on a CDPSession, caret
+  hidden by a style as in the sandbox).
+  """
   pw = await async_playwright().start()
   browser = await pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
   try:
@@ -79,15 +96,20 @@ async def raw(n: int, seconds: float, warmup_s: float) -> dict:
       await page.clock.install(time=EPOCH_MS)
       await page.clock.pause_at(EPOCH_MS + 1000)
       await page.goto(mw.task_url(TASKS[k % len(TASKS)]))
+      await page.add_style_tag(content=mw.LOCK_VIEWPORT_CSS + HIDE_CARET_CSS)  # as the sandbox's pages
       await page.evaluate(mw.start_script(1000 * k))
-      pages.append(page)
+      if method == "cdp":
+        cdp = await ctx.new_cdp_session(page)
+        pages.append(lambda cdp=cdp: cdp.send("Page.captureScreenshot", {"format": "png"}))
+      else:
+        pages.append(lambda page=page: page.screenshot(type="png"))
     counts = [0] * n
     start = time.perf_counter()
     t_measure, t_end = start + warmup_s, start + warmup_s + seconds
 
     async def worker(k: int):
       while (now := time.perf_counter()) < t_end:
-        await pages[k].screenshot(type="png")
+        await pages[k]()
         if now >= t_measure and time.perf_counter() <= t_end:
           counts[k] += 1
 
@@ -98,33 +120,63 @@ async def raw(n: int, seconds: float, warmup_s: float) -> dict:
     await pw.stop()
 
 
+def _fmt(x: float, spec: str = ".1f") -> str:
+  return "-" if x != x else format(x, spec)  # NaN: not measured
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--sessions", default="1,4,16,32", help="comma-separated session counts")
   ap.add_argument("--seconds", type=float, default=8.0, help="measured seconds per point")
   ap.add_argument("--warmup-s", type=float, default=2.0, help="unmeasured seconds before each point")
   ap.add_argument("--browsers", type=int, default=1, help="Chromium processes of the sandbox server")
+  ap.add_argument("--browsergym", default="1,4,16",
+                  help="session counts at which BrowserGym is measured ('' = none; it runs 2 Chromium per env)")
+  ap.add_argument("--browsergym-profiles", default="default,no-delay", help="BrowserGym profiles to run")
+  ap.add_argument("--browsergym-seconds", type=float, default=30.0,
+                  help="measured seconds per BrowserGym point (its reset launches two Chromium: seconds each)")
   a = ap.parse_args(argv)
   ns = [int(x) for x in a.sessions.split(",")]
+  bg_ns = {int(x) for x in a.browsergym.split(",") if x}
+  profiles = [p for p in a.browsergym_profiles.split(",") if p]
+  nan = float("nan")
   rows = []
   with launch_server(step_ms=1000, lease_s=600.0, max_sessions=max(64, max(ns)), n_browsers=a.browsers) as h:
     for n in ns:
       o = asyncio.run(ours(h.url, n, a.seconds, a.warmup_s))
-      r = asyncio.run(raw(n, a.seconds, a.warmup_s))
-      rows.append((n, o, r))
+      r = asyncio.run(raw(n, a.seconds, a.warmup_s, "playwright"))
+      rc = asyncio.run(raw(n, a.seconds, a.warmup_s, "cdp"))
+      bg = {}
+      for prof in profiles if n in bg_ns else ():
+        bg[prof] = browsergym_env.measure(n, a.browsergym_seconds, a.warmup_s, TASKS, mw.HTML_DIR, CHROMIUM_ARGS, prof)
+        if bg[prof]["env_errors"]:
+          raise RuntimeError(f"BrowserGym envs failed: {bg[prof]['env_errors']}")
+      rows.append((n, o, r, rc, bg))
       print(f"n={n}: ours {o['steps_per_s']:.1f} steps/s (p50 {o['p50_ms']:.0f} ms, {o['resets']} resets), "
-            f"raw {r['shots_per_s']:.1f} shots/s", flush=True)
+            f"raw {r['shots_per_s']:.1f} shots/s, raw cdp {rc['shots_per_s']:.1f} shots/s"
+            + "".join(f", BrowserGym {p} {b['steps_per_s']:.2f} steps/s (p50 {b['p50_ms']:.0f} ms, "
+                      f"{b['resets']} resets, setup {b['setup_s']:.0f} s)" for p, b in bg.items()), flush=True)
   print()
   print(f"Command: `.venv/bin/python -m benchmarks.env_throughput --sessions {a.sessions} --seconds {a.seconds:g} "
-        f"--browsers {a.browsers}`. Date: {datetime.date.today()}. Machine: {platform.machine()}, "
-        f"{os.cpu_count()} CPU cores, {platform.platform()}.")
+        f"--browsers {a.browsers} --browsergym '{a.browsergym}' --browsergym-profiles '{a.browsergym_profiles}' "
+        f"--browsergym-seconds {a.browsergym_seconds:g}`. "
+        f"Date: {datetime.date.today()}. Machine: {platform.machine()}, {os.cpu_count()} CPU cores, "
+        f"{platform.platform()}, load average {os.getloadavg()[0]:.1f} at the end.")
   print()
-  print("| sessions | ours steps/s | step p50 (ms) | resets | raw Playwright screenshots/s | ours / raw |")
-  print("|---|---|---|---|---|---|")
-  for n, o, r in rows:
-    ratio = o["steps_per_s"] / r["shots_per_s"] if r["shots_per_s"] else float("nan")
-    print(f"| {n} | {o['steps_per_s']:.1f} | {o['p50_ms']:.0f} | {o['resets']} | {r['shots_per_s']:.1f} | "
-          f"{ratio:.2f} |")
+  head = ["sessions", "ours steps/s", "step p50 (ms)", "resets", "raw page.screenshot/s", "ours / raw",
+          "raw CDP shots/s", "ours / raw CDP"]
+  for p in profiles:
+    head += [f"BrowserGym {p} steps/s", f"ours / BrowserGym {p}"]
+  print("| " + " | ".join(head) + " |")
+  print("|" + "---|" * len(head))
+  for n, o, r, rc, bg in rows:
+    cells = [str(n), _fmt(o["steps_per_s"]), _fmt(o["p50_ms"], ".0f"), str(o["resets"]), _fmt(r["shots_per_s"]),
+             _fmt(o["steps_per_s"] / r["shots_per_s"] if r["shots_per_s"] else nan, ".2f"),
+             _fmt(rc["shots_per_s"]), _fmt(o["steps_per_s"] / rc["shots_per_s"] if rc["shots_per_s"] else nan, ".2f")]
+    for p in profiles:
+      b = bg.get(p, {}).get("steps_per_s", nan)
+      cells += [_fmt(b, ".2f"), _fmt(o["steps_per_s"] / b if b else nan, ".1f") + ("x" if b == b and b else "")]
+    print("| " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

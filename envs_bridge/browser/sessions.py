@@ -5,6 +5,11 @@ Time is virtual (Playwright `page.clock`): the clock is installed and paused bef
 loads and only moves when a step advances it by `step_ms`, so the same seed and the same actions give
 the same screenshots and rewards, and MiniWoB's 10 s episode time-out takes 10 steps, not 10 s.
 
+A step is three page calls: the action (mouse/keyboard), one `page.evaluate` that advances the clock
+(Playwright's own clock controller, `_advance_and_read`) and reads the task state, and one CDP
+`Page.captureScreenshot` (byte-equal to `page.screenshot`, `_capture_png_b64`); `page.clock.run_for`
++ state read + `page.screenshot` took about ten protocol round trips.
+
 Pages are reused across episodes of the same task, as MiniWoB itself does: a closed session's page
 goes back to an idle pool and the next `open` only cleans it (focus, scroll, pointer, wall-clock
 date) and restarts the episode with the seed (no new context, no page load), which is what makes
@@ -46,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import functools
 import hashlib
 import logging
 import os
@@ -67,7 +73,13 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networki
 # Wall-clock date every episode starts at (2024-01-01T00:00:00Z): tasks that print dates (terminal)
 # look the same on fresh and reused pages. Timers run on the clock's ticks, which this does not move.
 EPOCH_MS = 1_704_067_200_000
-MAX_PAGE_STEPS = 20_000  # a page is retired after this many steps (each clock call adds an init script)
+MAX_PAGE_STEPS = 20_000  # a page is retired after this many steps (each page.clock call adds an init script)
+# Caret hidden on every page for good: a caret blinks on real time, so it would make screenshots
+# depend on the wall clock. Playwright's page.screenshot hides it only while it shoots (an injected
+# `caret-color: transparent` style); the direct CDP screenshot of the step path needs it hidden
+# already. Same pixels as page.screenshot (bytes compared in tests/test_step_path.py). Added to every
+# page when it is created (`_new_page`).
+HIDE_CARET_CSS = "* { caret-color: transparent !important; }"
 SNAPSHOT_VERSION = 1
 # Tasks whose own reset leaves the previous episode on screen (a price, an open tab or dialog, a
 # cube's rotation): their first screenshot on a reused page differs from a fresh page's, so they
@@ -75,7 +87,10 @@ SNAPSHOT_VERSION = 1
 REUSE_UNSAFE_TASKS = frozenset(
     "miniwob/" + t for t in ("book-flight", "book-flight-nodelay", "click-dialog", "click-dialog-2", "click-tab",
                              "click-tab-2", "click-tab-2-easy", "click-tab-2-hard", "click-tab-2-medium",
-                             "drag-cube", "simon-says", "stock-market"))
+                             "drag-cube", "simon-says", "stock-market",
+                             # its list's scroll settles on the wall clock after a reset: with the
+                             # faster step path (2026-11-23) the first screenshot comes before that
+                             "click-scroll-list"))
 log = logging.getLogger("envs_bridge.browser")
 
 
@@ -114,6 +129,7 @@ class _Page:
   session_id: str | None = None  # the session using it, None while idle
   crashed: str | None = None  # why the page is unusable (renderer crash)
   discarded: bool = False  # its context is being / was closed: never pooled or reused again
+  cdp: object = None  # CDPSession of the page for screenshots (made at its first screenshot)
 
   def usable(self) -> bool:
     return (self.crashed is None and not self.discarded and self.generation == self.slot.generation
@@ -450,8 +466,9 @@ class BrowserSandbox:
         await page.clock.install(time=EPOCH_MS)
         await page.clock.pause_at(EPOCH_MS + 1000)  # paused: from now on only steps move time
         await page.goto(ts.url)
-        if ts.css:
-          await page.add_style_tag(content=ts.css)
+        # the caret style goes in before the first episode: added after a task built its page, a
+        # `*` rule restyles it (click-collapsible, multi-layouts then differ from a reused page)
+        await page.add_style_tag(content=(ts.css or "") + HIDE_CARET_CSS)
     except PlaywrightError:
       await _close_context(ctx, self.page_timeout_s)
       self._transit.discard(ctx)
@@ -477,12 +494,17 @@ class BrowserSandbox:
 
   @staticmethod
   async def _start_episode(page, ts: tasks.TaskSpec, seed: int, data_mode: str) -> str:
-    """Cleans what a previous episode may have left on the page, then restarts it with `seed`."""
-    await page.clock.set_system_time(EPOCH_MS)
-    await page.evaluate(ts.clean_script)
+    """Cleans what a previous episode may have left on the page, then restarts it with `seed`.
+
+    Three page calls: (wall-clock date + clean), pointer move, (start + instruction read).
+    """
+    if page.main_frame.child_frames:  # Playwright's clock call sets the date in every frame
+      await page.clock.set_system_time(EPOCH_MS)
+      await page.evaluate(ts.clean_script)
+    else:
+      await page.evaluate(_set_date_and_clean_script(ts.clean_script), EPOCH_MS)
     await page.mouse.move(0, 0)  # no element stays hovered (the instruction bar has no hover style)
-    await page.evaluate(ts.start_script(seed, data_mode))
-    return await page.evaluate(ts.utterance_script)
+    return await page.evaluate(_start_and_read_script(ts.start_script(seed, data_mode), ts.utterance_script))
 
   def _get(self, sid: str) -> Session:
     s = self.sessions.get(sid)
@@ -533,10 +555,9 @@ class BrowserSandbox:
     except (A.ActionParseError, executor.InvalidKey) as e:
       # A malformed action is an observation (and a format signal), never a crash.
       info["error"] = f"invalid action: {getattr(e, 'reason', None) or e}"
-    await s.page.clock.run_for(self.step_ms)
-    s.elapsed_ms += self.step_ms
     ts = tasks.get(s.task)
-    st = await s.page.evaluate(ts.state_script)
+    st = await _advance_and_read(s.page, self.step_ms, ts.state_script)
+    s.elapsed_ms += self.step_ms
     s.done = bool(st["done"]) or end  # finished()/call_user(): ends with what the page has scored
     reward = float(st["reward"]) if st["done"] else 0.0
     info.update(raw_reward=float(st["raw_reward"]) if st["done"] else 0.0, reason=st["reason"], **ts.info(st))
@@ -720,25 +741,76 @@ class BrowserSandbox:
         except ProcessLookupError:
           pass
 
-  async def _screenshot(self, s: Session) -> bytes:
+  async def _screenshot_b64(self, s: Session) -> str:
+    """PNG of the viewport (exactly MiniWoB's #wrap), base64. Raises: SessionLost."""
     try:
       async with asyncio.timeout(self.page_timeout_s):
         if s.pg.crashed:
           raise PlaywrightError(s.pg.crashed)
-        return await s.page.screenshot(type="png")  # the viewport is exactly MiniWoB's #wrap
+        return await _capture_png_b64(s.pg)
     except (PlaywrightError, TimeoutError) as e:
       await self._page_failed(s, e, "screenshot")
 
+  async def _screenshot(self, s: Session) -> bytes:
+    return base64.b64decode(await self._screenshot_b64(s))
+
   async def _observation(self, s: Session, reward: float, info: dict) -> P.Observation:
-    return self._make_obs(s, await self._screenshot(s), reward, info)
+    return self._make_obs(s, await self._screenshot_b64(s), reward, info)
 
   @staticmethod
-  def _make_obs(s: Session, png: bytes, reward: float, info: dict) -> P.Observation:
+  def _make_obs(s: Session, png: bytes | str, reward: float, info: dict) -> P.Observation:
+    """Observation of session `s`; `png` as bytes or already base64 (the CDP screenshot is)."""
     full = {"instruction": s.instruction, "step": s.step, "elapsed_ms": s.elapsed_ms, "raw_reward": 0.0,
             "reason": None, "error": None, "task": s.task, "seed": s.seed}
     full.update(info)
-    return P.Observation(screenshot_png_b64=base64.b64encode(png).decode(), reward=reward, done=s.done,
-                         info=full)
+    b64 = png if isinstance(png, str) else base64.b64encode(png).decode()
+    return P.Observation(screenshot_png_b64=b64, reward=reward, done=s.done, info=full)
+
+
+@functools.lru_cache(maxsize=None)
+def _advance_and_read_script(state_script: str) -> str:
+  return f"async (ms) => {{ await globalThis.__pwClock.controller.runFor(ms); return ({state_script})(); }}"
+
+
+@functools.lru_cache(maxsize=64)
+def _set_date_and_clean_script(clean_script: str) -> str:
+  # `controller.setSystemTime` is what page.clock.set_system_time evaluates (see _advance_and_read).
+  return f"(ms) => {{ globalThis.__pwClock.controller.setSystemTime(ms); ({clean_script})(); }}"
+
+
+@functools.lru_cache(maxsize=1024)
+def _start_and_read_script(start_script: str, utterance_script: str) -> str:
+  # start scripts are synchronous statements (miniwob_tasks.start_script, games catalog.start_script)
+  return f"() => {{ {start_script}\n; return ({utterance_script})(); }}"
+
+
+async def _advance_and_read(page, step_ms: int, state_script: str) -> dict:
+  """Advances the page's virtual clock by `step_ms` ms, then runs `state_script` -> its result.
+
+  One page.evaluate instead of `page.clock.run_for` + `page.evaluate(state_script)`: run_for makes
+  Playwright add a log init script to the context (replayed only if the page navigates, which task
+  pages do not after their load) and then evaluate `__pwClock.controller.runFor(ms)` in every frame's
+  main world; here the same controller call runs in the page's main world, followed by the state read
+  in the same evaluate. Pages with child frames keep Playwright's call (it advances every frame).
+  Source: Playwright 1.65 server `Clock.runFor` (packages/playwright-core/src/server/clock.ts).
+  Raises: PlaywrightError (page gone, or a timer threw, as run_for would).
+  """
+  if page.main_frame.child_frames:
+    await page.clock.run_for(step_ms)
+    return await page.evaluate(state_script)
+  return await page.evaluate(_advance_and_read_script(state_script), step_ms)
+
+
+async def _capture_png_b64(pg: _Page) -> str:
+  """Viewport PNG (base64) by CDP `Page.captureScreenshot` on the page's own CDP session.
+
+  One protocol call where `page.screenshot` makes about six (viewport size, hide caret and fonts.ready
+  in every frame, layout metrics, capture, restore); with the caret hidden for good (HIDE_CARET_CSS,
+  put in by `_new_page`) the bytes are the same. Raises: PlaywrightError if the page is gone.
+  """
+  if pg.cdp is None:
+    pg.cdp = await pg.context.new_cdp_session(pg.page)
+  return (await pg.cdp.send("Page.captureScreenshot", {"format": "png"}))["data"]
 
 
 async def _browser_pid(browser) -> int | None:

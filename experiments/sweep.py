@@ -14,8 +14,10 @@ the `--set key=value` overrides (as `--config.key=value`). Layout:
                                         (experiments/value_pretrain.py; PPO then starts from its critic)
   <workdir>/<variant>/seed_<s>.log      stdout + stderr of the run's processes
   <workdir>/summary.json, comparison.png   final success per run and mean/std per variant; curves
-Runs go one at a time (`--parallel` for more); re-running the command resumes unfinished runs and
-skips finished value-pretraining stages. Exit code 1 if any run failed (the others still run).
+Runs go one at a time (`--parallel` for more), seed-major (every variant on seed 0, then seed 1, ...);
+re-running the command resumes unfinished runs and skips finished value-pretraining stages. Runs share
+a JAX compilation cache (<workdir>/jax_cache, unless JAX_COMPILATION_CACHE_DIR is set): same model
+and shapes, so later runs load compiled programs. Exit code 1 if any run failed (the others still run).
 """
 
 from __future__ import annotations

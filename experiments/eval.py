@@ -2,8 +2,13 @@ r"""Held-out evaluation of a run's policy: per-task success over seeds never use
 
   python -m experiments.eval --run runs/miniwob_ppo --tasks miniwob/click-test,miniwob/click-test-2 \
       --episodes 200 --json runs/miniwob_ppo/eval.json [--checkpoint STEP]
+  python -m experiments.eval --run runs/games --episodes 50 --json runs/games/eval.json
 
 Actions are the policy's own samples (same temperature and constrained grammar as in training).
+Game tasks ('games/<name>') also get their normalised score: 100 x mean over episodes of the game's
+score at the end of the episode / the reference player's score (envs_bridge/games/reference.py;
+report section 2.2 normalises to human play), and the JSON lists each game episode (seed, score,
+actions) so the scores can be replayed.
 """
 
 from __future__ import annotations
@@ -14,8 +19,10 @@ import os
 
 from absl import app, flags
 import ml_collections as mlc
+import numpy as np
 from tqdm import tqdm
 
+from envs_bridge.games import catalog
 from envs_bridge.launch import sandbox_fleet
 from tars_jax.rollout.agent_loop import RolloutStats, run_episodes
 from tars_jax.rollout.evaluation import eval_jobs, format_table, summarize
@@ -31,9 +38,50 @@ _SERVERS = flags.DEFINE_list("servers", [], "Sandbox server URLs (default: launc
 _SESSIONS = flags.DEFINE_integer("sessions", None, "Concurrent episodes (default: config.env.num_sessions).")
 
 
+def game_scores(episodes) -> dict[str, dict[str, float]]:
+  """{game task: {normalized_score, mean_score, reference_score, episodes}} over the finished
+  episodes of game tasks; other tasks are skipped.
+
+  An episode's score is the game's score in the verifier record of its last step (Observation.info
+  'score'), whether the game ended, the agent called finished() or the step budget ran out.
+  normalized_score = 100 x mean score / reference score (float, percent of the reference player).
+  Raises: KeyError if a game episode's last step carries no 'score' (not a game observation).
+  """
+  out = {}
+  for task in sorted({e.task for e in episodes if e.task.startswith(catalog.PREFIX)}):
+    eps = [e for e in episodes if e.task == task and not e.lost and e.turns]
+    if not eps:
+      continue
+    scores = [float(e.turns[-1].info["score"]) for e in eps]
+    ref = catalog.reference_scores()[catalog.game_name(task)]
+    out[task] = {"normalized_score": 100.0 * float(np.mean(scores)) / ref, "mean_score": float(np.mean(scores)),
+                 "reference_score": ref, "episodes": len(eps)}
+  return out
+
+
+def game_episode_records(episodes) -> list[dict]:
+  """[{task, seed, score, done, actions}] of the finished game episodes (actions = the replies)."""
+  return [{"task": e.task, "seed": e.seed, "score": float(e.turns[-1].info["score"]),
+           "done": bool(e.turns[-1].done), "actions": [t.text for t in e.turns]}
+          for e in episodes if e.task.startswith(catalog.PREFIX) and not e.lost and e.turns]
+
+
+def format_games(scores: dict[str, dict[str, float]]) -> str:
+  """Plain-text table of `game_scores` output."""
+  head = f"{'game':32s} {'normalized':>10s} {'score':>9s} {'reference':>9s} {'episodes':>9s}"
+  rows = [head, "-" * len(head)]
+  for task, r in scores.items():
+    rows.append(f"{task:32s} {r['normalized_score']:10.1f} {r['mean_score']:9.2f} {r['reference_score']:9.1f} "
+                f"{r['episodes']:9d}")
+  return "\n".join(rows)
+
+
 def evaluate(run: str, tasks: list[str] | None, episodes: int, step: int | None = None,
-             servers: list[str] | None = None, sessions: int | None = None) -> tuple[int, dict]:
-  """Returns (checkpoint step, {task: {success, episodes, ...}}) for the run's policy.
+             servers: list[str] | None = None, sessions: int | None = None,
+             episodes_out: list | None = None) -> tuple[int, dict]:
+  """Returns (checkpoint step, {task: {success, episodes, ...}}) for the run's policy; game tasks
+  also get normalized_score, mean_score and reference_score (`game_scores`). `episodes_out`, if
+  given, receives every evaluated Episode.
 
   Raises:
     FileNotFoundError: the run has no config.json or no checkpoint.
@@ -52,20 +100,33 @@ def evaluate(run: str, tasks: list[str] | None, episodes: int, step: int | None 
       results += loop.run_until_complete(run_episodes(
           policy.act, clients, jobs[s:s + sessions], parts.loop_cfg, parts.tokenizer, version=step,
           stats=RolloutStats()))
-  return step, summarize(results)
+  if episodes_out is not None:
+    episodes_out.extend(results)
+  summary = summarize(results)
+  for task, g in game_scores(results).items():
+    summary[task].update(normalized_score=g["normalized_score"], mean_score=g["mean_score"],
+                         reference_score=g["reference_score"])
+  return step, summary
 
 
 def main(argv):
   del argv
   logging.getLogger().setLevel(logging.WARNING)  # no per-request httpx lines under the progress bar
   tasks = _TASKS.value.split(",") if _TASKS.value else None
+  eps: list = []
   step, summary = evaluate(_RUN.value, tasks, _EPISODES.value, _CKPT.value, _SERVERS.value,
-                           _SESSIONS.value)
+                           _SESSIONS.value, episodes_out=eps)
   print(f"checkpoint {step} of {_RUN.value}, {_EPISODES.value} held-out seeds per task")
   print(format_table(summary))
+  games = game_scores(eps)
+  if games:
+    print(format_games(games))
   if _JSON.value:
+    out = {"checkpoint": step, "results": summary, **summary}
+    if games:
+      out.update(games=games, game_episodes=game_episode_records(eps))
     with open(_JSON.value, "w") as f:
-      json.dump({"checkpoint": step, "results": summary, **summary}, f, indent=2)
+      json.dump(out, f, indent=2)
     print(f"[eval] wrote {_JSON.value}")
 
 

@@ -14,8 +14,10 @@ the `--set key=value` overrides (as `--config.key=value`). Layout:
                                         (experiments/value_pretrain.py; PPO then starts from its critic)
   <workdir>/<variant>/seed_<s>.log      stdout + stderr of the run's processes
   <workdir>/summary.json, comparison.png   final success per run and mean/std per variant; curves
-Runs go one at a time (`--parallel` for more); re-running the command resumes unfinished runs and
-skips finished value-pretraining stages. Exit code 1 if any run failed (the others still run).
+Runs go one at a time (`--parallel` for more), seed-major (every variant on seed 0, then seed 1, ...);
+re-running the command resumes unfinished runs and skips finished value-pretraining stages. Runs share
+a JAX compilation cache (<workdir>/jax_cache, unless JAX_COMPILATION_CACHE_DIR is set): same model
+and shapes, so later runs load compiled programs. Exit code 1 if any run failed (the others still run).
 """
 
 from __future__ import annotations
@@ -68,15 +70,18 @@ def plan(config: str, variants: list[str], seeds: list[int], suffix: str, overri
     if "=" not in o:
       raise ValueError(f"override {o!r} is not key=value")
   sets = [f"--config.{o}" for o in overrides]
-  runs = []
+  vpt = {}
   for variant in variants:
-    arg = variant + suffix
-    cfg = load_config(config, arg)
-    vpt_on = bool(cfg.get("vpt", {}).get("enabled", False))
+    cfg = load_config(config, variant + suffix)
+    vpt[variant] = bool(cfg.get("vpt", {}).get("enabled", False))
     for o in overrides:
       if o.split("=", 1)[0] == "vpt.enabled":
-        vpt_on = _truthy(o.split("=", 1)[1])
-    for seed in seeds:
+        vpt[variant] = _truthy(o.split("=", 1)[1])
+  runs = []
+  # Seed-major order: a sweep cut short (deadline, crash) still has every variant on its first seeds.
+  for seed in seeds:
+    for variant in variants:
+      arg, vpt_on = variant + suffix, vpt[variant]
       d = os.path.join(workdir, variant, f"seed_{seed}")
       common = ["--config", f"{config}:{arg}", f"--config.seed={seed}", *sets]
       stages = []
@@ -90,9 +95,11 @@ def plan(config: str, variants: list[str], seeds: list[int], suffix: str, overri
   return runs
 
 
-def _execute(run: dict, timeout_min: float) -> dict:
+def _execute(run: dict, timeout_min: float, cache_dir: str | None = None) -> dict:
   os.makedirs(run["dir"], exist_ok=True)
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  if cache_dir:  # runs share model shapes: later runs load compiled XLA programs instead of recompiling
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", cache_dir)
   t0, rc = time.time(), 0
   with open(run["log"], "a") as log:
     for argv in run["stages"]:
@@ -145,7 +152,8 @@ def main(argv):
   dump()
   done = []
   with cf.ThreadPoolExecutor(max(1, _PARALLEL.value)) as pool:
-    for res in pool.map(lambda r: _execute(r, _TIMEOUT.value), runs):
+    cache = os.path.join(workdir, "jax_cache")
+    for res in pool.map(lambda r: _execute(r, _TIMEOUT.value, cache), runs):
       done.append(res)
       print(f"[sweep] {res['variant']} seed {res['seed']}: rc={res['rc']} ({res['minutes']:.1f} min) "
             f"-> {res['dir']}", flush=True)

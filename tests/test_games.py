@@ -249,6 +249,33 @@ def test_sokoban_push_box_onto_goal(sb):
   assert sorted(out[2][1]["boxes"]) == [[2, 1], [3, 2]] and out[2][1]["score"] == 1 and out[2][0].info["score"] == 1
 
 
+def test_finished_ends_a_game_with_its_current_score(sb):
+  """finished() before the game is over ends the episode with the page's current score / reference
+  (not 0): the sokoban moves above put one box on a goal (score 1 of 2, game still running)."""
+  import json
+  loop, sandbox = sb
+  with open(catalog.REFERENCE_SCORES) as f:
+    ref = float(json.load(f)["scores"]["sokoban"])
+
+  async def go():
+    sid, _ = await sandbox.open("games/sokoban", 1)
+    try:
+      for k in ("left", "up", "left"):
+        o = await sandbox.step(sid, f"hotkey(key='{k}')")
+      assert not o.done and o.reward == 0.0  # a running game pays nothing yet
+      o = await sandbox.step(sid, "Thought: enough\nAction: finished(content='done')")
+      page_record = await sandbox.sessions[sid].page.evaluate("() => window.GAME.record()")
+      after = await sandbox.step(sid, "hotkey(key='left')")
+      return o, page_record, after
+    finally:
+      await sandbox.close(sid)
+  o, page_record, after = loop.run_until_complete(go())
+  assert page_record["score"] == 1 and not page_record["done"]  # the page itself is still running
+  assert o.done and o.reward == pytest.approx(page_record["score"] / ref) and o.reward > 0
+  assert o.info["raw_reward"] == page_record["score"] and o.info["score"] == 1
+  assert after.done and after.reward == 0.0 and after.info["error"] == "episode already done"
+
+
 def test_infinity_loop_click_rotates_clockwise(sb):
   # seed 1: tile (0,0) is mask 4 (down); a quarter turn clockwise -> 8 (left); four turns -> back
   s0, out = _play(sb, "infinity-loop", 1, [R.click_cell(4, 0, 0)] * 4)

@@ -18,6 +18,9 @@ def test_rollout_jobs_groups_and_fresh_seeds():
   assert jobs == [("a", 106)] * 4 + [("b", 107)] * 4
   ppo_jobs = rollout_jobs(("a", "b"), 4, 1, it=0, seed_offset=0)
   assert ppo_jobs == [("a", 0), ("b", 1), ("a", 2), ("b", 3)]
+  # one group per iteration, four tasks: iterations 0..4 visit c0 c1 c2 c3 c0 (not c0 every time)
+  firsts = [rollout_jobs(("c0", "c1", "c2", "c3"), 4, 4, it, 0)[0] for it in range(5)]
+  assert firsts == [("c0", 0), ("c1", 1), ("c2", 2), ("c3", 3), ("c0", 4)]
   seen = {s for it in range(5) for _, s in rollout_jobs(("a",), 8, 2, it, 0)}
   assert len(seen) == 5 * 4  # four groups per iteration, never a reused seed
   with pytest.raises(ValueError, match="must divide"):

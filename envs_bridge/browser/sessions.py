@@ -559,8 +559,10 @@ class BrowserSandbox:
     st = await _advance_and_read(s.page, self.step_ms, ts.state_script)
     s.elapsed_ms += self.step_ms
     s.done = bool(st["done"]) or end  # finished()/call_user(): ends with what the page has scored
-    reward = float(st["reward"]) if st["done"] else 0.0
-    info.update(raw_reward=float(st["raw_reward"]) if st["done"] else 0.0, reason=st["reason"], **ts.info(st))
+    # The reward of the step that ends the episode, also by finished(): a game's current score /
+    # reference; MiniWoB's reward global is 0 until the page ends the episode.
+    reward = float(st["reward"]) if s.done else 0.0
+    info.update(raw_reward=float(st["raw_reward"]) if s.done else 0.0, reason=st["reason"], **ts.info(st))
     return reward, info
 
   async def observe(self, sid: str) -> P.Observation:

@@ -12,14 +12,16 @@ def rollout_jobs(tasks: Sequence[str], n: int, group_size: int, it: int, seed_of
   """(task, seed) of the n episodes of iteration `it`.
 
   n // group_size groups of `group_size` episodes on the same task and seed (the same screen, which
-  group-relative baselines need), tasks alternating over groups; iteration `it` uses seeds
+  group-relative baselines need), tasks alternating over the run's groups; iteration `it` uses seeds
   `seed_offset + it * groups + [0, groups)`, so no seed repeats across iterations.
   Raises: ValueError if group_size does not divide n.
   """
   if group_size < 1 or n % group_size:
     raise ValueError(f"rl.group_size={group_size} must divide env.num_sessions={n}")
   groups = n // group_size
-  return [(tasks[g % len(tasks)], seed_offset + it * groups + g)
+  # Tasks cycle over the run's groups (k = it * groups + g), not only within an iteration: with fewer
+  # groups per iteration than tasks, every task still gets its turn.
+  return [(tasks[(it * groups + g) % len(tasks)], seed_offset + it * groups + g)
           for g in range(groups) for _ in range(group_size)]
 
 

@@ -24,6 +24,9 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 # Rematerialisation of each decoder layer / vision block in the backward pass (`jax.checkpoint`):
 # "none" keeps all activations; "full" recomputes the block; "dots" saves matmul outputs only.
 REMAT_POLICIES = ("none", "full", "dots")
+# MoE computation: "dense" (every expert on every token, weighted: exact reference) or "ragged"
+# (tokens sorted by expert, `jax.lax.ragged_dot`; with a capacity factor an [E, C, D] buffer).
+MOE_IMPLS = ("dense", "ragged")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +57,10 @@ class ModelConfig:
   default, 0.5 / 0.5 for qwen3_vl_moe, CLIP's for qwen2_5_vl).
   Memory knobs: `dtype = "bfloat16"` (activations), `remat` in `REMAT_POLICIES` (per decoder layer
   and vision block: "none", "full" recompute, or "dots" = keep matmul outputs, recompute the rest).
+  MoE compute: `moe_impl` in `MOE_IMPLS` ("dense": exact reference, all experts on all tokens;
+  "ragged": dropless grouped matmuls over tokens sorted by expert, same outputs and gradients);
+  `moe_capacity_factor` (ragged only; None = dropless): at most ceil(factor * tokens * top_k /
+  experts) assignments per expert, the rest dropped and counted (`moe.MoEMetric`).
   The defaults are the `tiny()` preset (1.48M parameters: 0.42M vision, 1.05M text) for RL on CPU.
   """
 
@@ -94,10 +101,19 @@ class ModelConfig:
   image_mean: tuple[float, float, float] | None = None
   image_std: tuple[float, float, float] | None = None
   remat: str = "none"
+  moe_impl: str = "dense"
+  moe_capacity_factor: float | None = None
 
   def __post_init__(self):
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"remat={self.remat!r}; known: {list(REMAT_POLICIES)}")
+    if self.moe_impl not in MOE_IMPLS:
+      raise ValueError(f"moe_impl={self.moe_impl!r}; known: {list(MOE_IMPLS)}")
+    if self.moe_capacity_factor is not None:
+      if self.moe_impl != "ragged":
+        raise ValueError("moe_capacity_factor needs moe_impl='ragged' (the dense path computes every expert)")
+      if not self.moe_capacity_factor > 0:
+        raise ValueError(f"moe_capacity_factor={self.moe_capacity_factor} must be > 0 (None = dropless)")
     if self.family not in FAMILIES:
       raise ValueError(f"unknown model family {self.family!r}; known: {list(FAMILIES)}")
     for name in ("deepstack_visual_indexes", "mlp_only_layers", "fullatt_block_indexes"):

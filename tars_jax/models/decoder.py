@@ -13,6 +13,9 @@ from flax import nnx
 from tars_jax.models.config import ModelConfig
 from tars_jax.models.moe import DenseMLP, MoE
 from tars_jax.models.rope import mrope_cos_sin, rotate
+from tars_jax.sharding import constrain, param_axes as ax
+
+HIDDEN = ("act_batch", "act_length", "act_embed")  # logical axes of the residual stream [B, L, D]
 
 _NEG = -1e9  # finite mask value: fully masked (padding) query rows stay NaN-free; exp() is exactly 0
 
@@ -56,14 +59,17 @@ class Attention(nnx.Module):
     d, h, kv, hd, dt = cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.jdtype
     self.h, self.kv, self.hd = h, kv, hd
     qwen2 = cfg.family == "qwen2_5_vl"  # Qwen2 attention: q/k/v biases, no qk-norm
-    self.q_proj = nnx.Linear(d, h * hd, use_bias=qwen2, dtype=dt, rngs=rngs)
-    self.k_proj = nnx.Linear(d, kv * hd, use_bias=qwen2, dtype=dt, rngs=rngs)
-    self.v_proj = nnx.Linear(d, kv * hd, use_bias=qwen2, dtype=dt, rngs=rngs)
-    self.o_proj = nnx.Linear(h * hd, d, use_bias=False, dtype=dt, rngs=rngs)
+    self.q_proj = nnx.Linear(d, h * hd, use_bias=qwen2, dtype=dt, rngs=rngs,
+                             kernel_metadata=ax("embed", "heads"), bias_metadata=ax("heads"))
+    self.k_proj = nnx.Linear(d, kv * hd, use_bias=qwen2, dtype=dt, rngs=rngs,
+                             kernel_metadata=ax("embed", "kv_heads"), bias_metadata=ax("kv_heads"))
+    self.v_proj = nnx.Linear(d, kv * hd, use_bias=qwen2, dtype=dt, rngs=rngs,
+                             kernel_metadata=ax("embed", "kv_heads"), bias_metadata=ax("kv_heads"))
+    self.o_proj = nnx.Linear(h * hd, d, use_bias=False, dtype=dt, rngs=rngs, kernel_metadata=ax("heads", "embed"))
     self.qk_norm = not qwen2
     if self.qk_norm:
-      self.q_norm = nnx.RMSNorm(hd, epsilon=cfg.rms_eps, dtype=dt, rngs=rngs)
-      self.k_norm = nnx.RMSNorm(hd, epsilon=cfg.rms_eps, dtype=dt, rngs=rngs)
+      self.q_norm = nnx.RMSNorm(hd, epsilon=cfg.rms_eps, dtype=dt, rngs=rngs, scale_metadata=ax("norm"))
+      self.k_norm = nnx.RMSNorm(hd, epsilon=cfg.rms_eps, dtype=dt, rngs=rngs, scale_metadata=ax("norm"))
 
   def __call__(self, x, cos, sin, key_mask, kv=None, write_index=0):
     """x [B, L, D]; cos/sin [B, L, hd]; key_mask [B, S] bool over key slots.
@@ -102,9 +108,11 @@ class DecoderLayer(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, layer_idx: int, rngs: nnx.Rngs):
     dt = cfg.jdtype
-    self.input_layernorm = nnx.RMSNorm(cfg.hidden, epsilon=cfg.rms_eps, dtype=dt, rngs=rngs)
+    self.input_layernorm = nnx.RMSNorm(cfg.hidden, epsilon=cfg.rms_eps, dtype=dt, rngs=rngs,
+                                       scale_metadata=ax("norm"))
     self.self_attn = Attention(cfg, rngs)
-    self.post_attention_layernorm = nnx.RMSNorm(cfg.hidden, epsilon=cfg.rms_eps, dtype=dt, rngs=rngs)
+    self.post_attention_layernorm = nnx.RMSNorm(cfg.hidden, epsilon=cfg.rms_eps, dtype=dt, rngs=rngs,
+                                                scale_metadata=ax("norm"))
     self.mlp = (MoE(cfg, rngs) if cfg.is_sparse(layer_idx)
                 else DenseMLP(cfg.hidden, cfg.dense_intermediate, rngs, dtype=dt))
 
@@ -130,7 +138,7 @@ class Decoder(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg
     self.layers = nnx.List([DecoderLayer(cfg, i, rngs) for i in range(cfg.layers)])
-    self.norm = nnx.RMSNorm(cfg.hidden, epsilon=cfg.rms_eps, dtype=cfg.jdtype, rngs=rngs)
+    self.norm = nnx.RMSNorm(cfg.hidden, epsilon=cfg.rms_eps, dtype=cfg.jdtype, rngs=rngs, scale_metadata=ax("norm"))
 
   def __call__(self, x, positions, attn_mask, cache: KVCache | None = None, cache_index=0, deepstack=None):
     """x [B, L, D]; positions [3, B, L] int32; attn_mask [B, L] bool (real tokens).
@@ -157,6 +165,7 @@ class Decoder(nnx.Module):
       x, r, kv = remat_call(cfg, layer, x, cos, sin, key_mask, kv, cache_index)
       if deepstack is not None and i < deepstack.shape[0]:
         x = x + deepstack[i].astype(x.dtype)
+      x = constrain(x, HIDDEN)
       if r is not None:
         routers.append(r)
       if cache is not None:

@@ -26,6 +26,7 @@ from flax import nnx
 
 from tars_jax.models.config import FAMILIES, ModelConfig
 from tars_jax.models.hf_model import HFModel
+from tars_jax import sharding as sharding_lib
 
 
 class CheckpointMismatch(ValueError):
@@ -246,16 +247,18 @@ def _weight_files(path: str) -> list[str]:
 
 def load_pretrained(path: str, mesh: jax.sharding.Mesh | None = None, dtype=jnp.float32,
                     partition: Callable[[str, tuple[int, ...]], jax.sharding.PartitionSpec] | None = None,
-                    **overrides) -> HFModel:
+                    rules=None, **overrides) -> HFModel:
   """A transformers checkpoint directory (config.json + model.safetensors or a sharded index) ->
   `HFModel` whose `__call__(input_ids, attention_mask, pixel_values, image_grid_thw)` returns logits.
 
   The model is built abstractly (`nnx.eval_shape`), then each tensor is read alone, converted to our
-  layout, cast to `dtype` and `device_put` to its target: `NamedSharding(mesh, partition(name,
-  shape))` with a mesh (replicated when `partition` is None), else the default device. `overrides`
-  replace ModelConfig fields (e.g. image_h / image_w of the `Policy` path).
+  layout, cast to `dtype` and `device_put` to its target: with a mesh, the NamedSharding the
+  logical-axis `rules` (`tars_jax.sharding`, default `DEFAULT_RULES`) give the parameter, or
+  `partition(name, shape)` when that callable is given; without a mesh, the default device.
+  `overrides` replace ModelConfig fields (e.g. image_h / image_w of the `Policy` path, `moe_impl`).
   Raises CheckpointMismatch naming the tensor and both shapes (or the missing / unexpected
-  tensors), ValueError listing the known families for an unknown model_type.
+  tensors), ValueError listing the known families for an unknown model_type, ShardingError when
+  a mesh axis does not divide a parameter's dimension.
   """
   from safetensors import safe_open
   with open(os.path.join(path, "config.json")) as f:
@@ -263,6 +266,9 @@ def load_pretrained(path: str, mesh: jax.sharding.Mesh | None = None, dtype=jnp.
   abstract = nnx.eval_shape(lambda: HFModel(cfg, nnx.Rngs(0)))
   graphdef, state = nnx.split(abstract)
   specs = {t.hf_name: t for t in tensor_map(state, cfg.temporal_patch_size, cfg.family)}
+  targets = None
+  if mesh is not None and partition is None:  # each parameter's sharding from its logical axes
+    targets = {tuple(p): v.value for p, v in nnx.to_flat_state(sharding_lib.logical_to_sharding(state, mesh, rules))}
   values: dict[tuple, jax.Array] = {}
   seen = set()
   for file in _weight_files(path):
@@ -284,9 +290,12 @@ def load_pretrained(path: str, mesh: jax.sharding.Mesh | None = None, dtype=jnp.
           raise CheckpointMismatch(f"tensor {file_name!r}: checkpoint shape {tuple(a.shape)}, model expects "
                                    f"{spec.hf_shape}")
         for p, x in zip(spec.paths, parts):
-          sharding = (jax.sharding.NamedSharding(mesh, partition(name, x.shape) if partition else
-                                                 jax.sharding.PartitionSpec())
-                      if mesh is not None else None)
+          if mesh is None:
+            sharding = None
+          elif partition is not None:
+            sharding = jax.sharding.NamedSharding(mesh, partition(name, x.shape))
+          else:
+            sharding = targets[p]
           x = jnp.asarray(x, dtype) if sharding is None else x.astype(jnp.dtype(dtype))
           values[p] = jax.device_put(x, sharding) if sharding is not None else x
         seen.add(name)

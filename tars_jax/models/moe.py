@@ -3,11 +3,14 @@ switch-style load-balance loss (transformers `load_balancing_loss_func`)."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tars_jax.models.config import ModelConfig
+from tars_jax.models.config import MOE_IMPLS, ModelConfig  # noqa: F401  (MOE_IMPLS re-exported)
+from tars_jax.sharding import constrain, param_axes as ax
 
 
 def route(router_logits: jax.Array, top_k: int, norm_topk_prob: bool):
@@ -45,45 +48,105 @@ def load_balance_loss(probs: jax.Array, idx: jax.Array, num_experts: int,
   return num_experts * jnp.sum((counts / rows) * (prob_sum / rows))
 
 
-class MoE(nnx.Module):
-  """x [B, T, D] -> (y [B, T, D], (probs [B*T, E], indices [B*T, k])) for the aux loss.
+def sort_by_expert(idx: jax.Array, num_experts: int):
+  """Groups the N*k (token, slot) assignments of idx [N, k] by expert (stable: ties keep token order).
 
-  Dense compute over all experts weighted by the (sparse, top-k) routing weights: exact, jittable,
-  fine at small scale (dropless `ragged_dot` is the scaling issue's job). Expert weights are stored
-  as [E, D, I] / [E, I, D] (transformers' `gate_up_proj` split in two and transposed).
+  Returns (order [N*k] int32: assignment ids (token * k + slot) sorted by expert, sorted_experts [N*k],
+  group_sizes [E] int32). Source: maxtext `MaxText/layers/moe.py` `permute` (sort + bincount).
+  """
+  flat = idx.reshape(-1).astype(jnp.int32)
+  order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+  return order, flat[order], jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+
+
+def capacity(num_tokens: int, top_k: int, num_experts: int, factor: float) -> int:
+  """Slots per expert: ceil(factor * N * k / E), at least 1 (GShard / Switch capacity factor)."""
+  return max(1, math.ceil(factor * num_tokens * top_k / num_experts))
+
+
+class MoE(nnx.Module):
+  """x [B, T, D] -> (y [B, T, D], (probs [B*T, E], indices [B*T, k])) for the aux loss; with a
+  capacity factor the tuple has a third entry, the float32 count of dropped assignments.
+
+  Expert weights are stored as [E, D, I] / [E, I, D] (transformers' `gate_up_proj` split in two and
+  transposed); logical axes ("expert", "embed", "mlp"). `cfg.moe_impl` picks the computation:
+    "dense": every token through every expert, weighted by the (sparse, top-k) routing weights:
+      exact, jittable, E/k times the useful FLOPs (fine at small scale);
+    "ragged": the N*k assignments sorted by expert (`sort_by_expert`), each expert applied to its
+      contiguous group with `jax.lax.ragged_dot` (dropless), outputs unsorted and combined with the
+      routing weights. With `cfg.moe_capacity_factor` set, the sorted tokens instead fill an
+      [E, C, D] buffer (C = `capacity(...)`), assignments beyond an expert's C slots (later tokens
+      first) are dropped (contribute 0) and counted; the buffer's expert
+      axis is sharded over the `expert` mesh axis (expert parallelism through GSPMD).
+  Source: maxtext `MaxText/layers/moe.py` (`sparse_matmul` with `ragged_dot`, `dense_matmul` with
+  capacity); Fedus et al. 2021 (capacity factor).
   """
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     d, i, e = cfg.hidden, cfg.moe_intermediate, cfg.experts
     self.top_k, self.norm_topk_prob, self.experts = cfg.top_k, cfg.norm_topk_prob, e
     self.dtype = cfg.jdtype
+    self.impl, self.capacity_factor = cfg.moe_impl, cfg.moe_capacity_factor
     # fan-in = D for gate/up, I for down (the default lecun_normal would take the expert axis).
     init_in = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1,
                                                    batch_axis=(0,))
-    self.router = nnx.Linear(d, e, use_bias=False, dtype=jnp.float32, rngs=rngs)
-    self.w_gate = nnx.Param(init_in(rngs.params(), (e, d, i)))
-    self.w_up = nnx.Param(init_in(rngs.params(), (e, d, i)))
-    self.w_down = nnx.Param(init_in(rngs.params(), (e, i, d)))
+    self.router = nnx.Linear(d, e, use_bias=False, dtype=jnp.float32, rngs=rngs, kernel_metadata=ax("embed", None))
+    self.w_gate = nnx.Param(init_in(rngs.params(), (e, d, i)), **ax("expert", "embed", "mlp"))
+    self.w_up = nnx.Param(init_in(rngs.params(), (e, d, i)), **ax("expert", "embed", "mlp"))
+    self.w_down = nnx.Param(init_in(rngs.params(), (e, i, d)), **ax("expert", "mlp", "embed"))
 
   def __call__(self, x: jax.Array):
     b, t, d = x.shape
     flat = x.reshape(b * t, d)
     probs, w, idx = route(self.router(flat), self.top_k, self.norm_topk_prob)
+    if self.impl == "dense":
+      return self._dense(flat, w, idx).reshape(b, t, d), (probs, idx)
+    y, dropped = self._grouped(flat, w, idx)
+    return y.reshape(b, t, d), ((probs, idx) if dropped is None else (probs, idx, dropped))
+
+  def _dense(self, flat, w, idx):
     dense_w = jnp.sum(jax.nn.one_hot(idx, self.experts, dtype=jnp.float32) * w[..., None], axis=1)  # [N, E]
     dt = self.dtype
     h = (jax.nn.silu(jnp.einsum("nd,edi->nei", flat, self.w_gate[...].astype(dt)))
          * jnp.einsum("nd,edi->nei", flat, self.w_up[...].astype(dt)))
-    y = jnp.einsum("nei,eid,ne->nd", h, self.w_down[...].astype(dt), dense_w.astype(dt))
-    return y.reshape(b, t, d), (probs, idx)
+    h = constrain(h, ("act_exp_tokens", "act_expert", "act_mlp"))
+    return jnp.einsum("nei,eid,ne->nd", h, self.w_down[...].astype(dt), dense_w.astype(dt))
+
+  def _grouped(self, flat, w, idx):
+    n, d = flat.shape
+    k, e, dt = self.top_k, self.experts, self.dtype
+    wg, wu, wd = (self.w_gate[...].astype(dt), self.w_up[...].astype(dt), self.w_down[...].astype(dt))
+    order, sorted_e, sizes = sort_by_expert(idx, e)
+    xs = flat[order // k]  # [N*k, D]: token of each assignment, grouped by expert
+    dropped = None
+    if self.capacity_factor is None:
+      xs = constrain(xs, ("act_exp_tokens", "act_embed"))
+      h = jax.nn.silu(jax.lax.ragged_dot(xs, wg, sizes)) * jax.lax.ragged_dot(xs, wu, sizes)
+      ys = jax.lax.ragged_dot(h, wd, sizes)  # [N*k, D]
+    else:
+      c = capacity(n, k, e, self.capacity_factor)
+      start = jnp.cumsum(sizes) - sizes  # first sorted position of each expert's group
+      rank = jnp.arange(n * k, dtype=jnp.int32) - start[sorted_e]  # position within the group
+      keep = rank < c
+      slot = jnp.where(keep, sorted_e * c + rank, e * c)  # dropped -> a spare row, cut off below
+      buf = jnp.zeros((e * c + 1, d), dt).at[slot].set(xs)[:-1].reshape(e, c, d)
+      buf = constrain(buf, ("act_expert", None, "act_embed"))  # the dispatch: [E, C, D] over experts
+      h = jax.nn.silu(jnp.einsum("ecd,edi->eci", buf, wg)) * jnp.einsum("ecd,edi->eci", buf, wu)
+      yb = constrain(jnp.einsum("eci,eid->ecd", h, wd), ("act_expert", None, "act_embed")).reshape(e * c, d)
+      ys = jnp.where(keep[:, None], yb[jnp.minimum(slot, e * c - 1)], 0)
+      dropped = jnp.sum(~keep).astype(jnp.float32)
+    inv = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=jnp.int32))  # unsort
+    ys = ys[inv].reshape(n, k, d)
+    return jnp.einsum("nkd,nk->nd", ys, w.astype(dt)), dropped
 
 
 class DenseMLP(nnx.Module):
   """SwiGLU MLP (transformers `Qwen3VLMoeTextMLP`): x [B, T, D] -> ([B, T, D], None)."""
 
   def __init__(self, d: int, i: int, rngs: nnx.Rngs, dtype=jnp.float32):
-    self.gate_proj = nnx.Linear(d, i, use_bias=False, dtype=dtype, rngs=rngs)
-    self.up_proj = nnx.Linear(d, i, use_bias=False, dtype=dtype, rngs=rngs)
-    self.down_proj = nnx.Linear(i, d, use_bias=False, dtype=dtype, rngs=rngs)
+    self.gate_proj = nnx.Linear(d, i, use_bias=False, dtype=dtype, rngs=rngs, kernel_metadata=ax("embed", "mlp"))
+    self.up_proj = nnx.Linear(d, i, use_bias=False, dtype=dtype, rngs=rngs, kernel_metadata=ax("embed", "mlp"))
+    self.down_proj = nnx.Linear(i, d, use_bias=False, dtype=dtype, rngs=rngs, kernel_metadata=ax("mlp", "embed"))
 
   def __call__(self, x):
     return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)), None

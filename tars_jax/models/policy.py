@@ -11,9 +11,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tars_jax.models.config import ModelConfig
-from tars_jax.models.decoder import Decoder, KVCache, init_cache
+from tars_jax.models.decoder import HIDDEN, Decoder, KVCache, init_cache
 from tars_jax.models.moe import load_balance_loss
 from tars_jax.models.vision import VisionEncoder
+from tars_jax.sharding import constrain, param_axes as ax
+
+LOGITS = ("act_batch", "act_length", "act_vocab")  # logical axes of logits [B, T, V]
 
 
 class Trunk(nnx.Module):
@@ -25,7 +28,8 @@ class Trunk(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, image_token_id: int | None = None):
     self.cfg = cfg
     self.image_token_id = cfg.image_token_id if image_token_id is None else image_token_id
-    self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden, dtype=cfg.jdtype, rngs=rngs)
+    self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden, dtype=cfg.jdtype, rngs=rngs,
+                                  embedding_metadata=ax("vocab", "embed"))
     self.visual = VisionEncoder(cfg, rngs)
     self.decoder = Decoder(cfg, rngs)
 
@@ -58,8 +62,10 @@ class Trunk(nnx.Module):
     return x, deep
 
   def __call__(self, tokens, positions, attn_mask, pixel_values=None, image_mask=None,
-               cache: KVCache | None = None, cache_index=None, visual=None):
-    """See `Policy.__call__`. Returns (hidden [B, T, D], aux_loss float32 scalar, new cache or None).
+               cache: KVCache | None = None, cache_index=None, visual=None, moe_stats: bool = False):
+    """See `Policy.__call__`. Returns (hidden [B, T, D], aux_loss float32 scalar, new cache or None),
+    plus with `moe_stats` a dict {"moe_dropped": float32 assignments dropped over capacity in all MoE
+    layers, "moe_assignments": float32 top-k assignments in all MoE layers (padding included)}.
 
     visual: None, or precomputed per-token image features [1 + n_deepstack, B, T, D] (used instead of
     pixel_values; `hf_io.HFModel` builds them for images of several sizes).
@@ -68,6 +74,7 @@ class Trunk(nnx.Module):
     """
     attn_mask = attn_mask.astype(bool)
     x, deep = self.embed_inputs(tokens, pixel_values, image_mask, visual)
+    x = constrain(x, HIDDEN)
     ci = 0 if cache_index is None else cache_index
     h, routers, cache = self.decoder(x, positions, attn_mask, cache, ci, deep)
     if routers:
@@ -76,7 +83,11 @@ class Trunk(nnx.Module):
       aux = load_balance_loss(probs, idx, self.cfg.experts, attn_mask.reshape(-1))
     else:
       aux = jnp.zeros((), jnp.float32)
-    return h, aux, cache
+    if not moe_stats:
+      return h, aux, cache
+    dropped = sum((r[2] for r in routers if len(r) > 2), jnp.zeros((), jnp.float32))
+    assigned = jnp.float32(sum(r[1].size for r in routers))
+    return h, aux, cache, {"moe_dropped": dropped, "moe_assignments": assigned}
 
   def init_cache(self, batch: int, length: int) -> KVCache:
     return init_cache(self.cfg, batch, length)
@@ -89,16 +100,19 @@ class Policy(nnx.Module):
     self.cfg = cfg
     self.trunk = Trunk(cfg, rngs)
     if not cfg.tie_word_embeddings:
-      self.lm_head = nnx.Linear(cfg.hidden, cfg.vocab_size, use_bias=False, dtype=cfg.jdtype, rngs=rngs)
+      self.lm_head = nnx.Linear(cfg.hidden, cfg.vocab_size, use_bias=False, dtype=cfg.jdtype, rngs=rngs,
+                                kernel_metadata=ax("embed", "vocab"))
 
   def logits(self, h):
     """Final hidden states [..., D] -> float32 logits [..., V] (tied: embedding matrix transposed)."""
     if self.cfg.tie_word_embeddings:
-      return self.trunk.embed_tokens.attend(h).astype(jnp.float32)
-    return self.lm_head(h).astype(jnp.float32)
+      out = self.trunk.embed_tokens.attend(h).astype(jnp.float32)
+    else:
+      out = self.lm_head(h).astype(jnp.float32)
+    return constrain(out, LOGITS) if out.ndim == 3 else out
 
   def __call__(self, tokens, positions, attn_mask, pixel_values=None, image_mask=None,
-               cache: KVCache | None = None, cache_index=None, visual=None):
+               cache: KVCache | None = None, cache_index=None, visual=None, moe_stats: bool = False):
     """Next-token logits.
 
     Args:
@@ -108,16 +122,16 @@ class Policy(nnx.Module):
       cache: None, or a `KVCache` (`init_cache`) to write these T tokens into at slots
         `cache_index` .. `cache_index + T - 1` (int32 scalar; prefill: 0) — they then attend to every
         earlier valid slot of the cache too.
+      moe_stats: also return the MoE routing statistics (`Trunk.__call__`), as a last element.
     Returns:
       (logits [B, T, V] float32, aux_loss float32 scalar) without cache;
-      (logits, aux_loss, new KVCache) with cache.
+      (logits, aux_loss, new KVCache) with cache; (..., stats dict) with `moe_stats`.
     """
-    h, aux, new_cache = self.trunk(tokens, positions, attn_mask, pixel_values, image_mask, cache, cache_index,
-                                   visual)
-    logits = self.logits(h)
-    if cache is None:
-      return logits, aux
-    return logits, aux, new_cache
+    out = self.trunk(tokens, positions, attn_mask, pixel_values, image_mask, cache, cache_index, visual,
+                     moe_stats=moe_stats)
+    logits = self.logits(out[0])
+    head = (logits, out[1]) if cache is None else (logits, out[1], out[2])
+    return head + tuple(out[3:])
 
   def features(self, tokens, positions, attn_mask, pixel_values=None, image_mask=None):
     """Final hidden states (after the final norm): (hidden [B, T, D], aux_loss)."""

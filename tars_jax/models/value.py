@@ -8,6 +8,7 @@ from flax import nnx
 
 from tars_jax.models.config import ModelConfig
 from tars_jax.models.policy import Trunk
+from tars_jax.sharding import param_axes as ax
 
 
 class ValueModel(nnx.Module):
@@ -20,7 +21,8 @@ class ValueModel(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg
     self.trunk = Trunk(cfg, rngs)
-    self.value_head = nnx.Linear(cfg.hidden, 1, kernel_init=nnx.initializers.zeros_init(), rngs=rngs)
+    self.value_head = nnx.Linear(cfg.hidden, 1, kernel_init=nnx.initializers.zeros_init(), rngs=rngs,
+                                 kernel_metadata=ax("embed", None), bias_metadata=ax(None))
 
   def features(self, tokens, positions, attn_mask, pixel_values=None, image_mask=None):
     """Final hidden states: (hidden [B, T, D], aux_loss)."""

@@ -21,6 +21,7 @@ from flax import nnx
 from tars_jax.models.config import ModelConfig
 from tars_jax.models.decoder import remat_call
 from tars_jax.models.rope import rotate
+from tars_jax.sharding import constrain, param_axes as ax
 
 
 def sincos_2d(gh: int, gw: int, d: int) -> jax.Array:
@@ -99,11 +100,19 @@ def patchify(images: jax.Array, p: int, t: int, m: int, mean=(0.5,) * 3, std=(0.
   return jnp.broadcast_to(x, (n, gh * gw, c, t, p, p)).reshape(n, gh * gw, c * t * p * p)
 
 
+PATCHES = ("act_batch", "act_length", "act_embed")  # logical axes of vision activations [N, L, d]
+# Linear metadata: width-increasing (d -> i) and width-decreasing (i -> d) layers of the vision MLPs.
+_up_axes = dict(kernel_metadata=ax("vision_embed", "vision_mlp"), bias_metadata=ax("vision_mlp"))
+_down_axes = dict(kernel_metadata=ax("vision_mlp", "vision_embed"), bias_metadata=ax("vision_embed"))
+
+
 class VisionAttention(nnx.Module):
   def __init__(self, d: int, heads: int, dtype, rngs: nnx.Rngs):
     self.heads = heads
-    self.qkv = nnx.Linear(d, 3 * d, dtype=dtype, rngs=rngs)
-    self.proj = nnx.Linear(d, d, dtype=dtype, rngs=rngs)
+    self.qkv = nnx.Linear(d, 3 * d, dtype=dtype, rngs=rngs, kernel_metadata=ax("vision_embed", "vision_heads"),
+                          bias_metadata=ax("vision_heads"))
+    self.proj = nnx.Linear(d, d, dtype=dtype, rngs=rngs, kernel_metadata=ax("vision_heads", "vision_embed"),
+                           bias_metadata=ax("vision_embed"))
 
   def __call__(self, x, cos, sin, mask=None):
     """x [N, L, d] (L patches of one image each); cos/sin [L, head_dim]; mask None (full attention)
@@ -124,8 +133,8 @@ class VisionMLP(nnx.Module):
   """linear_fc1 -> tanh-GELU (`gelu_pytorch_tanh`) -> linear_fc2."""
 
   def __init__(self, d: int, i: int, dtype, rngs: nnx.Rngs):
-    self.linear_fc1 = nnx.Linear(d, i, dtype=dtype, rngs=rngs)
-    self.linear_fc2 = nnx.Linear(i, d, dtype=dtype, rngs=rngs)
+    self.linear_fc1 = nnx.Linear(d, i, dtype=dtype, rngs=rngs, **_up_axes)
+    self.linear_fc2 = nnx.Linear(i, d, dtype=dtype, rngs=rngs, **_down_axes)
 
   def __call__(self, x):
     return self.linear_fc2(jax.nn.gelu(self.linear_fc1(x), approximate=True))
@@ -135,9 +144,9 @@ class VisionSwiGLU(nnx.Module):
   """down_proj(silu(gate_proj(x)) * up_proj(x)), all with biases (Qwen2.5-VL `Qwen2_5_VLMLP(bias=True)`)."""
 
   def __init__(self, d: int, i: int, dtype, rngs: nnx.Rngs):
-    self.gate_proj = nnx.Linear(d, i, dtype=dtype, rngs=rngs)
-    self.up_proj = nnx.Linear(d, i, dtype=dtype, rngs=rngs)
-    self.down_proj = nnx.Linear(i, d, dtype=dtype, rngs=rngs)
+    self.gate_proj = nnx.Linear(d, i, dtype=dtype, rngs=rngs, **_up_axes)
+    self.up_proj = nnx.Linear(d, i, dtype=dtype, rngs=rngs, **_up_axes)
+    self.down_proj = nnx.Linear(i, d, dtype=dtype, rngs=rngs, **_down_axes)
 
   def __call__(self, x):
     return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -146,8 +155,9 @@ class VisionSwiGLU(nnx.Module):
 def _norm(cfg: ModelConfig, d: int, rngs: nnx.Rngs):
   """Vision norm: LayerNorm (qwen3_vl_moe) or RMSNorm (qwen2_5_vl), eps 1e-6."""
   if cfg.family == "qwen2_5_vl":
-    return nnx.RMSNorm(d, epsilon=1e-6, dtype=cfg.jdtype, rngs=rngs)
-  return nnx.LayerNorm(d, epsilon=1e-6, dtype=cfg.jdtype, rngs=rngs)
+    return nnx.RMSNorm(d, epsilon=1e-6, dtype=cfg.jdtype, rngs=rngs, scale_metadata=ax("norm"))
+  return nnx.LayerNorm(d, epsilon=1e-6, dtype=cfg.jdtype, rngs=rngs, scale_metadata=ax("norm"),
+                       bias_metadata=ax("norm"))
 
 
 class VisionBlock(nnx.Module):
@@ -173,10 +183,15 @@ class PatchMerger(nnx.Module):
   def __init__(self, d: int, out: int, dtype, rngs: nnx.Rngs, m: int = 2, postshuffle: bool = False,
                rms: bool = False):
     self.m2, self.postshuffle = m * m, postshuffle
-    norm = nnx.RMSNorm if rms else nnx.LayerNorm  # RMSNorm: Qwen2.5-VL's `ln_q`
-    self.norm = norm(d * self.m2 if postshuffle else d, epsilon=1e-6, dtype=dtype, rngs=rngs)
-    self.linear_fc1 = nnx.Linear(self.m2 * d, self.m2 * d, dtype=dtype, rngs=rngs)
-    self.linear_fc2 = nnx.Linear(self.m2 * d, out, dtype=dtype, rngs=rngs)
+    n = d * self.m2 if postshuffle else d
+    if rms:  # Qwen2.5-VL's `ln_q`
+      self.norm = nnx.RMSNorm(n, epsilon=1e-6, dtype=dtype, rngs=rngs, scale_metadata=ax("norm"))
+    else:
+      self.norm = nnx.LayerNorm(n, epsilon=1e-6, dtype=dtype, rngs=rngs, scale_metadata=ax("norm"),
+                                bias_metadata=ax("norm"))
+    self.linear_fc1 = nnx.Linear(self.m2 * d, self.m2 * d, dtype=dtype, rngs=rngs, **_up_axes)
+    self.linear_fc2 = nnx.Linear(self.m2 * d, out, dtype=dtype, rngs=rngs, kernel_metadata=ax("vision_mlp", "embed"),
+                                 bias_metadata=ax("embed"))
 
   def __call__(self, x):
     """x [N, L, d] merge-block-ordered patches -> [N, L/4, out] raster-ordered merged tokens."""
@@ -195,7 +210,7 @@ class PatchEmbed(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     n_in = 3 * cfg.temporal_patch_size * cfg.patch_size ** 2
     self.proj = nnx.Linear(n_in, cfg.vision_hidden, use_bias=cfg.family != "qwen2_5_vl", dtype=cfg.jdtype,
-                           rngs=rngs)
+                           rngs=rngs, kernel_metadata=ax("patch", "vision_embed"), bias_metadata=ax("vision_embed"))
 
   def __call__(self, patches):
     return self.proj(patches)
@@ -219,7 +234,7 @@ class VisionEncoder(nnx.Module):
     # (Qwen2.5-VL has none: 2D rotary only.)
     self.learned_pos = cfg.family != "qwen2_5_vl"
     if self.learned_pos:
-      self.pos_embed = nnx.Param(sincos_2d(side, side, d))
+      self.pos_embed = nnx.Param(sincos_2d(side, side, d), **ax("pos", "vision_embed"))
     self.blocks = nnx.List([VisionBlock(cfg, rngs) for _ in range(cfg.vision_depth)])
     self.merger = PatchMerger(d, cfg.hidden, dt, rngs, m, rms=not self.learned_pos)
     self.deepstack_merger_list = nnx.List([PatchMerger(d, cfg.hidden, dt, rngs, m, postshuffle=True)
@@ -243,6 +258,7 @@ class VisionEncoder(nnx.Module):
     deep = []
     for i, blk in enumerate(self.blocks):
       x = remat_call(cfg, blk, x, cos, sin, None if i in cfg.fullatt_block_indexes else win)
+      x = constrain(x, PATCHES)
       if i in cfg.deepstack_visual_indexes:
         deep.append(self.deepstack_merger_list[cfg.deepstack_visual_indexes.index(i)](x))
     return jnp.stack([self.merger(x)] + deep)

@@ -2,7 +2,9 @@
 
 `build(config)` returns `Parts`; `Parts.init_state(seed)` makes the train state pytree
 `{"step", "policy", "critic", "policy_opt", "critic_opt"}` (nnx.State + optax states) that the PPO
-update transforms and Orbax saves.
+update transforms and Orbax saves. With `config.mesh.shape` set (data, fsdp, tensor, expert), the
+state is created directly in the sharded layout the logical-axis rules (`config.mesh.rules`
+overriding `sharding.DEFAULT_RULES`) give; without it (the default) nothing changes.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tars_jax import sharding
 from tars_jax.agent import prompts
 from tars_jax.agent.grammar import Grammar, build_grammar
 from tars_jax.agent.tokenizer import ByteTokenizer
@@ -39,16 +42,42 @@ class Parts:
   loop_cfg: LoopConfig
   image_hw: tuple[int, int]
   max_new_tokens: int
+  mesh: Any = None  # jax Mesh of config.mesh.shape, or None (one device)
+  rules: Any = None  # logical-axis rules (sharding.make_rules) used with `mesh`
 
   def init_state(self, seed: int) -> dict:
-    """Fresh train state (random init of policy and critic) from `seed`."""
+    """Fresh train state (random init of policy and critic) from `seed`.
+
+    With a mesh: parameters initialised straight into their shards (`sharding.sharded_init`) and
+    optimiser states created with the same shardings (Adam moments like their parameters);
+    the values are those of a jitted init (not bit-equal to the eager one-device init).
+    """
     kp, kc = jax.random.split(jax.random.PRNGKey(seed))
+    if self.mesh is not None:
+      return self._init_sharded(kp, kc)
     policy = Policy(self.model_cfg, rngs=nnx.Rngs(kp))
     critic = ValueModel(self.model_cfg, rngs=nnx.Rngs(kc))
     _, pp = nnx.split(policy)
     _, cp = nnx.split(critic)
     return {"step": jnp.zeros((), jnp.int32), "policy": pp, "critic": cp,
             "policy_opt": self.popt.init(pp), "critic_opt": self.copt.init(cp)}
+
+  def _init_sharded(self, kp, kc) -> dict:
+    _, pp = sharding.sharded_init(lambda: Policy(self.model_cfg, rngs=nnx.Rngs(kp)), self.mesh, self.rules)
+    _, cp = sharding.sharded_init(lambda: ValueModel(self.model_cfg, rngs=nnx.Rngs(kc)), self.mesh, self.rules)
+
+    def opt_init(opt, params):
+      target = sharding.logical_to_sharding(jax.eval_shape(opt.init, params), self.mesh, self.rules)
+      return jax.jit(opt.init, out_shardings=target)(params)
+
+    step = jax.device_put(jnp.zeros((), jnp.int32), jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+    return {"step": step, "policy": pp, "critic": cp, "policy_opt": opt_init(self.popt, pp),
+            "critic_opt": opt_init(self.copt, cp)}
+
+  def activate(self):
+    """Context in which jitted train/rollout functions are traced with the activation sharding
+    constraints of `mesh` (a no-op context without a mesh)."""
+    return sharding.activate(self.mesh, self.rules)
 
   def batched_policy(self, params, batch_size: int, seed: int) -> BatchedPolicy:
     c = self.config
@@ -119,5 +148,8 @@ def build(config) -> Parts:
                         rewards=reward_config(r))
   max_new = max_reply_tokens(grammar) if grammar is not None else 64
   table = None if grammar is None else jnp.asarray(grammar.table)
+  mesh_cfg = config.get("mesh")  # absent / shape () = one device, today's behaviour
+  mesh = sharding.mesh_from_config(mesh_cfg)
+  rules = sharding.rules_from_config(mesh_cfg) if mesh is not None else None
   return Parts(config, tok, mcfg, grammar, table, policy_gd, critic_gd, popt, copt, hp, loop_cfg,
-               image_hw, max_new)
+               image_hw, max_new, mesh, rules)

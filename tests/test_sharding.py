@@ -1,0 +1,422 @@
+"""Sharding (`tars_jax/sharding.py`) and MoE expert-parallel routing.
+
+In this process (1 device): every parameter has logical axis names; the ragged (sort + `ragged_dot`)
+MoE equals the dense one in outputs and gradients and keeps transformers parity; the capacity
+factor drops exactly the assignments a numpy reference drops.
+
+In a subprocess with 8 simulated CPU devices (`XLA_FLAGS=--xla_force_host_platform_device_count=8`
+must be set before jax is imported, so this file re-runs itself as a script): for meshes
+(data, fsdp, tensor, expert) = (8,1,1,1), (2,2,2,1), (2,1,2,2) the loss and gradients of the real
+PPO policy loss of a tiny MoE `Policy` equal the single-device ones within 1e-5, one real
+`ppo.policy_step` keeps the parameters distributed, the parameters' device shards have the shapes
+the rules say, a mesh axis that does not divide a dimension is a typed error naming rule, axis and
+dimension, and `hf_io.load_pretrained(path, mesh=...)` places each tensor by the rules.
+"""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+# Imported here by pytest (1 device) and by the worker subprocess (its XLA_FLAGS already set).
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from tars_jax import sharding  # noqa: E402
+from tars_jax.models import Policy, ValueModel  # noqa: E402
+from tars_jax.models.moe import MoE, capacity, route  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOL = 1e-5
+
+
+def _small_cfg(**kw):
+  """Tiny MoE policy: 28x28 images (one merged token), layer 0 dense, layer 1 MoE, DeepStack; every
+  sharded dimension divisible by 2 (hidden 32, 4 heads x 8, 4 experts, vocab 264)."""
+  from tars_jax.models import ModelConfig
+  base = dict(image_h=28, image_w=28, patch_size=14, vision_hidden=16, vision_depth=1, vision_heads=2,
+              vision_mlp=32, hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8, experts=4, top_k=2,
+              moe_intermediate=16, dense_intermediate=32, decoder_sparse_step=2, deepstack_visual_indexes=(0,))
+  base.update(kw)
+  return ModelConfig(**base)
+
+
+# --- in-process (1 device) ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kw", [{}, dict(family="qwen2_5_vl", experts=0, deepstack_visual_indexes=(), head_dim=8),
+                                dict(tie_word_embeddings=True)])
+def test_every_parameter_has_logical_axes(kw):
+  cfg = _small_cfg(**kw)
+  for cls in (Policy, ValueModel):
+    state = nnx.state(nnx.eval_shape(lambda: cls(cfg, nnx.Rngs(0))), nnx.Param)
+    for path, var in nnx.to_flat_state(state):
+      names = var.get_metadata().get("out_sharding")
+      assert names is not None and len(names) == var.value.ndim, (cls.__name__, path, names)
+      known = dict(sharding.DEFAULT_RULES)
+      assert all(n is None or n in known for n in names), (path, names)
+      # model code names no mesh axis ("expert" is also a logical name)
+      assert not any(n in ("data", "fsdp", "tensor") for n in names), (path, names)
+  moe = nnx.eval_shape(lambda: Policy(cfg, nnx.Rngs(0))).trunk.decoder.layers[1].mlp
+  if cfg.experts:
+    assert moe.w_gate.get_metadata()["out_sharding"] == ("expert", "embed", "mlp")
+
+
+def _moe_loss_and_grads(cfg, x):
+  m = MoE(cfg, nnx.Rngs(0))
+  gd, st = nnx.split(m)
+
+  def f(st, x):
+    y, r = nnx.merge(gd, st)(x)
+    return jnp.sum(jnp.sin(y) * jnp.arange(y.size).reshape(y.shape) / y.size), (y, r)
+
+  (loss, (y, r)), g = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(st, x)
+  return loss, y, r, g
+
+
+def _maxdiff(a, b):
+  return max(float(jnp.max(jnp.abs(u - v))) for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_ragged_moe_matches_dense_outputs_and_gradients():
+  cfg = _small_cfg(hidden=64, moe_intermediate=48, experts=8, top_k=3)
+  x = jax.random.normal(jax.random.PRNGKey(1), (3, 7, 64))
+  loss_d, y_d, r_d, g_d = _moe_loss_and_grads(cfg, x)
+  for cf in (None, 8.0):  # dropless, and a capacity no expert can exceed (C = 8 * N * k / E >= N)
+    loss_r, y_r, r_r, g_r = _moe_loss_and_grads(dataclasses.replace(cfg, moe_impl="ragged", moe_capacity_factor=cf), x)
+    assert float(jnp.max(jnp.abs(y_r - y_d))) <= TOL
+    assert abs(float(loss_r - loss_d)) <= TOL
+    assert _maxdiff(g_r, g_d) <= TOL  # parameters and the input
+    assert float(jnp.max(jnp.abs(g_d[0]["w_down"][...]))) > 1e-3  # gradients are not vacuous
+    np.testing.assert_array_equal(r_r[1], r_d[1])
+    if cf is not None:
+      assert float(r_r[2]) == 0.0
+
+
+def test_capacity_factor_drops_like_numpy_reference():
+  cfg = _small_cfg(moe_impl="ragged", moe_capacity_factor=0.5)
+  x = np.asarray(jax.random.normal(jax.random.PRNGKey(2), (2, 9, 32)))
+  m = MoE(cfg, nnx.Rngs(3))
+  y, (probs, idx, dropped) = nnx.jit(lambda m, x: m(x))(m, jnp.asarray(x))
+  # numpy reference: assignments in (token, slot) order; each expert keeps its first C
+  n, k, e = 18, cfg.top_k, cfg.experts
+  c = capacity(n, k, e, 0.5)
+  assert c == 5  # ceil(0.5 * 18 * 2 / 4)
+  _, w, idx_ref = jax.jit(route, static_argnums=(1, 2))(jnp.asarray(x.reshape(n, -1)) @ m.router.kernel[...], k, True)
+  w, idx_ref = np.asarray(w), np.asarray(idx_ref)
+  wg, wu, wd = (np.asarray(m.w_gate[...]), np.asarray(m.w_up[...]), np.asarray(m.w_down[...]))
+  flat = x.reshape(n, -1)
+  want = np.zeros_like(flat)
+  used = np.zeros(e, int)
+  n_drop = 0
+  for t in range(n):
+    for s in range(k):
+      ex = idx_ref[t, s]
+      if used[ex] >= c:
+        n_drop += 1
+        continue
+      used[ex] += 1
+      a = flat[t] @ wg[ex]
+      h = a / (1 + np.exp(-a)) * (flat[t] @ wu[ex])
+      want[t] += w[t, s] * (h @ wd[ex])
+  assert n_drop > 0 and float(dropped) == n_drop
+  np.testing.assert_allclose(np.asarray(y).reshape(n, -1), want, atol=1e-5)
+  # through the policy: the dropped count of every MoE layer is reported
+  pol = Policy(cfg, nnx.Rngs(0))
+  toks = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 9)), jnp.int32)
+  pos = jnp.broadcast_to(jnp.arange(9), (3, 2, 9))
+  logits, aux, stats = nnx.jit(lambda p, *a: p(*a, moe_stats=True))(pol, toks, pos, jnp.ones((2, 9), bool))
+  assert stats["moe_assignments"] == 1 * 18 * 2 and 0 < float(stats["moe_dropped"]) <= 36
+
+
+def test_config_and_rule_errors():
+  with pytest.raises(ValueError, match="moe_impl"):
+    _small_cfg(moe_impl="sparse")
+  with pytest.raises(ValueError, match="ragged"):
+    _small_cfg(moe_capacity_factor=1.0)
+  with pytest.raises(sharding.ShardingError, match="unknown mesh axis 'model'"):
+    sharding.make_rules({"embed": "model"})
+  with pytest.raises(sharding.ShardingError, match="needs 16 devices"):
+    sharding.make_mesh((2, 2, 2, 2))
+  rules = dict(sharding.make_rules({"embed": None, "mlp": ("tensor", "fsdp")}))
+  assert rules["embed"] == () and rules["mlp"] == ("tensor", "fsdp") and rules["vocab"] == ("tensor",)
+
+
+@pytest.mark.slow
+def test_ragged_moe_keeps_transformers_parity(tmp_path):
+  torch = pytest.importorskip("torch")
+  from transformers import AutoModelForImageTextToText
+  from test_hf_parity import _check, _hf_config, _inputs
+  from tars_jax.models import hf_io
+  torch.manual_seed(0)
+  hf = AutoModelForImageTextToText.from_config(_hf_config("qwen3_vl_moe")).eval()
+  hf.save_pretrained(str(tmp_path))
+  ours = hf_io.load_pretrained(str(tmp_path), image_h=56, image_w=84, moe_impl="ragged")
+  assert ours.cfg.moe_impl == "ragged"
+  rng = np.random.default_rng(0)
+  pair = (hf, ours, str(tmp_path))
+  _check(pair, *_inputs(pair, rng, [[], [(56, 84)]])[:4])
+
+
+# --- 8 simulated devices (subprocess) ----------------------------------------------------------------
+
+def _run_worker(out, full):
+  env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu")
+  cmd = [sys.executable, os.path.abspath(__file__), str(out)] + (["full"] if full else [])
+  p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+  assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+  return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def mesh_results(tmp_path_factory):
+  """The fast worker run: ragged (expert-parallel) MoE on the (2, 1, 2, 2) mesh."""
+  return _run_worker(tmp_path_factory.mktemp("mesh") / "results.json", full=False)
+
+
+@pytest.fixture(scope="module")
+def mesh_results_full(tmp_path_factory):
+  """The full worker run: dense and ragged MoE on every mesh of MESHES, with a policy step each."""
+  return _run_worker(tmp_path_factory.mktemp("mesh_full") / "results.json", full=True)
+
+
+MESHES = ["8,1,1,1", "2,2,2,1", "2,1,2,2"]
+
+
+def _check_run(r, full):
+  assert r["n_devices"] == 8
+  assert r["loss_diff"] <= TOL and r["grad_max_diff"] <= TOL, r
+  assert r["grad_max_abs"] > 1e-3  # the gradients compared are not all ~0
+  assert r["grads_sharded_like_params"] == [], r
+  if full:
+    assert r["step_params_sharded_like_rules"] == [] and r["step_pg_loss_diff"] <= TOL, r
+  # activation constraints (Shardy text): logits [B, T, V] over (batch axes, -, tensor), hidden states
+  # [B, T, D] over the batch axes
+  cons = "\n".join(r["constraints"])
+  assert '[{"data", "fsdp", "expert"}, {}, {"tensor"}]' in cons, cons
+  assert '[{"data", "fsdp", "expert"}, {}, {}]' in cons, cons
+
+
+def test_train_step_on_expert_parallel_mesh_equals_single_device(mesh_results):
+  _check_run(mesh_results["runs"]["ragged@2,1,2,2"], full=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.parametrize("impl", ["dense", "ragged"])
+def test_train_step_on_every_mesh_equals_single_device(mesh_results_full, mesh, impl):
+  _check_run(mesh_results_full["runs"][f"{impl}@{mesh}"], full=True)
+
+
+def _shard(shape, mesh, spec):
+  sizes = dict(zip(("data", "fsdp", "tensor", "expert"), mesh))
+  out = []
+  for d, s in zip(shape, spec):
+    axes = () if s is None else (s if isinstance(s, list) else [s])
+    out.append(d // int(np.prod([sizes[a] for a in axes])) if axes else d)
+  return out
+
+
+def test_parameters_distributed_as_rules_say(mesh_results):
+  _check_params(mesh_results["runs"]["ragged@2,1,2,2"]["params"], "2,1,2,2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", MESHES)
+def test_parameters_distributed_as_rules_say_on_every_mesh(mesh_results_full, mesh):
+  _check_params(mesh_results_full["runs"][f"dense@{mesh}"]["params"], mesh)
+
+
+def _check_params(got, mesh):
+  m = tuple(int(x) for x in mesh.split(","))
+  # path -> (global shape, logical axes -> default rules by hand)
+  want = {
+      "['trunk']['decoder']['layers'][1]['mlp']['w_gate']": ([4, 32, 16], ["expert", "fsdp", "tensor"]),
+      "['trunk']['decoder']['layers'][1]['mlp']['w_down']": ([4, 16, 32], ["expert", "tensor", "fsdp"]),
+      "['trunk']['decoder']['layers'][0]['mlp']['gate_proj']['kernel']": ([32, 32], ["fsdp", "tensor"]),
+      "['trunk']['decoder']['layers'][0]['self_attn']['k_proj']['kernel']": ([32, 16], ["fsdp", "tensor"]),
+      "['trunk']['embed_tokens']['embedding']": ([264, 32], ["tensor", "fsdp"]),
+      "['lm_head']['kernel']": ([32, 264], ["fsdp", "tensor"]),
+      "['trunk']['visual']['blocks'][0]['attn']['qkv']['kernel']": ([16, 48], ["fsdp", "tensor"]),
+      "['trunk']['decoder']['layers'][1]['mlp']['router']['kernel']": ([32, 4], ["fsdp", None]),
+      "['trunk']['decoder']['norm']['scale']": ([32], [None]),
+  }
+  for path, (shape, spec) in want.items():
+    g_shape, g_spec, g_shard = got[path]
+    assert g_shape == shape and g_spec == spec, (path, got[path])
+    assert g_shard == _shard(shape, m, spec), (path, got[path])
+  if m == (2, 1, 2, 2):  # experts really split: each device holds 2 of the 4 experts, half their width
+    assert got["['trunk']['decoder']['layers'][1]['mlp']['w_gate']"][2] == [2, 32, 8]
+
+
+def test_indivisible_dimension_is_a_typed_error(mesh_results):
+  msg = mesh_results["indivisible_error"]
+  assert msg.startswith("ShardingError")
+  for part in ("['lm_head']['kernel']", "rule 'vocab'", "mesh axis 'tensor' of size 8", "dimension 1 of size 260"):
+    assert part in msg, msg
+
+
+def test_load_pretrained_places_tensors_by_rules(mesh_results):
+  r = mesh_results["hf_io"]
+  assert r["values_equal"] and r["logits_diff"] <= TOL
+  assert r["w_gate"] == [[4, 32, 16], ["expert", "fsdp", "tensor"], [2, 32, 8]]
+  assert r["embed"] == [[264, 32], ["tensor", "fsdp"], [132, 32]]
+
+
+def test_trainer_state_on_mesh_from_config(mesh_results):
+  r = mesh_results["state"]
+  assert r["mesh"] == [2, 1, 2, 2] and r["default_mesh"]
+  # smoke model: 4 experts, hidden 64, moe_intermediate 64; embed -> None by the config override
+  assert r["policy_w_gate"] == [[4, 64, 64], ["expert", None, "tensor"], [2, 64, 32]]
+  assert r["critic_embed"] == [[264, 64], ["tensor", None], [132, 64]]
+  assert r["opt_mu_w_gate"] and all(s == ["expert", None, "tensor"] for s in r["opt_mu_w_gate"])  # Adam mu, nu
+  assert r["init_max_diff"] <= 1e-6  # same initial values as the one-device init
+
+
+# --- the 8-device worker -----------------------------------------------------------------------------
+
+def _batch(cfg, b=8, t=12, seed=0):
+  from tars_jax.agent.tokenizer import BOS
+  rng = np.random.default_rng(seed)
+  toks = rng.integers(0, 256, (b, t)).astype(np.int32)
+  toks[:, 0] = BOS
+  toks[:, 2] = cfg.image_token_id  # one merged image token per row
+  mask = np.ones((b, t), bool)
+  mask[1, :3] = False  # left padding in one row
+  loss_mask = np.zeros((b, t - 1), np.float32)
+  loss_mask[:, 4:] = 1.0
+  return dict(tokens=toks, attn_mask=mask, pixel_values=rng.random((b, 1, cfg.image_h, cfg.image_w, 3)).astype(np.float32),
+              image_mask=np.ones((b, 1), bool), loss_mask=loss_mask,
+              old_logp=(-6.0 + 0.3 * rng.standard_normal((b, t - 1))).astype(np.float32),
+              advantages=(rng.standard_normal((b, t - 1)) * loss_mask).astype(np.float32),
+              states=np.zeros((b, t - 1), np.int32))
+
+
+def _worker(out_path, full: bool):
+  """Writes the results JSON. `full`: both MoE impls on all MESHES with a `ppo.policy_step` each;
+  else the ragged (expert-parallel) MoE on the (2, 1, 2, 2) mesh only (the fast suite)."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from tars_jax import sharding
+  from tars_jax.models import Policy, hf_io
+  from tars_jax.models.hf_model import HFModel
+  from tars_jax.train import ppo
+
+  assert jax.device_count() == 8, jax.devices()
+  spec_json = lambda s: [list(a) if isinstance(a, tuple) else a for a in s]
+  results = {"runs": {}}
+  cfg = _small_cfg()
+  gd, params = nnx.split(Policy(cfg, nnx.Rngs(0)))
+  hp = ppo.PPOHparams(algo="grpo", aux_loss_coef=0.1, ent_coef=0.01, image_token_id=cfg.image_token_id,
+                      grid_hw=cfg.merged_grid)
+  popt = ppo.make_optimizer(1e-3, 1, 1.0, 0.0)
+  batch = {k: jnp.asarray(v) for k, v in _batch(cfg).items()}
+
+  def loss_grad(gd_):
+    return jax.jit(lambda p, mb: jax.value_and_grad(ppo._policy_loss, has_aux=True)(p, gd_, None, mb, hp))
+
+  t0 = time.time()
+  (ref_loss, ref_m), ref_g = loss_grad(gd)(params, batch)
+  print(f"reference loss/grad {time.time() - t0:.1f}s", flush=True)
+  if full:
+    ref_state = {"step": jnp.zeros((), jnp.int32), "policy": params, "policy_opt": popt.init(params)}
+    _, ref_step_m = ppo.policy_step(jax.tree.map(jnp.copy, ref_state), batch, None, policy_gd=gd, popt=popt, hp=hp)
+  runs = [(i, m) for i in ("dense", "ragged") for m in MESHES] if full else [("ragged", "2,1,2,2")]
+  for impl, mesh_s in runs:
+    gd_i = nnx.split(Policy(dataclasses.replace(cfg, moe_impl=impl), nnx.Rngs(0)))[0]
+    mesh = sharding.make_mesh(tuple(int(x) for x in mesh_s.split(",")))
+    rules = sharding.make_rules()
+    p_sh = sharding.shard(jax.tree.map(jnp.copy, params), mesh, rules)  # a copy: the step donates it
+    mb = jax.device_put(batch, NamedSharding(mesh, P(("data", "fsdp", "expert"))))
+    want_sh = sharding.logical_to_sharding(params, mesh, rules)
+    described = {k: [list(s), spec_json(sp), list(sh)] for k, (s, sp, sh) in sharding.describe(p_sh).items()}
+    t0 = time.time()
+    with sharding.activate(mesh, rules):
+      (loss, _), g = loss_grad(gd_i)(p_sh, mb)
+      t1 = time.time()
+      # the activation constraints as lowered (Shardy): logits [B, T, V] over (batch axes, -, tensor)
+      hlo = jax.jit(lambda p, mb: nnx.merge(gd_i, p)(
+          mb["tokens"], ppo._positions(mb["tokens"], mb["attn_mask"], hp), mb["attn_mask"], mb["pixel_values"],
+          mb["image_mask"])[0]).lower(p_sh, mb).as_text()
+      step_m = new = None
+      if full:
+        state = {"step": jnp.zeros((), jnp.int32), "policy": p_sh, "policy_opt": jax.jit(popt.init)(p_sh)}
+        new, step_m = ppo.policy_step(state, mb, None, policy_gd=gd_i, popt=popt, hp=hp)
+      print(f"{impl}@{mesh_s}: loss/grad {t1 - t0:.1f}s, step {time.time() - t1:.1f}s", flush=True)
+    def same_sh(tree):  # paths whose sharding differs from the rules' ([] = all as the rules say)
+      got = jax.tree_util.tree_leaves_with_path(tree)
+      return [f"{jax.tree_util.keystr(p)}: {a.sharding.spec} != {s.spec}" for (p, a), s in
+              zip(got, jax.tree.leaves(want_sh)) if not a.sharding.is_equivalent_to(s, a.ndim)]
+    results["runs"][f"{impl}@{mesh_s}"] = dict(
+        n_devices=len(mesh.devices.flat), loss_diff=abs(float(loss - ref_loss)), grad_max_diff=_maxdiff(g, ref_g),
+        grad_max_abs=max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(ref_g)),
+        grads_sharded_like_params=same_sh(g),
+        step_params_sharded_like_rules=None if new is None else same_sh(new["policy"]),
+        step_pg_loss_diff=None if step_m is None else abs(float(step_m["pg_loss"] - ref_step_m["pg_loss"])),
+        constraints=[line.strip()[:300] for line in hlo.splitlines() if "sharding_constraint" in line],
+        params=described)
+  # a mesh axis that does not divide a dimension
+  mesh8 = sharding.make_mesh((1, 1, 8, 1))
+  try:
+    sharding.logical_to_sharding(nnx.state(nnx.eval_shape(lambda: Policy(_small_cfg(vocab_size=260), nnx.Rngs(0)))),
+                                 mesh8)
+    results["indivisible_error"] = "no error"
+  except sharding.ShardingError as e:
+    results["indivisible_error"] = f"ShardingError: {e}"
+  # transformers checkpoint -> sharded model
+  import tempfile
+  hcfg = _small_cfg(image_h=56, image_w=56, temporal_patch_size=2)
+  model = HFModel(hcfg, nnx.Rngs(1))
+  with tempfile.TemporaryDirectory() as d:
+    hf_io.save_pretrained(model, d)
+    mesh = sharding.make_mesh((2, 1, 2, 2))
+    loaded = hf_io.load_pretrained(d, mesh=mesh, image_h=56, image_w=56)
+    plain = hf_io.load_pretrained(d, image_h=56, image_w=56)
+  flat = lambda m: {tuple(p): v[...] for p, v in nnx.to_flat_state(nnx.state(m, nnx.Param))}
+  a, b = flat(loaded), flat(plain)
+  ids = np.random.default_rng(0).integers(0, 256, (2, 6))
+  desc = sharding.describe(nnx.state(loaded, nnx.Param))
+  pick = lambda key: [list(desc[key][0]), spec_json(desc[key][1]), list(desc[key][2])]
+  results["hf_io"] = dict(
+      values_equal=all(np.array_equal(np.asarray(a[k]), np.asarray(b[k])) for k in b),
+      logits_diff=float(np.max(np.abs(np.asarray(loaded(ids)) - np.asarray(plain(ids))))),
+      w_gate=pick("['policy']['trunk']['decoder']['layers'][1]['mlp']['w_gate']"),
+      embed=pick("['policy']['trunk']['embed_tokens']['embedding']"))
+  # trainer state creation behind config.mesh
+  import ml_collections as mlc
+  from experiments.configs import miniwob_ppo
+  from tars_jax.train import state as state_lib
+  c = miniwob_ppo.get_config("smoke")
+  c.mesh = mlc.ConfigDict({"shape": (2, 1, 2, 2), "rules": {"embed": None}})  # FSDP off by override
+  parts = state_lib.build(c)
+  st = parts.init_state(0)
+  parts0 = state_lib.build(miniwob_ppo.get_config("smoke"))
+  st0 = parts0.init_state(0)
+  d = {**{"policy" + k: v for k, v in sharding.describe(st["policy"]).items()},
+       **{"opt" + k: v for k, v in sharding.describe(st["policy_opt"]).items()},
+       **{"critic" + k: v for k, v in sharding.describe(st["critic"]).items()}}
+  w = "['trunk']['decoder']['layers'][0]['mlp']['w_gate']"
+  results["state"] = dict(
+      mesh=list(sharding.mesh_shape(parts.mesh)), default_mesh=parts0.mesh is None,
+      policy_w_gate=[list(d["policy" + w][0]), spec_json(d["policy" + w][1]), list(d["policy" + w][2])],
+      critic_embed=[list(x) if isinstance(x, tuple) else spec_json(x)
+                    for x in d["critic['trunk']['embed_tokens']['embedding']"]],
+      opt_mu_w_gate=[spec_json(v[1]) for k, v in d.items() if k.startswith("opt") and k.endswith(w)],
+      init_max_diff=_maxdiff(st["policy"], st0["policy"]) if jax.tree.structure(st["policy"]) ==
+      jax.tree.structure(st0["policy"]) else "structure differs")
+  with open(out_path, "w") as f:
+    json.dump(results, f)
+
+
+if __name__ == "__main__":
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  _worker(sys.argv[1], full=sys.argv[2:] == ["full"])

@@ -21,28 +21,14 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from benchmarks.bench_model import hf_model, image_processor, moe_impl_name, overrides, torch_kernels
 from tars_jax.agent.tokenizer import BOS, IMAGE, PAD, VISION_END, VISION_START
 from tars_jax.models import hf_io, sampler
 
 _BATCHES = flags.DEFINE_list("batch_sizes", ["1", "16"], "Batch sizes to time.")
 _NEW = flags.DEFINE_integer("new_tokens", 64, "Greedy tokens per row.")
+_MOE = flags.DEFINE_string("moe_impl", None, "ModelConfig.moe_impl of our model (None: the config default).")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed calls per setting (the best is reported).")
-
-
-def _hf_model():
-  from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
-  cfg = Qwen3VLMoeConfig(
-      text_config=dict(vocab_size=264, hidden_size=256, intermediate_size=768, num_hidden_layers=8,
-                       num_attention_heads=8, num_key_value_heads=4, head_dim=32, moe_intermediate_size=384,
-                       num_experts=8, num_experts_per_tok=2, initializer_range=0.2,
-                       rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[8, 4, 4],
-                                            mrope_interleaved=True)),
-      vision_config=dict(depth=4, hidden_size=192, intermediate_size=768, num_heads=4, patch_size=14,
-                         temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=256,
-                         num_position_embeddings=64, deepstack_visual_indexes=[1]),
-      image_token_id=IMAGE, video_token_id=263, vision_start_token_id=VISION_START, vision_end_token_id=VISION_END)
-  torch.manual_seed(0)
-  return Qwen3VLMoeForConditionalGeneration(cfg).eval()
 
 
 def _best(fn, repeats):
@@ -56,14 +42,12 @@ def _best(fn, repeats):
 
 def main(argv):
   del argv
-  from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-  hf = _hf_model()
+  hf = hf_model()
   n_params = sum(p.numel() for p in hf.parameters())
   with tempfile.TemporaryDirectory() as d:
     hf.save_pretrained(d)
-    ours = hf_io.load_pretrained(d, image_h=112, image_w=112)
-  proc = Qwen2VLImageProcessorPil(do_resize=False, patch_size=14, temporal_patch_size=2, merge_size=2,
-                                  image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    ours = hf_io.load_pretrained(d, image_h=112, image_w=112, **overrides(_MOE.value))
+  proc = image_processor()
   rng = np.random.default_rng(0)
   n, rows = _NEW.value, []
   for b in (int(x) for x in _BATCHES.value):
@@ -88,7 +72,7 @@ def main(argv):
     same = bool(np.array_equal(np.asarray(got), want[:, ids.shape[1]:].numpy()))
     rows.append((b, b * n / t_ours, b * n / t_hf, t_hf / t_ours, same))
   print(f"\ngreedy decode, {n_params / 1e6:.1f}M params (qwen3_vl_moe), prompt {len(prompt)} tokens incl. "
-        f"one 112x112 image, {n} new tokens, {jax.devices()[0].platform}, torch threads {torch.get_num_threads()}")
+        f"one 112x112 image, {n} new tokens, our MoE {moe_impl_name(ours.cfg)!r}, {jax.devices()[0].platform}, torch threads {torch.get_num_threads()}")
   print(f"{'batch':>5} {'ours tok/s':>11} {'transformers tok/s':>19} {'ratio':>6} {'same tokens':>12}")
   for b, ours_tps, hf_tps, ratio, same in rows:
     print(f"{b:>5} {ours_tps:>11.1f} {hf_tps:>19.1f} {ratio:>5.2f}x {str(same):>12}")

@@ -1,0 +1,59 @@
+"""The shared reference model of the issue-#3 benchmarks (`decode.py`, `train_step.py`): a ~24M-parameter
+random-init transformers `Qwen3VLMoeForConditionalGeneration` built offline, and its image processor."""
+
+from __future__ import annotations
+
+import torch
+
+from tars_jax.agent.tokenizer import IMAGE, VISION_END, VISION_START
+
+
+def hf_model():
+  """8 MoE decoder layers (hidden 256, 8 heads / 4 KV heads, 8 experts top-2, expert width 384) over our
+  264-token byte vocabulary, a 4-block ViT (hidden 192, patch 14, DeepStack from block 1); seed 0, eval mode."""
+  from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+  cfg = Qwen3VLMoeConfig(
+      text_config=dict(vocab_size=264, hidden_size=256, intermediate_size=768, num_hidden_layers=8,
+                       num_attention_heads=8, num_key_value_heads=4, head_dim=32, moe_intermediate_size=384,
+                       num_experts=8, num_experts_per_tok=2, initializer_range=0.2,
+                       rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[8, 4, 4],
+                                            mrope_interleaved=True)),
+      vision_config=dict(depth=4, hidden_size=192, intermediate_size=768, num_heads=4, patch_size=14,
+                         temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=256,
+                         num_position_embeddings=64, deepstack_visual_indexes=[1]),
+      image_token_id=IMAGE, video_token_id=263, vision_start_token_id=VISION_START, vision_end_token_id=VISION_END)
+  torch.manual_seed(0)
+  return Qwen3VLMoeForConditionalGeneration(cfg).eval()
+
+
+def image_processor():
+  """transformers' Qwen2-VL image processor without resizing, mean / std 0.5 (our `pixel_norm`)."""
+  from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+  return Qwen2VLImageProcessorPil(do_resize=False, patch_size=14, temporal_patch_size=2, merge_size=2,
+                                  image_mean=[0.5] * 3, image_std=[0.5] * 3)
+
+
+def torch_kernels(model) -> str:
+  """Which attention / experts implementations the transformers model runs (for the table header)."""
+  tc = model.config.text_config
+  return (f"attention {getattr(tc, '_attn_implementation', None)!r}, "
+          f"experts {getattr(tc, '_experts_implementation', None)!r}")
+
+
+def overrides(moe_impl: str | None) -> dict:
+  """`ModelConfig` overrides for `hf_io.load_pretrained`: `moe_impl` when given (the MoE compute path,
+  a field the scaling work adds; None keeps the config's default). Raises ValueError when the installed
+  `ModelConfig` has no such field."""
+  import dataclasses
+
+  from tars_jax.models.config import ModelConfig
+  if moe_impl is None:
+    return {}
+  if "moe_impl" not in {f.name for f in dataclasses.fields(ModelConfig)}:
+    raise ValueError("--moe_impl given but ModelConfig has no field 'moe_impl' in this checkout")
+  return {"moe_impl": moe_impl}
+
+
+def moe_impl_name(cfg) -> str:
+  """The MoE compute path a config runs ('dense' when the config predates the `moe_impl` field)."""
+  return str(getattr(cfg, "moe_impl", "dense"))

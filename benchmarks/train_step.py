@@ -1,0 +1,158 @@
+r"""Train-step speed: our jitted forward+backward vs the transformers model in torch, same weights.
+
+  .venv/bin/python -m benchmarks.train_step [--batch_sizes 4,16] [--seq 64] [--repeats 5]
+
+Builds the ~24M-parameter random-init transformers `Qwen3VLMoeForConditionalGeneration` of
+`benchmarks/decode.py` offline, saves it and loads it with `hf_io.load_pretrained`, so both sides
+compute the same function. One step = the LM cross-entropy over all tokens of a fixed-shape batch
+(every row: text, one 112x112 image = 16 merged image tokens, text; `seq` tokens; next-token loss
+over positions 1..T-1, mean) and its gradient with respect to every parameter (vision encoder
+included): ours `jax.jit(jax.value_and_grad(loss))` on the `Policy`; torch `model(..., labels=ids)`
+then `loss.backward()` (transformers' defaults: sdpa attention, its default experts kernel). Rows:
+  ours f32     params and compute float32;
+  ours bf16    the same float32 parameters with `ModelConfig.dtype = "bfloat16"` (activations and
+               matmuls in bfloat16, logits / softmax / loss in float32);
+  torch f32    transformers in float32 eager mode.
+Warm-up calls (compilation included) are not timed; then `repeats` rounds each time one step of every
+row in turn (interleaved: the machine may be shared, load changes hit all rows alike). The table gives
+the median step time as tokens/s = batch * seq / median, and the loss and global gradient norm of each side (f32 rows
+must agree: the sanity check that both compute the same thing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import tempfile
+import time
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from flax import nnx
+
+from benchmarks.bench_model import hf_model, image_processor, moe_impl_name, overrides, torch_kernels
+from tars_jax.agent.tokenizer import BOS, IMAGE, VISION_END, VISION_START
+from tars_jax.models import hf_io
+from tars_jax.models.hf_model import HFModel
+from tars_jax.models.rope import rope_positions
+
+_BATCHES = flags.DEFINE_list("batch_sizes", ["4", "16"], "Batch sizes to time.")
+_SEQ = flags.DEFINE_integer("seq", 64, "Tokens per row (including the 16 image tokens).")
+_MOE = flags.DEFINE_string("moe_impl", None, "ModelConfig.moe_impl of our model (None: the config default).")
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed steps per setting (the median is reported).")
+_WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed steps first (compilation, allocator warm-up).")
+
+IMAGE_HW = 112
+N_IMG = 16  # (112 / 14 / 2)^2 merged tokens
+
+
+def make_batch(rng: np.random.Generator, batch: int, seq: int):
+  """Fixed-shape rows `BOS text <vs> IMAGE*16 <ve> text` -> (ids [B, T] int64, images [B, H, W, 3] uint8)."""
+  head = 1 + 8
+  tail = seq - head - N_IMG - 2
+  if tail < 1:
+    raise ValueError(f"seq={seq} too short for one image ({N_IMG} tokens) and some text; need >= {head + N_IMG + 3}")
+  rows = [[BOS] + list(rng.integers(0, 256, head - 1)) + [VISION_START] + [IMAGE] * N_IMG + [VISION_END]
+          + list(rng.integers(0, 256, tail)) for _ in range(batch)]
+  images = rng.integers(0, 256, (batch, IMAGE_HW, IMAGE_HW, 3), dtype=np.uint8)
+  return np.asarray(rows, np.int64), images
+
+
+def lm_loss(params, graphdef, tokens, positions, mask, pixels):
+  """Mean next-token cross-entropy (float32 scalar) over positions 1..T-1 of every row."""
+  policy = nnx.merge(graphdef, params)
+  logits, _ = policy(tokens, positions, mask, pixels)
+  logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+  return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+
+
+_step = jax.jit(jax.value_and_grad(lm_loss), static_argnums=1)
+
+
+def global_norm(tree) -> float:
+  return float(jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree))))
+
+
+def interleaved_medians(fns: dict, warmup: int, repeats: int) -> tuple[dict, dict]:
+  """Runs every fn `warmup` times untimed, then `repeats` rounds of one timed call of each fn in turn
+  (interleaved, so a change of the shared machine's load hits all sides alike).
+  Returns ({name: last output}, {name: median seconds})."""
+  out = {}
+  for name, fn in fns.items():
+    for _ in range(warmup):
+      out[name] = fn()
+  times = {name: [] for name in fns}
+  for _ in range(repeats):
+    for name, fn in fns.items():
+      t0 = time.perf_counter()
+      out[name] = fn()
+      times[name].append(time.perf_counter() - t0)
+  return out, {name: statistics.median(t) for name, t in times.items()}
+
+
+def bf16_policy(model: HFModel):
+  """(graphdef, params) of `model.policy` computing in bfloat16 over the same float32 parameters."""
+  cfg = dataclasses.replace(model.cfg, dtype="bfloat16")
+  abstract = nnx.eval_shape(lambda: HFModel(cfg, nnx.Rngs(0)))
+  graphdef, _ = nnx.split(abstract.policy)
+  return graphdef, nnx.state(model.policy)
+
+
+def main(argv):
+  del argv
+  hf = hf_model().train()
+  n_params = sum(p.numel() for p in hf.parameters())
+  with tempfile.TemporaryDirectory() as d:
+    hf.save_pretrained(d)
+    ours = hf_io.load_pretrained(d, image_h=IMAGE_HW, image_w=IMAGE_HW, **overrides(_MOE.value))
+  f32 = nnx.split(ours.policy)
+  bf16 = bf16_policy(ours)
+  proc = image_processor()
+  cfg = ours.cfg
+  rng = np.random.default_rng(0)
+  seq, rows = _SEQ.value, []
+  for b in (int(x) for x in _BATCHES.value):
+    ids, images = make_batch(rng, b, seq)
+    px = proc(images=list(images), return_tensors="np")
+    kw = dict(input_ids=torch.tensor(ids), attention_mask=torch.ones(ids.shape, dtype=torch.long),
+              pixel_values=torch.tensor(px["pixel_values"]), image_grid_thw=torch.tensor(px["image_grid_thw"]),
+              mm_token_type_ids=torch.tensor((ids == IMAGE).astype(np.int64)), labels=torch.tensor(ids))
+
+    def torch_step():
+      hf.zero_grad(set_to_none=True)
+      loss = hf(**kw).loss
+      loss.backward()
+      return loss
+
+    toks = jnp.asarray(ids, jnp.int32)
+    mask = jnp.ones(toks.shape, bool)
+    pos = rope_positions(toks, mask, cfg.image_token_id, cfg.merged_grid)
+    pix = jnp.asarray(images[:, None] / 255.0, jnp.float32)
+
+    def ours_step(gd, params):
+      return lambda: jax.block_until_ready(_step(params, gd, toks, pos, mask, pix))
+
+    out, t = interleaved_medians({"ours f32": ours_step(*f32), "ours bf16": ours_step(*bf16),
+                                  "torch f32": torch_step}, _WARMUP.value, _REPEATS.value)
+    for name in ("ours f32", "ours bf16"):
+      loss, grads = out[name]
+      rows.append((b, name, b * seq / t[name], t["torch f32"] / t[name], float(loss), global_norm(grads)))
+    gnorm_t = float(torch.sqrt(sum(torch.sum(p.grad.double() ** 2) for p in hf.parameters() if p.grad is not None)))
+    rows.append((b, "torch f32", b * seq / t["torch f32"], 1.0, float(out["torch f32"].detach()), gnorm_t))
+  xla = os.environ.get("XLA_FLAGS", "(unset)")
+  print(f"\ntrain step (forward + backward, LM cross-entropy), {n_params / 1e6:.1f}M params (qwen3_vl_moe, our MoE "
+        f"{moe_impl_name(cfg)!r}), "
+        f"{seq} tokens/row incl. one {IMAGE_HW}x{IMAGE_HW} image; median of {_REPEATS.value} interleaved rounds after "
+        f"{_WARMUP.value} warm-up; {jax.devices()[0].platform} ({os.cpu_count()} cores visible), "
+        f"torch threads {torch.get_num_threads()}, XLA_FLAGS {xla}, transformers {torch_kernels(hf)}")
+  print(f"{'batch':>5} {'model':>10} {'tokens/s':>9} {'vs torch':>9} {'loss':>10} {'grad norm':>11}")
+  for b, name, tps, ratio, loss, gn in rows:
+    print(f"{b:>5} {name:>10} {tps:>9.1f} {ratio:>8.2f}x {loss:>10.6f} {gn:>11.5f}")
+
+
+if __name__ == "__main__":
+  app.run(main)

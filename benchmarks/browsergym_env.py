@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import subprocess
 import sys
 import time
@@ -174,9 +175,20 @@ def _worker_main(argv=None) -> None:
   procs = [ctx.Process(target=_worker, args=(k, tasks[k % len(tasks)], cfg, barrier, out)) for k in range(a.n)]
   for p in procs:
     p.start()
-  results = [out.get(timeout=600) for _ in procs]
+  results, deadline = [], time.monotonic() + 600 + a.warmup_s + a.seconds
+  while len(results) < len(procs) and time.monotonic() < deadline:
+    try:
+      results.append(out.get(timeout=5))
+    except queue.Empty:
+      if not any(p.is_alive() for p in procs) and out.empty():
+        break  # a worker died without reporting (e.g. killed for memory): say so, do not wait
   for p in procs:
     p.join(timeout=60)
+  lost = len(procs) - len(results)
+  if lost:
+    codes = [p.exitcode for p in procs]
+    results.append({"steps": 0, "resets": 0, "lat": [], "errors": 0, "setup_s": 0.0,
+                    "error": f"{lost} of {len(procs)} workers gave no result (exit codes {codes})"})
   lat = sorted(x for r in results for x in r["lat"])
   errs = [r["error"] for r in results if "error" in r]
   print(json.dumps({"n": a.n, "profile": a.profile, "steps_per_s": sum(r["steps"] for r in results) / a.seconds,

@@ -44,6 +44,9 @@ from envs_bridge.browser.sessions import CHROMIUM_ARGS, EPOCH_MS, HIDE_CARET_CSS
 from envs_bridge.client import SandboxClient
 from envs_bridge.launch import launch_server
 
+# Memory one BrowserGym env holds (worker + Playwright driver + two Chromium with their renderer, GPU and
+# utility processes), measured on 2026-11-23: 16 envs had taken 6.7 GB while still starting up.
+BROWSERGYM_ENV_BYTES = 650 * 2**20
 TASKS = ("miniwob/click-test", "miniwob/click-test-2", "miniwob/click-button", "miniwob/click-link")
 
 
@@ -120,6 +123,12 @@ async def raw(n: int, seconds: float, warmup_s: float, method: str = "playwright
     await pw.stop()
 
 
+def _mem_available() -> int:
+  """MemAvailable of /proc/meminfo in bytes (Linux)."""
+  with open("/proc/meminfo") as f:
+    return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:"))
+
+
 def _fmt(x: float, spec: str = ".1f") -> str:
   return "-" if x != x else format(x, spec)  # NaN: not measured
 
@@ -148,6 +157,10 @@ def main(argv=None):
       rc = asyncio.run(raw(n, a.seconds, a.warmup_s, "cdp"))
       bg = {}
       for prof in profiles if n in bg_ns else ():
+        if _mem_available() < n * BROWSERGYM_ENV_BYTES + 2 * 2**30:  # on a shared machine: no OOM kills
+          print(f"n={n}: BrowserGym {prof} skipped: {_mem_available() / 2**30:.1f} GiB available, "
+                f"{n} envs need about {n * BROWSERGYM_ENV_BYTES / 2**30:.1f} GiB", flush=True)
+          continue
         bg[prof] = browsergym_env.measure(n, a.browsergym_seconds, a.warmup_s, TASKS, mw.HTML_DIR, CHROMIUM_ARGS, prof)
         if bg[prof]["env_errors"]:
           raise RuntimeError(f"BrowserGym envs failed: {bg[prof]['env_errors']}")

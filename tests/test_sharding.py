@@ -193,7 +193,8 @@ def _check_run(r, full):
   assert r["n_devices"] == 8
   assert r["loss_diff"] <= TOL and r["grad_max_diff"] <= TOL, r
   assert r["grad_max_abs"] > 1e-3  # the gradients compared are not all ~0
-  assert r["grads_sharded_like_params"] == [], r
+  # (the gradients' layout is the compiler's choice in a bare value_and_grad; the step below keeps
+  # the parameters' layout)
   if full:
     assert r["step_params_sharded_like_rules"] == [] and r["step_pg_loss_diff"] <= TOL, r
   # activation constraints (Shardy text): logits [B, T, V] over (batch axes, -, tensor), hidden states

@@ -72,7 +72,8 @@ def main(argv):
     same = bool(np.array_equal(np.asarray(got), want[:, ids.shape[1]:].numpy()))
     rows.append((b, b * n / t_ours, b * n / t_hf, t_hf / t_ours, same))
   print(f"\ngreedy decode, {n_params / 1e6:.1f}M params (qwen3_vl_moe), prompt {len(prompt)} tokens incl. "
-        f"one 112x112 image, {n} new tokens, our MoE {moe_impl_name(ours.cfg)!r}, {jax.devices()[0].platform}, torch threads {torch.get_num_threads()}")
+        f"one 112x112 image, {n} new tokens, our MoE {moe_impl_name(ours.cfg)!r}, {jax.devices()[0].platform}, "
+        f"torch threads {torch.get_num_threads()}, transformers {torch_kernels(hf)}")
   print(f"{'batch':>5} {'ours tok/s':>11} {'transformers tok/s':>19} {'ratio':>6} {'same tokens':>12}")
   for b, ours_tps, hf_tps, ratio, same in rows:
     print(f"{b:>5} {ours_tps:>11.1f} {hf_tps:>19.1f} {ratio:>5.2f}x {str(same):>12}")

@@ -80,7 +80,11 @@ def main(argv):
     hf.save_pretrained(d)
     ours = hf_io.load_pretrained(d, image_h=112, image_w=112)
   rng = np.random.default_rng(0)
-  n, rows = _NEW.value, []
+  n = _NEW.value
+  print(f"\ndecode profile, prompt 36 tokens incl. one 112x112 image, {n} new tokens, "
+        f"{jax.devices()[0].platform}")
+  print(f"{'batch':>5} {'experts':>13} {'prefill ms':>11} {'step ms':>8} {'step tok/s':>11} {'total tok/s':>12} "
+        f"{'same as dense':>14}", flush=True)
   for b in (int(x) for x in _BATCHES.value):
     prompt = [BOS] + list(rng.integers(0, 256, 16)) + [VISION_START] + [IMAGE] * 16 + [VISION_END, 65]
     toks = jnp.asarray(np.tile(np.asarray(prompt, np.int32), (b, 1)))
@@ -99,13 +103,8 @@ def main(argv):
         ref = out
       same = "" if call is not _topk_call else str(bool(np.array_equal(np.asarray(out), np.asarray(ref))))
       step = (tn - t1) / (n - 1)
-      rows.append((b, name, t1 * 1e3, step * 1e3, b / step, b * n / tn, same))
-  print(f"\ndecode profile, prompt {len(prompt)} tokens incl. one 112x112 image, {n} new tokens, "
-        f"{jax.devices()[0].platform}")
-  print(f"{'batch':>5} {'experts':>13} {'prefill ms':>11} {'step ms':>8} {'step tok/s':>11} {'total tok/s':>12} "
-        f"{'same as dense':>14}")
-  for b, name, pre, step, stps, tps, same in rows:
-    print(f"{b:>5} {name:>13} {pre:>11.1f} {step:>8.2f} {stps:>11.1f} {tps:>12.1f} {same:>14}")
+      print(f"{b:>5} {name:>13} {t1 * 1e3:>11.1f} {step * 1e3:>8.2f} {b / step:>11.1f} {b * n / tn:>12.1f} "
+            f"{same:>14}", flush=True)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ must agree: the sanity check that both compute the same thing).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import statistics
 import tempfile
@@ -37,7 +36,6 @@ from flax import nnx
 from benchmarks.bench_model import hf_model, image_processor, moe_impl_name, overrides, torch_kernels
 from tars_jax.agent.tokenizer import BOS, IMAGE, VISION_END, VISION_START
 from tars_jax.models import hf_io
-from tars_jax.models.hf_model import HFModel
 from tars_jax.models.rope import rope_positions
 
 _BATCHES = flags.DEFINE_list("batch_sizes", ["4", "16"], "Batch sizes to time.")
@@ -94,14 +92,6 @@ def interleaved_medians(fns: dict, warmup: int, repeats: int) -> tuple[dict, dic
   return out, {name: statistics.median(t) for name, t in times.items()}
 
 
-def bf16_policy(model: HFModel):
-  """(graphdef, params) of `model.policy` computing in bfloat16 over the same float32 parameters."""
-  cfg = dataclasses.replace(model.cfg, dtype="bfloat16")
-  abstract = nnx.eval_shape(lambda: HFModel(cfg, nnx.Rngs(0)))
-  graphdef, _ = nnx.split(abstract.policy)
-  return graphdef, nnx.state(model.policy)
-
-
 def main(argv):
   del argv
   hf = hf_model().train()
@@ -110,11 +100,18 @@ def main(argv):
     hf.save_pretrained(d)
     ours = hf_io.load_pretrained(d, image_h=IMAGE_HW, image_w=IMAGE_HW, **overrides(_MOE.value))
   f32 = nnx.split(ours.policy)
-  bf16 = bf16_policy(ours)
+  bf16 = nnx.split(ours.with_compute_dtype(jnp.bfloat16).policy)
   proc = image_processor()
   cfg = ours.cfg
   rng = np.random.default_rng(0)
-  seq, rows = _SEQ.value, []
+  seq = _SEQ.value
+  xla = os.environ.get("XLA_FLAGS", "(unset)")
+  print(f"\ntrain step (forward + backward, LM cross-entropy), {n_params / 1e6:.1f}M params (qwen3_vl_moe, our MoE "
+        f"{moe_impl_name(cfg)!r}), "
+        f"{seq} tokens/row incl. one {IMAGE_HW}x{IMAGE_HW} image; median of {_REPEATS.value} interleaved rounds after "
+        f"{_WARMUP.value} warm-up; {jax.devices()[0].platform} ({os.cpu_count()} cores visible), "
+        f"torch threads {torch.get_num_threads()}, XLA_FLAGS {xla}, transformers {torch_kernels(hf)}")
+  print(f"{'batch':>5} {'model':>10} {'tokens/s':>9} {'vs torch':>9} {'loss':>10} {'grad norm':>11}", flush=True)
   for b in (int(x) for x in _BATCHES.value):
     ids, images = make_batch(rng, b, seq)
     px = proc(images=list(images), return_tensors="np")
@@ -138,20 +135,14 @@ def main(argv):
 
     out, t = interleaved_medians({"ours f32": ours_step(*f32), "ours bf16": ours_step(*bf16),
                                   "torch f32": torch_step}, _WARMUP.value, _REPEATS.value)
+    rows = []
     for name in ("ours f32", "ours bf16"):
       loss, grads = out[name]
-      rows.append((b, name, b * seq / t[name], t["torch f32"] / t[name], float(loss), global_norm(grads)))
+      rows.append((name, b * seq / t[name], t["torch f32"] / t[name], float(loss), global_norm(grads)))
     gnorm_t = float(torch.sqrt(sum(torch.sum(p.grad.double() ** 2) for p in hf.parameters() if p.grad is not None)))
-    rows.append((b, "torch f32", b * seq / t["torch f32"], 1.0, float(out["torch f32"].detach()), gnorm_t))
-  xla = os.environ.get("XLA_FLAGS", "(unset)")
-  print(f"\ntrain step (forward + backward, LM cross-entropy), {n_params / 1e6:.1f}M params (qwen3_vl_moe, our MoE "
-        f"{moe_impl_name(cfg)!r}), "
-        f"{seq} tokens/row incl. one {IMAGE_HW}x{IMAGE_HW} image; median of {_REPEATS.value} interleaved rounds after "
-        f"{_WARMUP.value} warm-up; {jax.devices()[0].platform} ({os.cpu_count()} cores visible), "
-        f"torch threads {torch.get_num_threads()}, XLA_FLAGS {xla}, transformers {torch_kernels(hf)}")
-  print(f"{'batch':>5} {'model':>10} {'tokens/s':>9} {'vs torch':>9} {'loss':>10} {'grad norm':>11}")
-  for b, name, tps, ratio, loss, gn in rows:
-    print(f"{b:>5} {name:>10} {tps:>9.1f} {ratio:>8.2f}x {loss:>10.6f} {gn:>11.5f}")
+    rows.append(("torch f32", b * seq / t["torch f32"], 1.0, float(out["torch f32"].detach()), gnorm_t))
+    for name, tps, ratio, loss, gn in rows:
+      print(f"{b:>5} {name:>10} {tps:>9.1f} {ratio:>8.2f}x {loss:>10.6f} {gn:>11.5f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -111,3 +111,19 @@ def test_sampler_bf16_cache_and_first_token(models):
   pos = rope_positions(toks, mask, IMAGE, CFG.merged_grid)
   logits, _ = nnx.jit(lambda m, *a: m(*a))(bf16, toks, pos, mask, pix)
   np.testing.assert_array_equal(np.asarray(gen.tokens[:, 0]), np.asarray(logits[:, -1]).argmax(-1))
+
+
+def test_hf_model_with_compute_dtype_shares_float32_params():
+  from tars_jax.models.hf_model import HFModel
+  m32 = HFModel(CFG, nnx.Rngs(1))
+  m16 = m32.with_compute_dtype(jnp.bfloat16)
+  assert m16.cfg.dtype == "bfloat16" and m32.cfg.dtype == "float32"
+  p32, p16 = jax.tree.leaves(nnx.state(m32, nnx.Param)), jax.tree.leaves(nnx.state(m16, nnx.Param))
+  assert len(p32) == len(p16) and all(a is b for a, b in zip(p32, p16))  # the same buffers
+  toks, mask, pix = _batch(np.random.default_rng(3))
+  pos = rope_positions(toks, mask, IMAGE, CFG.merged_grid)
+  h16, _ = nnx.jit(lambda m, *a: m.features(*a))(m16.policy, toks, pos, mask, pix)
+  h32, _ = nnx.jit(lambda m, *a: m.features(*a))(m32.policy, toks, pos, mask, pix)
+  assert h16.dtype == jnp.bfloat16 and h32.dtype == jnp.float32
+  real = np.asarray(mask)
+  assert 1e-5 < _rel(np.asarray(h16, np.float32)[real], np.asarray(h32)[real]) < 3e-2

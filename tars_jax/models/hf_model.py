@@ -8,6 +8,7 @@ own compiled vision call, as transformers splits its packed sequence per image (
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import jax
@@ -119,6 +120,16 @@ class HFModel(nnx.Module):
     else:
       positions = np.broadcast_to(np.arange(t, dtype=np.int32), (3, b, t))
     return _forward(self.policy, jnp.asarray(ids, jnp.int32), jnp.asarray(positions), jnp.asarray(mask), visual)
+
+  def with_compute_dtype(self, dtype) -> "HFModel":
+    """A model over this one's parameter arrays (shared at the time of the call: no copy) computing in
+    `dtype`: mixed precision,
+    e.g. float32 parameters from `hf_io.load_pretrained(path)` with bfloat16 activations, matmuls
+    and KV cache (`ModelConfig.dtype`; logits, softmax and losses stay float32).
+    (`load_pretrained(path, dtype=jnp.bfloat16)` instead casts the parameters too.)"""
+    cfg = dataclasses.replace(self.cfg, dtype=jnp.dtype(dtype).name)
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: HFModel(cfg, nnx.Rngs(0))))
+    return nnx.merge(graphdef, nnx.state(self))
 
   def __call__(self, input_ids, attention_mask=None, pixel_values=None, image_grid_thw=None):
     """Logits [B, T, vocab] float32 (see `forward`)."""

@@ -128,11 +128,20 @@ def _generate(params, tokens, attn_mask, pixel_values, image_mask, key, table, s
       last_st = jnp.take_along_axis(csts, jnp.maximum(length - 1, 0)[:, None], axis=1)[:, 0]
       new_state = jnp.where(length > 0, table[jnp.maximum(last_st, 0), last_tok], state)
     positions = jnp.broadcast_to((c["npos"][:, None] + jnp.arange(k))[None], (3, b, k))
-    logits, _, cache = model(ctoks, positions, cvalid, cache=c["cache"], cache_index=c["cur"])
+    # K = 1: every row writes slot P + i (a finished row's slot is masked out by `cvalid`), so the
+    # cache write is one dynamic_update_slice at a scalar index instead of a per-row scatter.
+    cursor = p + c["i"] if k == 1 else c["cur"]
+    logits, _, cache = model(ctoks, positions, cvalid, cache=c["cache"], cache_index=cursor)
     new_last = jnp.take_along_axis(logits, jnp.maximum(length - 1, 0)[:, None, None], axis=1)[:, 0]
-    # Scatter the chunk into the outputs at each row's position; invalid entries go out of bounds.
-    idx = jnp.where(cvalid, out[:, None] + jnp.arange(k), n)
-    put = lambda buf, x: buf.at[rows[:, None], idx].set(x.astype(buf.dtype), mode="drop")
+    # Write the chunk into the outputs at each row's position (K > 1: invalid entries go out of bounds).
+    if k == 1:
+      # Lockstep: an unfinished row's next output column is i; a finished row writes PAD / 0 there,
+      # which is what it emits after EOS (its state is fixed up after the loop).
+      clps = jnp.where(cvalid, clps, 0.0)
+      put = lambda buf, x: jax.lax.dynamic_update_slice(buf, x.astype(buf.dtype), (0, c["i"]))
+    else:
+      idx = jnp.where(cvalid, out[:, None] + jnp.arange(k), n)
+      put = lambda buf, x: buf.at[rows[:, None], idx].set(x.astype(buf.dtype), mode="drop")
     return dict(i=c["i"] + 1, cache=cache, last=jnp.where((length > 0)[:, None], new_last, c["last"]),
                 state=new_state, done=c["done"] | ((length > 0) & (last_tok == eos_id)),
                 out=out + length, cur=c["cur"] + length, npos=c["npos"] + length, key=key,

@@ -1,0 +1,53 @@
+"""Helpers of the issue-#3 benchmarks: the train-step batch layout, the benchmark's LM loss against a
+numpy cross-entropy of the same logits, and the `--moe_impl` pass-through."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from benchmarks import bench_model
+from benchmarks.train_step import N_IMG, lm_loss, make_batch
+from tars_jax.agent.tokenizer import BOS, IMAGE, VISION_END, VISION_START
+from tars_jax.models import ModelConfig, Policy, rope_positions
+from _shared import TINY_CFG, fwd
+
+
+def test_make_batch_layout_and_error():
+  ids, images = make_batch(np.random.default_rng(0), 3, 40)
+  assert ids.shape == (3, 40) and images.shape == (3, 112, 112, 3) and images.dtype == np.uint8
+  assert (ids[:, 0] == BOS).all() and (ids[:, 9] == VISION_START).all() and (ids[:, 10 + N_IMG] == VISION_END).all()
+  assert ((ids == IMAGE).sum(1) == N_IMG).all()
+  with pytest.raises(ValueError, match="too short"):
+    make_batch(np.random.default_rng(0), 1, 20)
+
+
+def test_lm_loss_is_mean_next_token_cross_entropy():
+  cfg = TINY_CFG
+  pol = Policy(cfg, nnx.Rngs(0))
+  rng = np.random.default_rng(1)
+  n = cfg.n_img_tokens
+  toks = jnp.asarray([[BOS, 5, 6, VISION_START] + [IMAGE] * n + [VISION_END, 7, 8, 9]] * 2, jnp.int32)
+  mask = jnp.ones(toks.shape, bool)
+  pos = rope_positions(toks, mask, IMAGE, cfg.merged_grid)
+  pix = jnp.asarray(rng.random((2, 1, cfg.image_h, cfg.image_w, 3)), jnp.float32)
+  gd, params = nnx.split(pol)
+  got = float(lm_loss(params, gd, toks, pos, mask, pix))
+  logits = np.asarray(fwd(pol, toks, pos, mask, pix)[0], np.float64)[:, :-1]
+  z = logits - logits.max(-1, keepdims=True)
+  logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+  want = -np.take_along_axis(logp, np.asarray(toks)[:, 1:, None], -1).mean()
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_moe_impl_override():
+  assert bench_model.overrides(None) == {}
+  has_field = "moe_impl" in {f.name for f in dataclasses.fields(ModelConfig)}
+  if has_field:
+    assert bench_model.overrides("dense") == {"moe_impl": "dense"}
+  else:
+    with pytest.raises(ValueError, match="moe_impl"):
+      bench_model.overrides("dense")
+    assert bench_model.moe_impl_name(ModelConfig()) == "dense"

@@ -43,6 +43,13 @@ def response_json(r: httpx.Response):
   return r.json()
 
 
+def auth_headers(token: str | None = None) -> dict[str, str] | None:
+  """`Authorization: Bearer` headers for a sandbox server's `token`; None: the env var
+  `protocol.TOKEN_ENV` if set; no headers (None) when neither is set."""
+  token = token if token is not None else os.environ.get(P.TOKEN_ENV)
+  return {"Authorization": f"Bearer {token}"} if token else None
+
+
 class SandboxClient:
   """One sandbox server. All calls are coroutines; many sessions may be driven concurrently.
 
@@ -63,9 +70,7 @@ class SandboxClient:
   def __init__(self, base_url: str, timeout_s: float = 60.0, max_connections: int = 256,
                token: str | None = None):
     self.base_url = base_url.rstrip("/")
-    token = token if token is not None else os.environ.get(P.TOKEN_ENV)
-    headers = {"Authorization": f"Bearer {token}"} if token else None
-    self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, headers=headers,
+    self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, headers=auth_headers(token),
                                    limits=httpx.Limits(max_connections=max_connections,
                                                        max_keepalive_connections=max_connections,
                                                        keepalive_expiry=KEEPALIVE_S))

@@ -33,7 +33,7 @@ import numpy as np
 from gymnasium import spaces
 
 from envs_bridge import protocol as P
-from envs_bridge.client import response_json
+from envs_bridge.client import auth_headers, response_json
 from envs_bridge.desktop import tasks as desktop_tasks
 
 MAX_TEXT = 8192
@@ -119,7 +119,8 @@ class TarsEnv(gymnasium.Env):
 
   def _call(self, method: str, path: str, **kw):
     if self._http is None:
-      self._http = httpx.Client(base_url=self._url or _server_url(self.task), timeout=self._timeout)
+      self._http = httpx.Client(base_url=self._url or _server_url(self.task), timeout=self._timeout,
+                                headers=auth_headers())  # the server's token from TARS_SANDBOX_TOKEN
     return response_json(self._http.request(method, path, **kw))
 
   def _convert(self, o: P.Observation, text_extra: str = "") -> tuple[dict, dict]:

@@ -99,12 +99,13 @@ def main(argv):
                         image_hw=parts.image_hw, length_multiple=config.length_multiple,
                         batch_size=n).as_dict()
         t1 = time.perf_counter()
-        state, train_m = ppo.ppo_update(state, batch, parts.table, policy_gd=parts.policy_gd,
-                                        critic_gd=parts.critic_gd, popt=parts.popt, copt=parts.copt, hp=hp,
-                                        epochs=config.rl.epochs, minibatch_size=config.rl.minibatch_size,
-                                        rng=rng, n_real=len(episodes),
-                                        scores=np.array([e.shaped_return for e in episodes], np.float32),
-                                        group_ids=group_ids(episodes), ref_params=ref_params)
+        with parts.activate():  # activation sharding constraints of config.mesh (no-op without one)
+          state, train_m = ppo.ppo_update(state, batch, parts.table, policy_gd=parts.policy_gd,
+                                          critic_gd=parts.critic_gd, popt=parts.popt, copt=parts.copt, hp=hp,
+                                          epochs=config.rl.epochs, minibatch_size=config.rl.minibatch_size,
+                                          rng=rng, n_real=len(episodes),
+                                          scores=np.array([e.shaped_return for e in episodes], np.float32),
+                                          group_ids=group_ids(episodes), ref_params=ref_params)
         policy.params = state["policy"]
         t_train = time.perf_counter() - t1
         train_tokens = train_m.pop("tokens_trained")

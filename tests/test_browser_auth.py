@@ -136,3 +136,18 @@ def test_oversized_bodies_get_413(secured):
   err = run(go())
   assert err.extra["max_body_bytes"] == LIMIT
   assert httpx.get(secured.url + "/health").json()["ok"]  # the server lives on
+
+
+@pytest.mark.browser
+def test_gym_env_sends_the_token_from_the_environment(secured, monkeypatch):
+  from envs_bridge.gym import TarsEnv
+  monkeypatch.delenv(P.TOKEN_ENV, raising=False)
+  env = TarsEnv("miniwob/click-test", server_url=secured.url)
+  with pytest.raises(P.Unauthorized):
+    env.reset(seed=0)
+  env.close()
+  monkeypatch.setenv(P.TOKEN_ENV, TOKEN)
+  env = TarsEnv("miniwob/click-test", server_url=secured.url)
+  obs, info = env.reset(seed=0)
+  assert obs["screenshot"].shape == env.observation_space["screenshot"].shape and info["step"] == 0
+  env.close()

@@ -108,6 +108,11 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.critic = mlc.ConfigDict()
   c.critic.init = ""  # critic checkpoint of experiments/value_pretrain.py (<workdir>/critic); "" = random
 
+  # --- Mesh (tars_jax/sharding.py) ---------------------------------------------------------------
+  # shape = (data, fsdp, tensor, expert) device counts, () = one device (e.g. --config.mesh.shape=
+  # "(2,1,2,2)"); rules re-map logical axes to mesh axes, e.g. {"mlp": "fsdp"} (sharding.DEFAULT_RULES).
+  c.mesh = mlc.ConfigDict({"shape": (), "rules": {}})
+
   # --- Run -----------------------------------------------------------------------------------------
   c.iterations = 400
   c.max_minutes = 25.0  # stop training (and checkpoint) after this wall-clock budget

@@ -105,15 +105,15 @@ def plot_sweep(runs: list[dict], out: str, k: int = 5) -> str:
             if any(key in row for rs in by_variant.values() for rows in rs for row in rows)]
   fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
   for ax, (key, title) in zip(axes[0], panels):
-    for variant, rs in by_variant.items():
+    for ci, (variant, rs) in enumerate(by_variant.items()):  # one colour per variant in every panel
       n = min(len(rows) for rows in rs)
       ys = np.array([smooth(np.array([row.get(key, np.nan) for row in rows[:n]], float), k) for rows in rs])
       if np.all(np.isnan(ys)):
         continue
       ep = np.array([row.get("episodes_total", row["step"]) for row in rs[0][:n]])
       mean, std = np.nanmean(ys, 0), np.nanstd(ys, 0)
-      ax.plot(ep, mean, label=f"{variant} ({len(rs)} seeds)", marker="o" if n < 3 else None)
-      ax.fill_between(ep, mean - std, mean + std, alpha=0.2)
+      ax.plot(ep, mean, label=f"{variant} ({len(rs)} seeds)", marker="o" if n < 3 else None, color=f"C{ci}")
+      ax.fill_between(ep, mean - std, mean + std, alpha=0.2, color=f"C{ci}")
     ax.set(title=f"{title} ({k}-iter avg, mean +- std)", xlabel="episodes")
     ax.legend()
   fig.tight_layout()

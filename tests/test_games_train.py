@@ -64,7 +64,7 @@ def test_games_config_args():
 def _run(*args):
   env = dict(os.environ, PYTHONPATH=ROOT)
   return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                        timeout=900)
+                        timeout=1800)  # generous: a loaded 2-core CI box
 
 
 async def _replay_scores(records, step_ms):

@@ -3,6 +3,8 @@ random-init transformers `Qwen3VLMoeForConditionalGeneration` built offline, and
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from tars_jax.agent.tokenizer import IMAGE, VISION_END, VISION_START
@@ -57,3 +59,16 @@ def overrides(moe_impl: str | None) -> dict:
 def moe_impl_name(cfg) -> str:
   """The MoE compute path a config runs ('dense' when the config predates the `moe_impl` field)."""
   return str(getattr(cfg, "moe_impl", "dense"))
+
+
+def best_time(fn, repeats: int, warmup: int = 0):
+  """(last output of fn(), best wall time of `repeats` timed calls in seconds) after `warmup`
+  untimed calls (compilation)."""
+  for _ in range(warmup):
+    fn()
+  out, best = None, float("inf")
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    out = fn()
+    best = min(best, time.perf_counter() - t0)
+  return out, best

@@ -13,7 +13,6 @@ equal work. Prints one table: tokens/s of each side and the ratio.
 from __future__ import annotations
 
 import tempfile
-import time
 
 from absl import app, flags
 import jax
@@ -21,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from benchmarks.bench_model import hf_model, image_processor, moe_impl_name, overrides, torch_kernels
+from benchmarks.bench_model import best_time, hf_model, image_processor, moe_impl_name, overrides, torch_kernels
 from tars_jax.agent.tokenizer import BOS, IMAGE, PAD, VISION_END, VISION_START
 from tars_jax.models import hf_io, sampler
 
@@ -29,15 +28,6 @@ _BATCHES = flags.DEFINE_list("batch_sizes", ["1", "16"], "Batch sizes to time.")
 _NEW = flags.DEFINE_integer("new_tokens", 64, "Greedy tokens per row.")
 _MOE = flags.DEFINE_string("moe_impl", None, "ModelConfig.moe_impl of our model (None: the config default).")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed calls per setting (the best is reported).")
-
-
-def _best(fn, repeats):
-  out, best = None, float("inf")
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    out = fn()
-    best = min(best, time.perf_counter() - t0)
-  return out, best
 
 
 def main(argv):
@@ -61,14 +51,14 @@ def main(argv):
               mm_token_type_ids=torch.tensor((ids == IMAGE).astype(np.int64)), max_new_tokens=n, min_new_tokens=n,
               do_sample=False, eos_token_id=None, pad_token_id=PAD)
     with torch.no_grad():
-      want, t_hf = _best(lambda: hf.generate(**kw), _REPEATS.value)
+      want, t_hf = best_time(lambda: hf.generate(**kw), _REPEATS.value)
     imgs = jnp.asarray(np.stack(images)[:, None] / 255.0, jnp.float32)
     toks, m = jnp.asarray(ids, jnp.int32), jnp.asarray(mask, bool)
     run = lambda: jax.block_until_ready(sampler.generate(ours.policy, toks, m, imgs, None, jax.random.PRNGKey(0),
                                                          max_new_tokens=n, temperature=0.0, eos_id=-1,
                                                          pad_id=PAD).tokens)
     run()  # compile
-    got, t_ours = _best(run, _REPEATS.value)
+    got, t_ours = best_time(run, _REPEATS.value)
     same = bool(np.array_equal(np.asarray(got), want[:, ids.shape[1]:].numpy()))
     rows.append((b, b * n / t_ours, b * n / t_hf, t_hf / t_ours, same))
   print(f"\ngreedy decode, {n_params / 1e6:.1f}M params (qwen3_vl_moe), prompt {len(prompt)} tokens incl. "

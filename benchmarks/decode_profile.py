@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
-import time
 
 from absl import app, flags
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.bench_model import hf_model
+from benchmarks.bench_model import best_time, hf_model
 from tars_jax.agent.tokenizer import BOS, IMAGE, PAD, VISION_END, VISION_START
 from tars_jax.models import hf_io, sampler
 from tars_jax.models import moe as moe_lib
@@ -63,16 +62,6 @@ def _moe_variant(call):
     moe_lib.MoE.__call__ = saved
 
 
-def _best(fn, repeats):
-  fn()  # compile
-  best, out = float("inf"), None
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    out = fn()
-    best = min(best, time.perf_counter() - t0)
-  return out, best
-
-
 def main(argv):
   del argv
   hf = hf_model()
@@ -97,8 +86,8 @@ def main(argv):
         run = lambda m: jax.block_until_ready(sampler.generate(
             ours.policy, toks, mask, imgs, None, jax.random.PRNGKey(0), max_new_tokens=m, temperature=0.0,
             eos_id=-1, pad_id=PAD).tokens)
-        _, t1 = _best(lambda: run(1), _REPEATS.value)
-        out, tn = _best(lambda: run(n), _REPEATS.value)
+        _, t1 = best_time(lambda: run(1), _REPEATS.value, warmup=1)
+        out, tn = best_time(lambda: run(n), _REPEATS.value, warmup=1)
       if ref is None:
         ref = out
       same = "" if call is not _topk_call else str(bool(np.array_equal(np.asarray(out), np.asarray(ref))))

@@ -31,3 +31,20 @@ def run(coro):
     return loop.run_until_complete(coro)
   finally:
     loop.close()
+
+
+def left_padded_batch(rng, lens, tail=(10,), cfg=TINY_CFG):
+  """Left-padded rows `BOS <l random bytes> <vs> IMAGE*n <ve> *tail`, one image each, for every l in
+  `lens` -> (tokens [B, T] int32, attn_mask [B, T] bool, pixels [B, 1, H, W, 3] float32 in [0, 1])."""
+  import jax.numpy as jnp
+  import numpy as np
+  from tars_jax.agent.tokenizer import BOS, IMAGE, PAD, VISION_END, VISION_START
+  n = cfg.n_img_tokens
+  rows = [[BOS] + list(rng.integers(0, 255, l)) + [VISION_START] + [IMAGE] * n + [VISION_END, *tail] for l in lens]
+  p = max(len(r) for r in rows)
+  toks = np.full((len(rows), p), PAD, np.int32)
+  mask = np.zeros_like(toks, bool)
+  for i, r in enumerate(rows):
+    toks[i, p - len(r):], mask[i, p - len(r):] = r, True
+  pix = rng.random((len(rows), 1, cfg.image_h, cfg.image_w, 3)).astype(np.float32)
+  return jnp.asarray(toks), jnp.asarray(mask), jnp.asarray(pix)

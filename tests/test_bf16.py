@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tars_jax.agent.tokenizer import BOS, IMAGE, PAD, VISION_END, VISION_START
+from tars_jax.agent.tokenizer import BOS, IMAGE, PAD
 from tars_jax.models import Policy, rope_positions
 from tars_jax.models import sampler
-from _shared import TINY_CFG
+from _shared import TINY_CFG, left_padded_batch
 
 CFG = TINY_CFG
 BF16 = dataclasses.replace(TINY_CFG, dtype="bfloat16")
@@ -22,15 +22,7 @@ BF16 = dataclasses.replace(TINY_CFG, dtype="bfloat16")
 
 def _batch(rng):
   """Two left-padded rows `BOS text <vs> IMAGE*6 <ve> text`, one image each."""
-  n = CFG.n_img_tokens
-  rows = [[BOS] + list(rng.integers(0, 255, l)) + [VISION_START] + [IMAGE] * n + [VISION_END, 10, 11] for l in (3, 8)]
-  p = max(len(r) for r in rows)
-  toks = np.full((len(rows), p), PAD, np.int32)
-  mask = np.zeros_like(toks, bool)
-  for i, r in enumerate(rows):
-    toks[i, p - len(r):], mask[i, p - len(r):] = r, True
-  pix = rng.random((len(rows), 1, CFG.image_h, CFG.image_w, 3)).astype(np.float32)
-  return jnp.asarray(toks), jnp.asarray(mask), jnp.asarray(pix)
+  return left_padded_batch(rng, (3, 8), tail=(10, 11))
 
 
 @pytest.fixture(scope="module")

@@ -14,22 +14,14 @@ from tars_jax.agent.grammar import build_grammar
 from tars_jax.agent.tokenizer import BOS, EOS, IMAGE, PAD, VISION_END, VISION_START
 from tars_jax.models import ModelConfig, Policy, rope_positions, token_logprobs
 from tars_jax.models import sampler
-from _shared import TINY_CFG, fwd
+from _shared import TINY_CFG, left_padded_batch, fwd
 
 CFG = TINY_CFG
 
 
 def _batch(rng, lens):
   """Left-padded rows `BOS text <vs> IMAGE*6 <ve> 10` with one image each."""
-  n = CFG.n_img_tokens
-  rows = [[BOS] + list(rng.integers(0, 255, l)) + [VISION_START] + [IMAGE] * n + [VISION_END, 10] for l in lens]
-  p = max(len(r) for r in rows)
-  toks = np.full((len(rows), p), PAD, np.int32)
-  mask = np.zeros_like(toks, bool)
-  for i, r in enumerate(rows):
-    toks[i, p - len(r):], mask[i, p - len(r):] = r, True
-  pix = rng.random((len(rows), 1, CFG.image_h, CFG.image_w, 3)).astype(np.float32)
-  return jnp.asarray(toks), jnp.asarray(mask), jnp.asarray(pix)
+  return left_padded_batch(rng, lens)
 
 
 def _np_log_softmax(z):

@@ -127,6 +127,25 @@ class BodyLimit:
     await self.app(scope, replayed, send)
 
 
+def add_access_args(ap) -> None:
+  """Adds `--host`, `--token` and `--max-body-bytes` to a server's argparse parser."""
+  ap.add_argument("--host", default="127.0.0.1", help="bind address (non-loopback only with a token)")
+  ap.add_argument("--token", default=None, help=f"bearer token required by every route but /health "
+                  f"(default: env {P.TOKEN_ENV}; none: loopback only)")
+  ap.add_argument("--max-body-bytes", type=int, default=P.MAX_BODY_BYTES, help="larger request bodies get 413")
+
+
+def access_from_args(ap, args) -> str | None:
+  """The server's token from parsed `add_access_args` flags; a non-loopback `--host` without one
+  exits through `ap.error` (code 2) before anything starts."""
+  token = server_token(args.token)
+  try:
+    check_bind(args.host, token)
+  except ValueError as e:
+    ap.error(str(e))
+  return token
+
+
 def protocol_app(title: str, sandbox: Any, task_names: Callable[[], Sequence[str]],
                  log: logging.Logger, token: str | None = None,
                  max_body_bytes: int = P.MAX_BODY_BYTES) -> FastAPI:

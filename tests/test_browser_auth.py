@@ -50,9 +50,11 @@ def test_server_token_from_flag_or_env(monkeypatch):
 
 
 @pytest.mark.browser
-def test_non_loopback_without_token_is_refused_before_chromium(monkeypatch):
+@pytest.mark.parametrize("server", ["envs_bridge.browser.server", "envs_bridge.desktop.server"])
+def test_non_loopback_without_token_is_refused_before_start(monkeypatch, server):
+  # the desktop server runs shell commands for SDK actions: the same rule matters even more there
   monkeypatch.delenv(P.TOKEN_ENV, raising=False)
-  r = subprocess.run([sys.executable, "-m", "envs_bridge.browser.server", "--host", "0.0.0.0",
+  r = subprocess.run([sys.executable, "-m", server, "--host", "0.0.0.0",
                       "--port", str(free_port())], cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert r.returncode == 2 and "refusing to bind '0.0.0.0' without a token" in r.stderr
 
@@ -151,3 +153,14 @@ def test_gym_env_sends_the_token_from_the_environment(secured, monkeypatch):
   obs, info = env.reset(seed=0)
   assert obs["screenshot"].shape == env.observation_space["screenshot"].shape and info["step"] == 0
   env.close()
+
+
+@pytest.mark.browser
+def test_desktop_server_requires_its_token(monkeypatch):
+  monkeypatch.delenv(P.TOKEN_ENV, raising=False)
+  with launch_server("envs_bridge.desktop.server", host="0.0.0.0", token=TOKEN) as h:
+    assert httpx.get(h.url + "/health").status_code == 200
+    r = httpx.get(h.url + "/tasks")
+    assert r.status_code == 401 and r.json()["error"] == "Unauthorized"
+    r = httpx.get(h.url + "/tasks", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 200 and any(t.startswith("desktop/") for t in r.json()["tasks"])

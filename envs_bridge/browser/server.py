@@ -23,7 +23,7 @@ from fastapi import Query
 from fastapi.responses import JSONResponse, Response
 
 from envs_bridge import protocol as P
-from envs_bridge.app import SERVER_KEEPALIVE_S, check_bind, protocol_app, server_token
+from envs_bridge.app import SERVER_KEEPALIVE_S, access_from_args, add_access_args, protocol_app
 from envs_bridge.browser import tasks as task_registry
 from envs_bridge.browser import telemetry
 from envs_bridge.browser.sessions import BrowserSandbox
@@ -80,7 +80,7 @@ def create_app(step_ms: int = 1000, lease_s: float = 300.0, max_sessions: int = 
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--host", default="127.0.0.1")
+  add_access_args(ap)
   ap.add_argument("--port", type=int, default=8765)
   ap.add_argument("--step-ms", type=int, default=1000, help="virtual ms advanced per step")
   ap.add_argument("--lease-s", type=float, default=300.0, help="idle seconds before a session is reclaimed")
@@ -88,16 +88,9 @@ def main(argv=None):
   ap.add_argument("--browsers", type=int, default=1, help="Chromium processes (sessions spread over them)")
   ap.add_argument("--page-timeout-s", type=float, default=60.0, help="a page silent this long counts as hung")
   ap.add_argument("--gc-interval-s", type=float, default=30.0, help="seconds between leaked-page GC passes")
-  ap.add_argument("--token", default=None, help=f"bearer token required by every route but /health "
-                  f"(default: env {P.TOKEN_ENV}; none: loopback only)")
-  ap.add_argument("--max-body-bytes", type=int, default=P.MAX_BODY_BYTES, help="larger request bodies get 413")
   ap.add_argument("--log-level", default="warning")
   a = ap.parse_args(argv)
-  token = server_token(a.token)
-  try:
-    check_bind(a.host, token)
-  except ValueError as e:
-    ap.error(str(e))  # exit code 2, before any Chromium starts
+  token = access_from_args(ap, a)  # exit code 2 before any Chromium starts
   die_with_parent()  # started by launch_server: never outlive the trainer
   logging.basicConfig(level=a.log_level.upper())
   uvicorn.run(create_app(a.step_ms, a.lease_s, a.max_sessions, a.browsers, a.page_timeout_s, a.gc_interval_s,

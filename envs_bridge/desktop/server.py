@@ -2,7 +2,10 @@ r"""Desktop sandbox server: FastAPI app over Xvfb sessions (the browser sandbox'
 
   python -m envs_bridge.desktop.server --port 8766 [--host 127.0.0.1] [--step-ms 300] \
       [--lease-s 300] [--max-sessions 8] [--width 640 --height 480] [--gui-only] [--cmd-timeout-s 10] \
-      [--mcp-config servers.json]
+      [--mcp-config servers.json] [--token T | env TARS_SANDBOX_TOKEN] [--max-body-bytes N]
+
+Without a token the server binds loopback only (another --host is refused: SDK actions run shell
+commands); with one, every route but /health needs `Authorization: Bearer <token>`.
 
 Same calls, observation and typed errors as `envs_bridge/protocol.py` (so `SandboxClient`, the
 trainer and the evaluator use it unchanged, e.g. `launch_server("envs_bridge.desktop.server")`).
@@ -20,7 +23,8 @@ import logging
 import uvicorn
 from fastapi import FastAPI
 
-from envs_bridge.app import protocol_app
+from envs_bridge import protocol as P
+from envs_bridge.app import SERVER_KEEPALIVE_S, access_from_args, add_access_args, protocol_app
 from envs_bridge.desktop import tasks
 from envs_bridge.desktop.sessions import DesktopSandbox
 from envs_bridge.launch import die_with_parent
@@ -31,12 +35,15 @@ log = logging.getLogger("envs_bridge.desktop")
 
 def create_app(step_ms: int = 300, lease_s: float = 300.0, max_sessions: int = 8, width: int = tasks.WIDTH,
                height: int = tasks.HEIGHT, gui_only: bool = False, limits: Limits = Limits(),
-               mcp_servers: dict | None = None) -> FastAPI:
-  """The FastAPI app; sessions are torn down with the app's lifespan. `mcp_servers`: see DesktopSandbox."""
+               mcp_servers: dict | None = None, token: str | None = None,
+               max_body_bytes: int = P.MAX_BODY_BYTES) -> FastAPI:
+  """The FastAPI app; sessions are torn down with the app's lifespan. `mcp_servers`: see DesktopSandbox;
+  token, max_body_bytes: see `envs_bridge.app.protocol_app`."""
   sandbox = DesktopSandbox(step_ms=step_ms, lease_s=lease_s, max_sessions=max_sessions, width=width,
                            height=height, gui_only=gui_only, limits=limits, mcp_servers=mcp_servers)
 
-  app = protocol_app("tars_jax desktop sandbox", sandbox, tasks.task_names, log)
+  app = protocol_app("tars_jax desktop sandbox", sandbox, tasks.task_names, log, token=token,
+                     max_body_bytes=max_body_bytes)
 
   @app.get("/health")
   async def health():
@@ -53,7 +60,7 @@ def create_app(step_ms: int = 300, lease_s: float = 300.0, max_sessions: int = 8
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--host", default="127.0.0.1")
+  add_access_args(ap)
   ap.add_argument("--port", type=int, default=8766)
   ap.add_argument("--step-ms", type=int, default=300, help="real ms waited after each action")
   ap.add_argument("--lease-s", type=float, default=300.0, help="idle seconds before a session is reclaimed")
@@ -66,6 +73,7 @@ def main(argv=None):
                   help="JSON file {name: {command, args, env}}: stdio MCP servers every session may call")
   ap.add_argument("--log-level", default="warning")
   a = ap.parse_args(argv)
+  token = access_from_args(ap, a)  # SDK actions run commands: never reachable off-host without a token
   die_with_parent()
   logging.basicConfig(level=a.log_level.upper())
   mcp = None
@@ -73,7 +81,8 @@ def main(argv=None):
     with open(a.mcp_config) as f:
       mcp = json.load(f)
   uvicorn.run(create_app(a.step_ms, a.lease_s, a.max_sessions, a.width, a.height, a.gui_only,
-                         Limits(timeout_s=a.cmd_timeout_s), mcp), host=a.host, port=a.port, log_level=a.log_level)
+                         Limits(timeout_s=a.cmd_timeout_s), mcp, token=token, max_body_bytes=a.max_body_bytes),
+              host=a.host, port=a.port, timeout_keep_alive=SERVER_KEEPALIVE_S, log_level=a.log_level)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ the `--set key=value` overrides (as `--config.key=value`). Layout:
   <workdir>/<variant>/seed_<s>.log      stdout + stderr of the run's processes
   <workdir>/summary.json, comparison.png   final success per run and mean/std per variant; curves
 Runs go one at a time (`--parallel` for more), seed-major (every variant on seed 0, then seed 1, ...);
-re-running the command resumes unfinished runs and skips finished value-pretraining stages. Runs share
+re-running the command resumes unfinished runs and skips finished stages (value pretraining whose critic exists,
+training with a complete checkpoint at its last iteration). Runs share
 a JAX compilation cache (<workdir>/jax_cache, unless JAX_COMPILATION_CACHE_DIR is set): same model
 and shapes, so later runs load compiled programs. Exit code 1 if any run failed (the others still run).
 """
@@ -70,13 +71,17 @@ def plan(config: str, variants: list[str], seeds: list[int], suffix: str, overri
     if "=" not in o:
       raise ValueError(f"override {o!r} is not key=value")
   sets = [f"--config.{o}" for o in overrides]
-  vpt = {}
+  vpt, iters = {}, {}
   for variant in variants:
     cfg = load_config(config, variant + suffix)
     vpt[variant] = bool(cfg.get("vpt", {}).get("enabled", False))
+    iters[variant] = int(cfg.iterations)
     for o in overrides:
-      if o.split("=", 1)[0] == "vpt.enabled":
-        vpt[variant] = _truthy(o.split("=", 1)[1])
+      key, val = o.split("=", 1)
+      if key == "vpt.enabled":
+        vpt[variant] = _truthy(val)
+      elif key == "iterations":
+        iters[variant] = int(val)
   runs = []
   # Seed-major order: a sweep cut short (deadline, crash) still has every variant on its first seeds.
   for seed in seeds:
@@ -91,8 +96,17 @@ def plan(config: str, variants: list[str], seeds: list[int], suffix: str, overri
         stages.append([sys.executable, "-m", "experiments.value_pretrain", *common, "--workdir", vd])
         train.append(f"--config.critic.init={os.path.join(vd, 'critic')}")
       stages.append(train)
-      runs.append({"variant": variant, "seed": seed, "dir": d, "log": d + ".log", "stages": stages})
+      runs.append({"variant": variant, "seed": seed, "dir": d, "log": d + ".log", "stages": stages,
+                   "iterations": iters[variant]})
   return runs
+
+
+def finished(run_dir: str, iterations: int) -> bool:
+  """True when the run dir holds a complete Orbax checkpoint at step >= `iterations` (Orbax renames a
+  step's temporary directory to the bare step number only once the save is complete)."""
+  ckpts = os.path.join(run_dir, "checkpoints")
+  steps = [int(n) for n in os.listdir(ckpts) if n.isdigit()] if os.path.isdir(ckpts) else []
+  return bool(steps) and max(steps) >= iterations
 
 
 def _execute(run: dict, timeout_min: float, cache_dir: str | None = None) -> dict:
@@ -103,7 +117,9 @@ def _execute(run: dict, timeout_min: float, cache_dir: str | None = None) -> dic
   t0, rc = time.time(), 0
   with open(run["log"], "a") as log:
     for argv in run["stages"]:
-      if "experiments.value_pretrain" in argv and os.path.isdir(os.path.join(argv[-1], "critic")):
+      done = (os.path.isdir(os.path.join(argv[-1], "critic")) if "experiments.value_pretrain" in argv
+              else "experiments.train" in argv and finished(run["dir"], run.get("iterations", 0) or 1 << 62))
+      if done:  # a re-run skips finished stages instead of paying each one's start-up again
         log.write(f"[sweep] skip finished stage: {' '.join(argv)}\n")
         continue
       log.write(f"[sweep] $ {' '.join(argv)}\n")

@@ -77,3 +77,21 @@ def test_summary_and_sweep_plot(tmp_path):
     plot.plot_sweep([{"variant": "c", "seed": 0, "dir": str(tmp_path / "missing")}], str(tmp_path / "x.png"))
   assert np.isnan(sweep.summarize([{"variant": "c", "seed": 0, "dir": str(tmp_path / "missing")}])
                   ["runs"][0]["final_success"])
+
+
+def test_rerun_skips_finished_stages(tmp_path):
+  runs = sweep.plan(CONFIG, ["ppo_vpt"], [0], "+smoke", ["iterations=3"], str(tmp_path))
+  run = runs[0]
+  assert run["iterations"] == 3
+  assert not sweep.finished(run["dir"], 3)
+  os.makedirs(os.path.join(run["dir"], "checkpoints", "2"))
+  os.makedirs(os.path.join(run["dir"], "checkpoints", "3.orbax-checkpoint-tmp-7"))  # a save cut short
+  assert not sweep.finished(run["dir"], 3)
+  os.makedirs(os.path.join(run["dir"], "value_pretrain", "critic"))
+  os.makedirs(os.path.join(run["dir"], "checkpoints", "3"))
+  assert sweep.finished(run["dir"], 3)
+  res = sweep._execute(run, timeout_min=1.0)  # both stages done: nothing is launched
+  assert res["rc"] == 0
+  with open(run["log"]) as f:
+    log = f.read()
+  assert log.count("[sweep] skip finished stage") == 2 and "[sweep] $" not in log

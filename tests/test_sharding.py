@@ -421,3 +421,21 @@ def _worker(out_path, full: bool):
 if __name__ == "__main__":
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   _worker(sys.argv[1], full=sys.argv[2:] == ["full"])
+
+
+def test_ppo_metrics_report_the_fraction_of_moe_assignments_dropped():
+  from tars_jax.train import ppo
+  for factor in (0.5, None):
+    cfg = _small_cfg(moe_impl="ragged", moe_capacity_factor=factor)
+    gd, params = nnx.split(Policy(cfg, nnx.Rngs(0)))
+    hp = ppo.PPOHparams(algo="grpo", image_token_id=cfg.image_token_id, grid_hw=cfg.merged_grid)
+    mb = {k: jnp.asarray(v) for k, v in _batch(cfg).items()}
+    _, m = jax.jit(lambda p: ppo._policy_loss(p, gd, None, mb, hp))(params)
+    pol = nnx.merge(gd, params)
+    pos = ppo._positions(mb["tokens"], mb["attn_mask"], hp)
+    *_, st = pol(mb["tokens"], pos, mb["attn_mask"], mb["pixel_values"], mb["image_mask"], moe_stats=True)
+    # 8 rows x 12 tokens x top-2 in the one MoE layer
+    assert float(st["moe_assignments"]) == 8 * 12 * 2
+    want = float(st["moe_dropped"]) / (8 * 12 * 2)
+    assert (want > 0) == (factor is not None)
+    np.testing.assert_allclose(float(m["moe_dropped_frac"]), want, rtol=1e-6)

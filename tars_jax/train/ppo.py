@@ -139,25 +139,28 @@ def compute_advantages(values: jax.Array, batch: dict, hp: PPOHparams) -> tuple[
 
 
 def _token_logp(params, gd, table, mb, hp: PPOHparams):
-  """(log-probs [B,T-1] of the target tokens under the sampled distribution, logits, allowed, aux)."""
+  """(log-probs [B,T-1] of the target tokens under the sampled distribution, logits, allowed, aux,
+  fraction of MoE top-k assignments dropped over expert capacity (0 unless `moe_capacity_factor`))."""
   policy = nnx.merge(gd, params)
   pos = _positions(mb["tokens"], mb["attn_mask"], hp)
-  logits, aux = policy(mb["tokens"], pos, mb["attn_mask"], mb["pixel_values"], mb["image_mask"])
+  logits, aux, st = policy(mb["tokens"], pos, mb["attn_mask"], mb["pixel_values"], mb["image_mask"],
+                           moe_stats=True)
+  dropped = st["moe_dropped"] / jnp.maximum(st["moe_assignments"], 1.0)
   logits = logits[:, :-1].astype(jnp.float32)
   allowed = _allowed(table, mb["states"], mb["loss_mask"])
   logp_all = losses.masked_log_softmax(logits, allowed, hp.temperature)
   logp = jnp.take_along_axis(logp_all, mb["tokens"][:, 1:, None], axis=-1)[..., 0]
-  return logp, logits, allowed, aux
+  return logp, logits, allowed, aux, dropped
 
 
 def _policy_loss(params, gd, table, mb, hp: PPOHparams):
-  logp, logits, allowed, aux = _token_logp(params, gd, table, mb, hp)
+  logp, logits, allowed, aux, dropped = _token_logp(params, gd, table, mb, hp)
   mask = mb["loss_mask"]
   pg, m = losses.ppo_policy_loss(logp, mb["old_logp"], mb["advantages"], mask, hp.clip_low,
                                  hp.clip_high, hp.clip_c, hp.loss_agg)
   ent = losses.aggregate(losses.entropy(logits, mask, allowed, hp.temperature), mask, "token-mean")
   loss = pg - hp.ent_coef * ent + hp.aux_loss_coef * aux
-  m = dict(m, pg_loss=pg, entropy=ent, moe_aux_loss=aux)
+  m = dict(m, pg_loss=pg, entropy=ent, moe_aux_loss=aux, moe_dropped_frac=dropped)
   if hp.kl_coef > 0:  # KL to the reference (initial) policy as a loss term (verl use_kl_loss)
     kl = losses.aggregate(losses.kl_penalty(logp, mb["ref_logp"], hp.kl_kind), mask, hp.loss_agg)
     loss = loss + hp.kl_coef * kl

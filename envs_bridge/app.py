@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import logging
-import os
 import secrets
 from typing import Any, Callable, Sequence
 
@@ -39,8 +38,7 @@ OPEN_PATHS = frozenset({"/health"})  # answered without a token (liveness probes
 
 def server_token(flag: str | None) -> str | None:
   """The server's token: `--token` if given, else the env var `protocol.TOKEN_ENV`; '' means none."""
-  token = flag if flag is not None else os.environ.get(P.TOKEN_ENV)
-  return token or None
+  return P.resolve_token(flag)
 
 
 def is_loopback(host: str) -> bool:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import os
 from typing import Awaitable, Callable
 
 import httpx
@@ -46,7 +45,7 @@ def response_json(r: httpx.Response):
 def auth_headers(token: str | None = None) -> dict[str, str] | None:
   """`Authorization: Bearer` headers for a sandbox server's `token`; None: the env var
   `protocol.TOKEN_ENV` if set; no headers (None) when neither is set."""
-  token = token if token is not None else os.environ.get(P.TOKEN_ENV)
+  token = P.resolve_token(token)
   return {"Authorization": f"Bearer {token}"} if token else None
 
 

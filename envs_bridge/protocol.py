@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import base64
 import io
+import os
 from typing import Annotated, Any
 
 import numpy as np
@@ -58,6 +59,13 @@ MAX_REQUEST_CHARS = 1 << 20  # beyond this the request itself is rejected (422)
 MAX_BODY_BYTES = 4 << 20  # default request body limit of a server (413 PayloadTooLarge beyond)
 TOKEN_ENV = "TARS_SANDBOX_TOKEN"  # bearer token of servers and clients when not given explicitly
 GAME_INFO_KEYS = ("score", "level", "lives")  # optional Observation.info keys of game tasks
+
+
+def resolve_token(token: str | None) -> str | None:
+  """The bearer token of a server or client: `token` if given, else the env var `TOKEN_ENV`; ''
+  (from either) means none -> None. One rule for both sides, so they agree on what "no token" is."""
+  token = token if token is not None else os.environ.get(TOKEN_ENV)
+  return token or None
 
 
 class OpenRequest(BaseModel):

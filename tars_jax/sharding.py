@@ -205,7 +205,6 @@ def sharded_init(make_model: Callable[[], nnx.Module], mesh: Mesh, rules=None):
   graphdef, abs_state = nnx.split(abstract)
   shardings = logical_to_sharding(abs_state, mesh, rules)
 
-  @jax.jit
   def init():
     return nnx.split(make_model())[1]
 
@@ -226,12 +225,6 @@ def activate(mesh: Mesh | None, rules=None):
     yield
   finally:
     _ACTIVE.reset(token)
-
-
-def active_mesh() -> Mesh | None:
-  """The mesh of the enclosing `activate` context, or None."""
-  cur = _ACTIVE.get()
-  return None if cur is None else cur[0]
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
@@ -267,4 +260,4 @@ def mesh_shape(mesh: Mesh | None) -> tuple[int, ...]:
 
 __all__ = ["MESH_AXES", "DEFAULT_RULES", "ShardingError", "make_rules", "make_mesh", "mesh_from_config",
            "rules_from_config", "param_axes", "logical_spec", "logical_to_sharding", "shard", "sharded_init",
-           "activate", "active_mesh", "constrain", "describe", "mesh_shape"]
+           "activate", "constrain", "describe", "mesh_shape"]

@@ -780,7 +780,6 @@ def _set_date_and_clean_script(clean_script: str) -> str:
   return f"(ms) => {{ globalThis.__pwClock.controller.setSystemTime(ms); ({clean_script})(); }}"
 
 
-@functools.lru_cache(maxsize=1024)
 def _start_and_read_script(start_script: str, utterance_script: str) -> str:
   # start scripts are synchronous statements (miniwob_tasks.start_script, games catalog.start_script)
   return f"() => {{ {start_script}\n; return ({utterance_script})(); }}"

@@ -60,7 +60,8 @@ class ModelConfig:
   MoE compute: `moe_impl` in `MOE_IMPLS` ("dense": exact reference, all experts on all tokens;
   "ragged": dropless grouped matmuls over tokens sorted by expert, same outputs and gradients);
   `moe_capacity_factor` (ragged only; None = dropless): at most ceil(factor * tokens * top_k /
-  experts) assignments per expert, the rest dropped and counted (`moe.MoEMetric`).
+  experts) assignments per expert, the rest dropped and counted (`Policy(..., moe_stats=True)`;
+  the trainer logs `train/moe_dropped_frac`).
   The defaults are the `tiny()` preset (1.48M parameters: 0.42M vision, 1.05M text) for RL on CPU.
   """
 

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tars_jax.models.config import MOE_IMPLS, ModelConfig  # noqa: F401  (MOE_IMPLS re-exported)
+from tars_jax.models.config import ModelConfig
 from tars_jax.sharding import constrain, param_axes as ax
 
 

@@ -1,13 +1,15 @@
 r"""Greedy decode speed: our KV-cache sampler vs transformers `generate`, same weights, side by side.
 
-  .venv/bin/python -m benchmarks.decode [--batch_sizes 1,16] [--new_tokens 64] [--repeats 3]
+  .venv/bin/python -m benchmarks.decode [--batch_sizes 1,16] [--new_tokens 64] [--repeats 3] \
+      [--moe_impl dense,blocked]
 
 Builds a ~20M-parameter random-init transformers `Qwen3VLMoeForConditionalGeneration` (8 MoE layers,
 hidden 256, 8 experts top-2, a 4-block ViT) offline, saves it, loads it with `hf_io.load_pretrained`,
 and for each batch size decodes `new_tokens` greedy tokens after a prompt with one 112x112 image on
 both sides (ours compiled first; transformers in float32 eager mode with its dynamic KV cache; both
 with all cores torch / XLA choose). The generated tokens are checked equal, so the table compares
-equal work. Prints one table: tokens/s of each side and the ratio.
+equal work. `--moe_impl` takes a comma-separated list of our MoE paths (`ModelConfig.moe_impl`), each
+timed against the same transformers run. Prints one table: tokens/s of each side and the ratio.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from tars_jax.models import hf_io, sampler
 
 _BATCHES = flags.DEFINE_list("batch_sizes", ["1", "16"], "Batch sizes to time.")
 _NEW = flags.DEFINE_integer("new_tokens", 64, "Greedy tokens per row.")
-_MOE = flags.DEFINE_string("moe_impl", None, "ModelConfig.moe_impl of our model (None: the config default).")
+_MOE = flags.DEFINE_list("moe_impl", None, "ModelConfig.moe_impl values of our model, comma-separated (None: "
+                        "the config default).")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed calls per setting (the best is reported).")
 
 
@@ -36,7 +39,7 @@ def main(argv):
   n_params = sum(p.numel() for p in hf.parameters())
   with tempfile.TemporaryDirectory() as d:
     hf.save_pretrained(d)
-    ours = hf_io.load_pretrained(d, image_h=112, image_w=112, **overrides(_MOE.value))
+    models = [hf_io.load_pretrained(d, image_h=112, image_w=112, **overrides(impl)) for impl in (_MOE.value or [None])]
   proc = image_processor()
   rng = np.random.default_rng(0)
   n, rows = _NEW.value, []
@@ -54,19 +57,20 @@ def main(argv):
       want, t_hf = best_time(lambda: hf.generate(**kw), _REPEATS.value)
     imgs = jnp.asarray(np.stack(images)[:, None] / 255.0, jnp.float32)
     toks, m = jnp.asarray(ids, jnp.int32), jnp.asarray(mask, bool)
-    run = lambda: jax.block_until_ready(sampler.generate(ours.policy, toks, m, imgs, None, jax.random.PRNGKey(0),
-                                                         max_new_tokens=n, temperature=0.0, eos_id=-1,
-                                                         pad_id=PAD).tokens)
-    run()  # compile
-    got, t_ours = best_time(run, _REPEATS.value)
-    same = bool(np.array_equal(np.asarray(got), want[:, ids.shape[1]:].numpy()))
-    rows.append((b, b * n / t_ours, b * n / t_hf, t_hf / t_ours, same))
+    for ours in models:
+      run = lambda: jax.block_until_ready(sampler.generate(ours.policy, toks, m, imgs, None, jax.random.PRNGKey(0),
+                                                           max_new_tokens=n, temperature=0.0, eos_id=-1,
+                                                           pad_id=PAD).tokens)
+      run()  # compile
+      got, t_ours = best_time(run, _REPEATS.value)
+      same = bool(np.array_equal(np.asarray(got), want[:, ids.shape[1]:].numpy()))
+      rows.append((moe_impl_name(ours.cfg), b, b * n / t_ours, b * n / t_hf, t_hf / t_ours, same))
   print(f"\ngreedy decode, {n_params / 1e6:.1f}M params (qwen3_vl_moe), prompt {len(prompt)} tokens incl. "
-        f"one 112x112 image, {n} new tokens, our MoE {moe_impl_name(ours.cfg)!r}, {jax.devices()[0].platform}, "
+        f"one 112x112 image, {n} new tokens, {jax.devices()[0].platform}, "
         f"torch threads {torch.get_num_threads()}, transformers {torch_kernels(hf)}")
-  print(f"{'batch':>5} {'ours tok/s':>11} {'transformers tok/s':>19} {'ratio':>6} {'same tokens':>12}")
-  for b, ours_tps, hf_tps, ratio, same in rows:
-    print(f"{b:>5} {ours_tps:>11.1f} {hf_tps:>19.1f} {ratio:>5.2f}x {str(same):>12}")
+  print(f"{'our MoE':>8} {'batch':>5} {'ours tok/s':>11} {'transformers tok/s':>19} {'ratio':>6} {'same tokens':>12}")
+  for impl, b, ours_tps, hf_tps, ratio, same in rows:
+    print(f"{impl:>8} {b:>5} {ours_tps:>11.1f} {hf_tps:>19.1f} {ratio:>5.2f}x {str(same):>12}")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 # Imported here by pytest (1 device) and by the worker subprocess (its XLA_FLAGS already set).
 import jax  # noqa: E402
@@ -30,6 +31,7 @@ from flax import nnx  # noqa: E402
 
 from tars_jax import sharding  # noqa: E402
 from tars_jax.models import Policy, ValueModel  # noqa: E402
+from tars_jax.models import moe  # noqa: E402
 from tars_jax.models.moe import MoE, capacity, route  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -83,19 +85,33 @@ def _maxdiff(a, b):
   return max(float(jnp.max(jnp.abs(u - v))) for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-def test_ragged_moe_matches_dense_outputs_and_gradients():
+@pytest.mark.parametrize("tokens", [(3, 7), (2, 1)])  # N * k = 63 (blocks of 8 rows), 6 (< E: per-token gather)
+def test_grouped_moe_matches_dense_outputs_and_gradients(tokens):
   cfg = _small_cfg(hidden=64, moe_intermediate=48, experts=8, top_k=3)
-  x = jax.random.normal(jax.random.PRNGKey(1), (3, 7, 64))
+  x = jax.random.normal(jax.random.PRNGKey(1), tokens + (64,))
   loss_d, y_d, r_d, g_d = _moe_loss_and_grads(cfg, x)
-  for cf in (None, 8.0):  # dropless, and a capacity no expert can exceed (C = 8 * N * k / E >= N)
-    loss_r, y_r, r_r, g_r = _moe_loss_and_grads(dataclasses.replace(cfg, moe_impl="ragged", moe_capacity_factor=cf), x)
-    assert float(jnp.max(jnp.abs(y_r - y_d))) <= TOL
-    assert abs(float(loss_r - loss_d)) <= TOL
-    assert _maxdiff(g_r, g_d) <= TOL  # parameters and the input
+  # ragged dropless, ragged with a capacity no expert can exceed (C = 8 * N * k / E >= N), blocked
+  for impl, cf in (("ragged", None), ("ragged", 8.0), ("blocked", None)):
+    loss_r, y_r, r_r, g_r = _moe_loss_and_grads(dataclasses.replace(cfg, moe_impl=impl, moe_capacity_factor=cf), x)
+    assert float(jnp.max(jnp.abs(y_r - y_d))) <= TOL, impl
+    assert abs(float(loss_r - loss_d)) <= TOL, impl
+    assert _maxdiff(g_r, g_d) <= TOL, impl  # parameters and the input
     assert float(jnp.max(jnp.abs(g_d[0]["w_down"][...]))) > 1e-3  # gradients are not vacuous
     np.testing.assert_array_equal(r_r[1], r_d[1])
     if cf is not None:
       assert float(r_r[2]) == 0.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=12), st.integers(1, 16))
+def test_block_bound_holds_for_any_routing(sizes, rows):
+  """`num_blocks` bounds the blocks any routing needs (the blocked path's static buffer never overflows)."""
+  g = sum(sizes)
+  if g == 0:
+    return
+  need = sum(-(-s // rows) for s in sizes)
+  assert need <= moe.num_blocks(g, len(sizes), rows)
+  assert moe.block_rows(g, len(sizes)) >= 1
 
 
 def test_capacity_factor_drops_like_numpy_reference():
@@ -148,7 +164,8 @@ def test_config_and_rule_errors():
 
 
 @pytest.mark.slow
-def test_ragged_moe_keeps_transformers_parity(tmp_path):
+@pytest.mark.parametrize("impl", ["ragged", "blocked"])
+def test_grouped_moe_keeps_transformers_parity(tmp_path, impl):
   torch = pytest.importorskip("torch")
   from transformers import AutoModelForImageTextToText
   from test_hf_parity import _check, _hf_config, _inputs
@@ -156,8 +173,8 @@ def test_ragged_moe_keeps_transformers_parity(tmp_path):
   torch.manual_seed(0)
   hf = AutoModelForImageTextToText.from_config(_hf_config("qwen3_vl_moe")).eval()
   hf.save_pretrained(str(tmp_path))
-  ours = hf_io.load_pretrained(str(tmp_path), image_h=56, image_w=84, moe_impl="ragged")
-  assert ours.cfg.moe_impl == "ragged"
+  ours = hf_io.load_pretrained(str(tmp_path), image_h=56, image_w=84, moe_impl=impl)
+  assert ours.cfg.moe_impl == impl
   rng = np.random.default_rng(0)
   pair = (hf, ours, str(tmp_path))
   _check(pair, *_inputs(pair, rng, [[], [(56, 84)]])[:4])
@@ -213,6 +230,11 @@ def test_train_step_on_expert_parallel_mesh_equals_single_device(mesh_results):
 @pytest.mark.parametrize("impl", ["dense", "ragged"])
 def test_train_step_on_every_mesh_equals_single_device(mesh_results_full, mesh, impl):
   _check_run(mesh_results_full["runs"][f"{impl}@{mesh}"], full=True)
+
+
+@pytest.mark.slow
+def test_blocked_moe_train_step_on_expert_parallel_mesh(mesh_results_full):
+  _check_run(mesh_results_full["runs"]["blocked@2,1,2,2"], full=True)
 
 
 def _shard(shape, mesh, spec):
@@ -331,7 +353,8 @@ def _worker(out_path, full: bool):
   if full:
     ref_state = {"step": jnp.zeros((), jnp.int32), "policy": params, "policy_opt": popt.init(params)}
     _, ref_step_m = ppo.policy_step(jax.tree.map(jnp.copy, ref_state), batch, None, policy_gd=gd, popt=popt, hp=hp)
-  runs = [(i, m) for i in ("dense", "ragged") for m in MESHES] if full else [("ragged", "2,1,2,2")]
+  runs = ([(i, m) for i in ("dense", "ragged") for m in MESHES] + [("blocked", "2,1,2,2")] if full
+          else [("ragged", "2,1,2,2")])
   for impl, mesh_s in runs:
     gd_i = nnx.split(Policy(dataclasses.replace(cfg, moe_impl=impl), nnx.Rngs(0)))[0]
     mesh = sharding.make_mesh(tuple(int(x) for x in mesh_s.split(",")))

@@ -24,9 +24,11 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 # Rematerialisation of each decoder layer / vision block in the backward pass (`jax.checkpoint`):
 # "none" keeps all activations; "full" recomputes the block; "dots" saves matmul outputs only.
 REMAT_POLICIES = ("none", "full", "dots")
-# MoE computation: "dense" (every expert on every token, weighted: exact reference) or "ragged"
-# (tokens sorted by expert, `jax.lax.ragged_dot`; with a capacity factor an [E, C, D] buffer).
-MOE_IMPLS = ("dense", "ragged")
+# MoE computation: "dense" (every expert on every token, weighted: exact reference), "ragged"
+# (tokens sorted by expert, `jax.lax.ragged_dot`; with a capacity factor an [E, C, D] buffer) or
+# "blocked" (tokens sorted by expert into fixed-size blocks, one expert per block, batched matmuls
+# over gathered expert weights: dropless, the fastest on CPU).
+MOE_IMPLS = ("dense", "ragged", "blocked")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +60,9 @@ class ModelConfig:
   Memory knobs: `dtype = "bfloat16"` (activations), `remat` in `REMAT_POLICIES` (per decoder layer
   and vision block: "none", "full" recompute, or "dots" = keep matmul outputs, recompute the rest).
   MoE compute: `moe_impl` in `MOE_IMPLS` ("dense": exact reference, all experts on all tokens;
-  "ragged": dropless grouped matmuls over tokens sorted by expert, same outputs and gradients);
+  "ragged": dropless grouped matmuls over tokens sorted by expert, same outputs and gradients;
+  "blocked": the same grouping padded to blocks of rows with one expert each, as batched matmuls:
+  at decode (N * k <= E) each token's k expert matrices only; the fastest path on CPU);
   `moe_capacity_factor` (ragged only; None = dropless): at most ceil(factor * tokens * top_k /
   experts) assignments per expert, the rest dropped and counted (`Policy(..., moe_stats=True)`;
   the trainer logs `train/moe_dropped_frac`).

@@ -59,6 +59,22 @@ def sort_by_expert(idx: jax.Array, num_experts: int):
   return order, flat[order], jnp.bincount(flat, length=num_experts).astype(jnp.int32)
 
 
+def block_rows(assignments: int, num_experts: int) -> int:
+  """Rows per block of the "blocked" MoE path for `assignments` = N * k (token, expert) pairs: 1 (a
+  per-token gather of its k experts' weights: decode) while there are at most as many assignments as
+  experts, else the power of two nearest N * k / E (about one block per expert on average; prefill and
+  training). Static: chosen at trace time from shapes."""
+  if assignments <= num_experts:
+    return 1
+  return 1 << max(0, round(math.log2(assignments / num_experts)))
+
+
+def num_blocks(assignments: int, num_experts: int, rows: int) -> int:
+  """Upper bound on sum_e ceil(g_e / rows) over group sizes g_e summing to `assignments`:
+  (G + E (rows - 1)) // rows (each group wastes at most rows - 1 padding slots), capped at G."""
+  return min(assignments, (assignments + num_experts * (rows - 1)) // rows)
+
+
 def capacity(num_tokens: int, top_k: int, num_experts: int, factor: float) -> int:
   """Slots per expert: ceil(factor * N * k / E), at least 1 (GShard / Switch capacity factor)."""
   return max(1, math.ceil(factor * num_tokens * top_k / num_experts))
@@ -77,7 +93,14 @@ class MoE(nnx.Module):
       routing weights. With `cfg.moe_capacity_factor` set, the sorted tokens instead fill an
       [E, C, D] buffer (C = `capacity(...)`), assignments beyond an expert's C slots (later tokens
       first) are dropped (contribute 0) and counted; the buffer's expert
-      axis is sharded over the `expert` mesh axis (expert parallelism through GSPMD).
+      axis is sharded over the `expert` mesh axis (expert parallelism through GSPMD);
+    "blocked": the sorted assignments padded per expert to whole blocks of `block_rows` rows, so each
+      block belongs to one expert; a batched matmul over the blocks with the block's expert weights
+      gathered ([nb, D, I]). Dropless and exact like "ragged", but plain dot_generals, which XLA:CPU
+      runs far faster than `ragged_dot`; at decode (N * k <= E, blocks of 1 row) it reads only each
+      token's k experts instead of all E (the dense path's cost), hence the faster greedy decode in
+      `benchmarks/decode.py` (MegaBlocks' block-sparse grouping, Gale et al. 2022, without custom
+      kernels).
   Source: maxtext `MaxText/layers/moe.py` (`sparse_matmul` with `ragged_dot`, `dense_matmul` with
   capacity); Fedus et al. 2021 (capacity factor).
   """
@@ -101,6 +124,8 @@ class MoE(nnx.Module):
     probs, w, idx = route(self.router(flat), self.top_k, self.norm_topk_prob)
     if self.impl == "dense":
       return self._dense(flat, w, idx).reshape(b, t, d), (probs, idx)
+    if self.impl == "blocked":
+      return self._blocked(flat, w, idx).reshape(b, t, d), (probs, idx)
     y, dropped = self._grouped(flat, w, idx)
     return y.reshape(b, t, d), ((probs, idx) if dropped is None else (probs, idx, dropped))
 
@@ -111,6 +136,28 @@ class MoE(nnx.Module):
          * jnp.einsum("nd,edi->nei", flat, self.w_up[...].astype(dt)))
     h = constrain(h, ("act_exp_tokens", "act_expert", "act_mlp"))
     return jnp.einsum("nei,eid,ne->nd", h, self.w_down[...].astype(dt), dense_w.astype(dt))
+
+  def _blocked(self, flat, w, idx):
+    n, d = flat.shape
+    k, e, dt = self.top_k, self.experts, self.dtype
+    g = n * k
+    rows = block_rows(g, e)
+    nb = num_blocks(g, e, rows)
+    order, sorted_e, sizes = sort_by_expert(idx, e)
+    padded = -(-sizes // rows) * rows  # each expert's group rounded up to whole blocks
+    pend = jnp.cumsum(padded)
+    rank = jnp.arange(g, dtype=jnp.int32) - (jnp.cumsum(sizes) - sizes)[sorted_e]
+    pos = (pend - padded)[sorted_e] + rank  # padded row of each sorted assignment (all < nb * rows)
+    xs = jnp.zeros((nb * rows, d), dt).at[pos].set(flat[order // k].astype(dt)).reshape(nb, rows, d)
+    # expert of block j: the group whose padded range holds row j * rows (unused tail blocks: zeros
+    # through the last expert, never read back)
+    block_e = jnp.minimum(jnp.searchsorted(pend, jnp.arange(nb) * rows, side="right"), e - 1)
+    wg, wu, wd = (self.w_gate[...][block_e].astype(dt), self.w_up[...][block_e].astype(dt),
+                  self.w_down[...][block_e].astype(dt))
+    h = jax.nn.silu(jnp.einsum("brd,bdi->bri", xs, wg)) * jnp.einsum("brd,bdi->bri", xs, wu)
+    ys = jnp.einsum("bri,bid->brd", h, wd).reshape(nb * rows, d)[pos]  # [N*k, D], sorted order
+    inv = jnp.zeros_like(order).at[order].set(jnp.arange(g, dtype=jnp.int32))
+    return jnp.einsum("nkd,nk->nd", ys[inv].reshape(n, k, d), w.astype(dt))
 
   def _grouped(self, flat, w, idx):
     n, d = flat.shape

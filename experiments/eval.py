@@ -3,6 +3,7 @@ r"""Held-out evaluation of a run's policy: per-task success over seeds never use
   python -m experiments.eval --run runs/miniwob_ppo --tasks miniwob/click-test,miniwob/click-test-2 \
       --episodes 200 --json runs/miniwob_ppo/eval.json [--checkpoint STEP]
   python -m experiments.eval --run runs/games --episodes 50 --json runs/games/eval.json
+  python -m experiments.eval --run runs/games --episodes 50 --checkpoint 0   # the untrained baseline
 
 Actions are the policy's own samples (same temperature and constrained grammar as in training).
 Game tasks ('games/<name>') also get their normalised score: 100 x mean over episodes of the game's
@@ -29,7 +30,8 @@ from tars_jax.train import checkpoint as ckpt
 from tars_jax.train import state as state_lib
 
 _RUN = flags.DEFINE_string("run", None, "Run directory (has config.json and checkpoints/).")
-_CKPT = flags.DEFINE_integer("checkpoint", None, "Checkpoint step (default: latest).")
+_CKPT = flags.DEFINE_integer("checkpoint", None, "Checkpoint step (default: latest); 0 without a step-0 "
+                             "checkpoint = the untrained policy (the run's random init).")
 _TASKS = flags.DEFINE_string("tasks", None, "Comma-separated task names (default: the config's tasks).")
 _EPISODES = flags.DEFINE_integer("episodes", 200, "Held-out episodes (seeds) per task.")
 _JSON = flags.DEFINE_string("json", None, "Write the per-task results here.")
@@ -42,7 +44,9 @@ def evaluate(run: str, tasks: list[str] | None, episodes: int, step: int | None 
              episodes_out: list | None = None) -> tuple[int, dict]:
   """Returns (checkpoint step, {task: {success, episodes, ...}}) for the run's policy; game tasks
   also get normalized_score, mean_score and reference_score (`game_scores`). `episodes_out`, if
-  given, receives every evaluated Episode.
+  given, receives every evaluated Episode. `step = 0` with no checkpoint 0 evaluates the policy the
+  run started from (`init_state(config.seed)`, what iteration 1 sampled with): the untrained
+  baseline the trained checkpoints are compared with.
 
   Raises:
     FileNotFoundError: the run has no config.json or no checkpoint.
@@ -50,7 +54,12 @@ def evaluate(run: str, tasks: list[str] | None, episodes: int, step: int | None 
   with open(os.path.join(run, "config.json")) as f:
     config = mlc.ConfigDict(json.load(f))
   parts = state_lib.build(config)
-  step, state, _ = ckpt.restore(ckpt.manager(run), parts.init_state(config.seed), step)
+  init = parts.init_state(config.seed)
+  mngr = ckpt.manager(run)
+  if step == 0 and 0 not in mngr.all_steps():
+    state = init
+  else:
+    step, state, _ = ckpt.restore(mngr, init, step)
   tasks = tasks or list(config.tasks)
   sessions = sessions or config.env.num_sessions
   policy = parts.batched_policy(state["policy"], batch_size=sessions, seed=config.seed + 7)

@@ -110,3 +110,12 @@ def test_games_smoke_trains_and_eval_reports_normalised_scores(tmp_path):
     expect = 100 * float(np.mean(mine)) / _reference(task.split("/")[1])
     assert res["games"][task]["normalized_score"] == pytest.approx(expect)
     assert res["results"][task]["normalized_score"] == pytest.approx(expect)
+
+  # the untrained baseline: checkpoint 0 (none saved) = the run's random init, same held-out seeds
+  base = tmp_path / "eval0.json"
+  p = _run("experiments.eval", "--run", str(run), "--episodes", "2", "--checkpoint", "0", "--json", str(base))
+  assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+  res0 = json.load(open(base))
+  assert res0["checkpoint"] == 0 and "checkpoint 0 of" in p.stdout
+  assert sorted((r["task"], r["seed"]) for r in res0["game_episodes"]) == sorted(
+      (r["task"], r["seed"]) for r in records)

@@ -43,6 +43,7 @@ import time
 PIN = "browsergym-miniwob==0.14.3"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENV = os.path.join(ROOT, "runs", "bench_venvs", "browsergym")
+SETUP_TIMEOUT_S = 600.0  # 16 envs start 32 Chromium (task + chat window each): minutes on 2 cores
 PROFILES = {"default": {}, "no-delay": {"slow_mo": 0, "pre_observation_delay": 0.0}}
 
 
@@ -112,8 +113,6 @@ def _use_system_chromium(executable: str, extra_args: list[str]) -> None:
 
 
 def _worker(k: int, task: str, a: dict, barrier, out) -> None:
-  import random
-
   _use_system_chromium(a["executable"], a["chromium_args"])
   import gymnasium as gym
   import browsergym.miniwob  # noqa: F401  (registers the browsergym/miniwob.* envs)
@@ -130,10 +129,27 @@ def _worker(k: int, task: str, a: dict, barrier, out) -> None:
     res["setup_s"] = time.monotonic() - t0
   except Exception as e:  # noqa: BLE001  (reported, the barrier must still be passed)
     res["error"] = f"{type(e).__name__}: {e}"[:500]
-  barrier.wait()
-  if env is None:
+  try:
+    # every worker waits for the slowest setup (16 envs = 32 Chromium launches on a loaded machine
+    # can take minutes); a broken or timed-out barrier is reported, not a silent exit
+    barrier.wait(timeout=a["setup_timeout_s"])
+    if env is not None:
+      _run_steps(env, k, seed, a, res)
+  except Exception as e:  # noqa: BLE001  (the parent must get a result from every worker)
+    res.setdefault("error", f"worker {k} ({task}): {type(e).__name__}: {e}"[:500])
+  finally:
+    try:
+      if env is not None:
+        env.close()
+    except Exception:  # noqa: BLE001
+      pass
     out.put(res)
-    return
+
+
+def _run_steps(env, k: int, seed: int, a: dict, res: dict) -> None:
+  """The measured window of one worker: steps (and resets) until warm-up + seconds are over."""
+  import random
+
   rng = random.Random(k)
   start = time.monotonic()
   t_measure, t_end = start + a["warmup_s"], start + a["warmup_s"] + a["seconds"]
@@ -151,8 +167,6 @@ def _worker(k: int, task: str, a: dict, barrier, out) -> None:
       seed += 1
       res["resets"] += 1
       env.reset(seed=seed)
-  env.close()
-  out.put(res)
 
 
 def _worker_main(argv=None) -> None:
@@ -166,16 +180,18 @@ def _worker_main(argv=None) -> None:
   ap.add_argument("--profile", choices=sorted(PROFILES), default="default")
   ap.add_argument("--executable", default="/usr/bin/chromium")
   ap.add_argument("--chromium-args", default="[]", help="JSON list of extra Chromium flags")
+  ap.add_argument("--setup-timeout-s", type=float, default=SETUP_TIMEOUT_S,
+                  help="seconds every env may take to start (gym.make + first reset) before the run is abandoned")
   a = ap.parse_args(argv)
   cfg = {"executable": a.executable, "chromium_args": json.loads(a.chromium_args), "profile": a.profile,
-         "warmup_s": a.warmup_s, "seconds": a.seconds}
+         "warmup_s": a.warmup_s, "seconds": a.seconds, "setup_timeout_s": a.setup_timeout_s}
   tasks = a.tasks.split(",")
   ctx = mp.get_context("spawn")
   barrier, out = ctx.Barrier(a.n), ctx.Queue()
   procs = [ctx.Process(target=_worker, args=(k, tasks[k % len(tasks)], cfg, barrier, out)) for k in range(a.n)]
   for p in procs:
     p.start()
-  results, deadline = [], time.monotonic() + 600 + a.warmup_s + a.seconds
+  results, deadline = [], time.monotonic() + a.setup_timeout_s + 120 + a.warmup_s + a.seconds
   while len(results) < len(procs) and time.monotonic() < deadline:
     try:
       results.append(out.get(timeout=5))

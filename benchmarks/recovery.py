@@ -1,7 +1,10 @@
 """Crash-recovery time of the browser sandbox (issue #5 items 2 and 6): kill -9 of Chromium during a
 16-session rollout, N times; how long until every session's replacement works again.
 
-  nice -n 10 .venv/bin/python -m benchmarks.recovery [--kills 5] [--sessions 16] [--browsers 1]
+  nice -n 10 .venv/bin/python -m benchmarks.recovery [--kills 5] [--sessions 16] [--browsers 1] [--spare-pages 16]
+
+--spare-pages N starts the server with a standby browser (envs_bridge/browser/sessions.py): the kill
+then waits until the standby holds one page per session (or 120 s), and the row says its memory (PSS).
 
 One round: `sessions` workers each open a MiniWoB session and step it (`wait()`, episodes reopened as
 they end) over HTTP; once every worker has stepped, the benchmark kill -9s browser 0 (its pid from
@@ -80,9 +83,19 @@ async def one_round(url: str, n: int, seed0: int) -> dict:
         except P.SessionLost:
           await asyncio.sleep(0.05)  # opened on the dying browser before its death was noticed
 
+    spare_at_kill: list = [None]
+
     async def killer():
       await all_stepped.wait()
-      victim = (await c.health())["browsers"][0]
+      # with a standby browser: its pages are made while the rollout runs; kill once it holds one
+      # per session (the steady state of a long rollout), or after 120 s with what it has
+      for _ in range(1200):
+        h = await c.health()
+        if not h.get("spare_pages") or (h.get("spare") or {}).get("pages", 0) >= n:
+          break
+        await asyncio.sleep(0.1)
+      spare_at_kill[0] = h.get("spare")
+      victim = h["browsers"][0]
       t_kill = time.time()
       os.kill(victim["pid"], signal.SIGKILL)
       killed.set()
@@ -105,6 +118,8 @@ async def one_round(url: str, n: int, seed0: int) -> dict:
         "kill_to_detect": crash["t"] - t_kill, "detect_to_relaunch": rec["seconds"],
         "detect_to_first_ok": min(back_at) - crash["t"] if back_at else float("nan"),
         "detect_to_all_ok": max(back_at) - crash["t"] if back_at else float("nan"),
+        "spare_at_kill": spare_at_kill[0],
+        "promoted": any(e["kind"] == "spare_promoted" for e in evs),
     }
 
 
@@ -113,10 +128,13 @@ def main(argv=None):
   ap.add_argument("--kills", type=int, default=5, help="rounds (one kill -9 each)")
   ap.add_argument("--sessions", type=int, default=16, help="concurrent sessions of the rollout")
   ap.add_argument("--browsers", type=int, default=1, help="Chromium processes of the server (browser 0 is killed)")
+  ap.add_argument("--spare-pages", type=int, default=0,
+                  help="server's standby browser with up to this many pre-made pages (0: none)")
   a = ap.parse_args(argv)
   rows = []
   load0 = os.getloadavg()[0]
-  with launch_server(step_ms=1000, lease_s=600.0, max_sessions=max(64, 2 * a.sessions), n_browsers=a.browsers) as h:
+  with launch_server(step_ms=1000, lease_s=600.0, max_sessions=max(64, 2 * a.sessions), n_browsers=a.browsers,
+                     extra_args=("--spare-pages", str(a.spare_pages)) if a.spare_pages else ()) as h:
     for k in range(a.kills):
       r = asyncio.run(one_round(h.url, a.sessions, seed0=1000 * k))
       rows.append(r)
@@ -124,19 +142,21 @@ def main(argv=None):
   load1 = os.getloadavg()[0]
   print()
   print(f"Command: `nice -n 10 .venv/bin/python -m benchmarks.recovery --kills {a.kills} --sessions {a.sessions} "
-        f"--browsers {a.browsers}`. Date: {datetime.date.today()}. Machine: {platform.machine()}, "
+        f"--browsers {a.browsers} --spare-pages {a.spare_pages}`. Date: {datetime.date.today()}. Machine: {platform.machine()}, "
         f"{os.cpu_count()} CPU cores, load average {load0:.1f} before / {load1:.1f} after.")
   print()
   print("| kill | sessions lost | all accounted for | kill -> detected (s) | detected -> relaunched (s) | "
-        "detected -> first new session ok (s) | detected -> all replacements ok (s) |")
-  print("|---|---|---|---|---|---|---|")
+        "detected -> first new session ok (s) | detected -> all replacements ok (s) | standby pages at kill | "
+        "standby PSS (MiB) |")
+  print("|---|---|---|---|---|---|---|---|---|")
   for k, r in enumerate(rows, 1):
     print(f"| {k} | {r['on_victim']} | {'yes' if r['accounted'] else 'NO'} | {r['kill_to_detect']:.3f} | "
-          f"{r['detect_to_relaunch']:.2f} | {r['detect_to_first_ok']:.2f} | {r['detect_to_all_ok']:.2f} |")
+          f"{r['detect_to_relaunch']:.2f} | {r['detect_to_first_ok']:.2f} | {r['detect_to_all_ok']:.2f} | "
+          f"{(r['spare_at_kill'] or {}).get('pages', '-')} | {(r['spare_at_kill'] or {}).get('pss_mb', '-')} |")
   med = {k: statistics.median(r[k] for r in rows) for k in ("kill_to_detect", "detect_to_relaunch",
                                                              "detect_to_first_ok", "detect_to_all_ok")}
   print(f"| median | | | {med['kill_to_detect']:.3f} | {med['detect_to_relaunch']:.2f} | "
-        f"{med['detect_to_first_ok']:.2f} | {med['detect_to_all_ok']:.2f} |")
+        f"{med['detect_to_first_ok']:.2f} | {med['detect_to_all_ok']:.2f} | | |")
 
 
 if __name__ == "__main__":

@@ -71,6 +71,64 @@ def test_hung_page_is_detected_and_only_its_session_lost():
   assert "page_hung" in kinds
 
 
+async def _wait_spare(sb, pages):
+  """Polls until the standby holds `pages` pages (no time asserted; 600 s only so it cannot hang)."""
+  for _ in range(6000):
+    info = sb.spare_info()
+    if info is not None and info["pages"] >= pages:
+      return info
+    await asyncio.sleep(0.1)
+  raise AssertionError(f"standby never held {pages} pages: {sb.spare_info()}")
+
+
+def test_kill9_promotes_the_standby_and_its_pages_equal_fresh_ones():
+  """kill -9 with a standby browser: it takes the dead browser's place, the lost sessions are still
+  reported, and an episode on a standby page is byte-identical to one on a page created after the
+  crash (same seed, same action)."""
+  task = "miniwob/click-test-2"
+
+  async def go():
+    sb = BrowserSandbox(gc_interval_s=3600, spare_pages=2)
+    await sb.start()
+    try:
+      a, _ = await sb.open(task, 1)
+      b, _ = await sb.open(task, 2)
+      spare = await _wait_spare(sb, 2)
+      victim = sb.slots[0].pid
+      os.kill(victim, signal.SIGKILL)
+      with pytest.raises(P.SessionLost) as e:
+        for _ in range(100):  # the disconnect may be noticed a moment later
+          await sb.step(a, "wait()")
+          await asyncio.sleep(0.1)
+      created = sb.counters["pages_created"]
+      out = []
+      for seed in (7, 8, 7):  # two standby pages, then a page created now
+        sid, ob = await sb.open(task, seed)
+        ob2 = await sb.step(sid, "click(start_box='(300,500)')")
+        out.append((ob.png(), ob2.png(), ob2.reward))
+      created_after = sb.counters["pages_created"]
+      with pytest.raises(P.SessionLost):
+        await sb.step(b, "wait()")
+      new_spare = await _wait_spare(sb, 0)  # a new standby was launched
+      return (e.value, spare, victim, created, created_after, out, sb.health(), new_spare,
+              [ev for ev in sb.events.since(0, 10_000)])
+    finally:
+      await sb.stop()
+
+  err, spare, victim, created, created_after, out, h, new_spare, evs = run(go())
+  assert err.extra["cause"] == "browser_crash"
+  assert spare["pid"] != victim and spare["pss_mb"] > 0
+  # the standby's pages served the first two replacements; the third page was made after the crash
+  assert created_after == created + 1
+  promoted = [ev for ev in evs if ev["kind"] == "spare_promoted"]
+  assert len(promoted) == 1 and promoted[0]["pages"] == 2 and promoted[0]["pid"] == spare["pid"]
+  opened = [ev for ev in evs if ev["kind"] == "session_opened"][-3:]
+  assert [ev["reused"] for ev in opened] == [True, True, False]
+  assert out[0] == out[2] and out[0][0] != out[1][0]  # same seed same pixels; another seed differs
+  assert h["browsers"][0]["pid"] == spare["pid"] and h["recoveries"] == 1 and h["lost"] == 2
+  assert h["spare_promotions"] == 1 and new_spare["pid"] not in (spare["pid"], victim)
+
+
 # Fixed actions by step (the policy depends only on the observation), on click-test-2 whose two
 # buttons move with the seed: some seeds score, some do not. The first one never ends an episode,
 # so every session reaches the barrier at step 1.
@@ -91,10 +149,11 @@ def _metrics(text):
           for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
-@pytest.mark.slow  # ~40 s on 2 busy cores (two 16-episode rollouts); the fast kill -9 test is in test_browser_server
-def test_kill9_during_16_session_rollout_every_episode_accounted_for():
+@pytest.mark.slow  # ~40 s each on 2 busy cores (two 16-episode rollouts); the fast kill -9 test is in test_browser_server
+@pytest.mark.parametrize("spare_pages", [0, 16])  # 16: the lost sessions' replacements run on standby pages
+def test_kill9_during_16_session_rollout_every_episode_accounted_for(spare_pages):
   n = 16
-  with launch_server(n_browsers=2) as h:
+  with launch_server(n_browsers=2, extra_args=("--spare-pages", str(spare_pages))) as h:
     async def go():
       async with SessionPool([h.url], max_retries=2) as pool:
         c = pool.clients[0]
@@ -102,12 +161,18 @@ def test_kill9_during_16_session_rollout_every_episode_accounted_for():
         ref_stats = dataclass_copy(pool.stats)
         health = await c.health()
         victim = health["browsers"][0]
-        arrived, go_on, killed = [0], asyncio.Event(), []
+        arrived, go_on, killed, spare_at_kill = [0], asyncio.Event(), [], []
 
         async def barrier(sess):
           # every session has taken one step: kill -9 browser 0 in the middle of the rollout
           arrived[0] += 1
           if arrived[0] == n:
+            for _ in range(6000):  # a standby holding one page per live session (no time asserted)
+              spare = (await c.health())["spare"]
+              if spare is None or spare["pages"] >= n:
+                break
+              await asyncio.sleep(0.1)
+            spare_at_kill.append(spare)
             on_victim = (await c.health())["browsers"][0]["sessions"]
             os.kill(victim["pid"], signal.SIGKILL)
             killed.append(on_victim)
@@ -122,8 +187,8 @@ def test_kill9_during_16_session_rollout_every_episode_accounted_for():
             break
           await asyncio.sleep(0.1)
         return ref, ref_stats, out, pool.stats, killed[0], victim, hh, _metrics(await c.metrics()), \
-            await c.events(0, 10_000), _metrics(pool.metrics_text().decode())
-    ref, ref_stats, out, stats, on_victim, victim, hh, m, evs, pm = run(go())
+            await c.events(0, 10_000), _metrics(pool.metrics_text().decode()), spare_at_kill[0]
+    ref, ref_stats, out, stats, on_victim, victim, hh, m, evs, pm, spare = run(go())
   assert ref_stats.episodes == n and ref_stats.episodes_lost == 0
   assert on_victim >= 1
   # every episode finished, and exactly as without the crash (virtual time: replays are exact)
@@ -148,6 +213,15 @@ def test_kill9_during_16_session_rollout_every_episode_accounted_for():
   crash = [e for e in evs if e["kind"] == "browser_crashed"]
   assert len(crash) == 1 and crash[0]["pid"] == victim["pid"] and crash[0]["sessions_lost"] == on_victim
   assert any(e["kind"] == "browser_recovered" and e["browser"] == 0 for e in evs)
+  promoted = [e for e in evs if e["kind"] == "spare_promoted"]
+  if spare_pages:
+    # the standby took the dead browser's place with its 16 pages; the replayed episodes above ran
+    # on them (and on browser 1's idle pages) and matched the reference pixel for pixel
+    assert spare["pages"] == n and spare["pss_mb"] > 0
+    assert len(promoted) == 1 and promoted[0]["pages"] == n and hh["browsers"][0]["pid"] == spare["pid"]
+    assert hh["spare_promotions"] == 1
+  else:
+    assert spare is None and not promoted
 
 
 def dataclass_copy(x):

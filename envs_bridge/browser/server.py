@@ -2,7 +2,7 @@ r"""Browser sandbox server: FastAPI app over Chromium processes with many sessio
 
   python -m envs_bridge.browser.server --port 8765 [--host 127.0.0.1] [--step-ms 1000] \
       [--lease-s 300] [--max-sessions 64] [--browsers 1] [--page-timeout-s 60] [--gc-interval-s 30] \
-      [--token T | env TARS_SANDBOX_TOKEN] [--max-body-bytes 4194304]
+      [--token T | env TARS_SANDBOX_TOKEN] [--max-body-bytes 4194304] [--spare-pages 0]
 
 Without a token the server binds loopback only (another --host is refused); with one, every route
 but /health needs `Authorization: Bearer <token>` (401 otherwise). Prefer the env var to --token:
@@ -34,11 +34,11 @@ log = logging.getLogger("envs_bridge.browser")
 
 def create_app(step_ms: int = 1000, lease_s: float = 300.0, max_sessions: int = 64, n_browsers: int = 1,
                page_timeout_s: float = 60.0, gc_interval_s: float = 30.0, token: str | None = None,
-               max_body_bytes: int = P.MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = P.MAX_BODY_BYTES, spare_pages: int = 0) -> FastAPI:
   """The FastAPI app; the sandbox (Chromium) starts and stops with the app's lifespan.
   Arguments: see `BrowserSandbox`; token, max_body_bytes: see `envs_bridge.app.protocol_app`."""
   sandbox = BrowserSandbox(step_ms=step_ms, lease_s=lease_s, max_sessions=max_sessions, n_browsers=n_browsers,
-                           page_timeout_s=page_timeout_s, gc_interval_s=gc_interval_s)
+                           page_timeout_s=page_timeout_s, gc_interval_s=gc_interval_s, spare_pages=spare_pages)
 
   app = protocol_app("tars_jax browser sandbox", sandbox, task_registry.task_names, log, token=token,
                      max_body_bytes=max_body_bytes)
@@ -88,13 +88,16 @@ def main(argv=None):
   ap.add_argument("--browsers", type=int, default=1, help="Chromium processes (sessions spread over them)")
   ap.add_argument("--page-timeout-s", type=float, default=60.0, help="a page silent this long counts as hung")
   ap.add_argument("--gc-interval-s", type=float, default=30.0, help="seconds between leaked-page GC passes")
+  ap.add_argument("--spare-pages", type=int, default=0,
+                  help="0: no standby browser; N: a standby Chromium with up to N pre-made pages, promoted "
+                       "when a browser dies (fast crash recovery; costs its memory, see /health spare.pss_mb)")
   ap.add_argument("--log-level", default="warning")
   a = ap.parse_args(argv)
   token = access_from_args(ap, a)  # exit code 2 before any Chromium starts
   die_with_parent()  # started by launch_server: never outlive the trainer
   logging.basicConfig(level=a.log_level.upper())
   uvicorn.run(create_app(a.step_ms, a.lease_s, a.max_sessions, a.browsers, a.page_timeout_s, a.gc_interval_s,
-                         token=token, max_body_bytes=a.max_body_bytes),
+                         token=token, max_body_bytes=a.max_body_bytes, spare_pages=a.spare_pages),
               host=a.host, port=a.port, timeout_keep_alive=SERVER_KEEPALIVE_S,
               log_level=a.log_level)
 

@@ -29,6 +29,16 @@ Failures (each one is an event, a metric, and a `SessionLost` with the reason fo
   - a page stops answering: every page call of a request runs under `page_timeout_s`; past it the
     session is lost and its context closed; if even closing does not answer in time, its Chromium
     is killed and relaunched (which loses that browser's other sessions too).
+Standby browser (`spare_pages` > 0): one more Chromium, launched spare, holds fresh pages (context,
+task page loaded, clock paused; no episode started) for the tasks of the live sessions, up to one per
+live session and `spare_pages` in all. They are made one at a time and only while no `open` is in
+flight (the standby must not slow real sessions). When a browser dies, the standby is promoted in its
+place (no launch) and its pages join the idle pool, so the lost sessions' replacements start
+episodes on pages that already exist instead of creating 16 pages on a just-relaunched Chromium
+(measured 2026-11-23: page creation, not detection or relaunch, was ~90% of the 6.9 s recovery of
+16 sessions). A new standby is launched after the promotion. A standby page is a fresh page created
+earlier: the same seed gives the same screenshot (tests/test_browser_recovery.py). Its memory
+(PSS of its process tree) is in /health (`spare.pss_mb`).
 Leases: a session idle for `lease_s` is reclaimed (page closed) -> `LeaseExpired`. GC: a browser
 context owned by nobody in two passes in a row is closed (leaked page). Owners: a session, an idle
 pool, or the call handing the page over (`_transit`: an `open` creating or restarting it, a `close`
@@ -59,6 +69,7 @@ import signal
 import time
 import uuid
 
+import psutil
 from playwright.async_api import Error as PlaywrightError
 from playwright.async_api import async_playwright
 
@@ -173,15 +184,24 @@ class BrowserSandbox:
     page_timeout_s: the page calls of one request (act + clock + state + screenshot) must finish
       within this many seconds, else the page counts as hung (SessionLost).
     gc_interval_s: seconds between passes of the leaked-page collector.
+    spare_pages: 0: no standby browser. > 0: a standby Chromium with up to this many pre-made pages
+      (see the module docstring), promoted in place of a browser that dies.
   """
 
   def __init__(self, step_ms: int = 1000, lease_s: float = 300.0, max_sessions: int = 64,
                executable: str = "/usr/bin/chromium", max_idle_pages: int = 64, max_page_launches: int = 4,
-               n_browsers: int = 1, page_timeout_s: float = 60.0, gc_interval_s: float = 30.0):
+               n_browsers: int = 1, page_timeout_s: float = 60.0, gc_interval_s: float = 30.0,
+               spare_pages: int = 0):
     if n_browsers < 1:
       raise ValueError(f"n_browsers must be >= 1, got {n_browsers}")
     if page_timeout_s <= 0:
       raise ValueError(f"page_timeout_s must be > 0, got {page_timeout_s}")
+    if spare_pages < 0:
+      raise ValueError(f"spare_pages must be >= 0, got {spare_pages}")
+    self.spare_pages = spare_pages
+    self.spare: _Slot | None = None  # the standby browser (not in `slots`: no sessions are placed on it)
+    self.spare_idle: dict[str, list[_Page]] = {}  # task -> standby pages
+    self._warmer: asyncio.Task | None = None
     self.step_ms, self.lease_s, self.max_sessions, self.executable = step_ms, lease_s, max_sessions, executable
     self.page_timeout_s, self.gc_interval_s = page_timeout_s, gc_interval_s
     self.sessions: dict[str, Session] = {}
@@ -202,20 +222,23 @@ class BrowserSandbox:
     self._last_gc = 0.0
     self.counters = {"steps": 0, "opened": 0, "closed": 0, "expired": 0, "lost": 0, "browser_restarts": 0,
                      "recoveries": 0, "page_crashes": 0, "page_hangs": 0, "gc_closed": 0,
-                     "pages_created": 0, "pages_reused": 0, "snapshots": 0, "restores": 0}
+                     "pages_created": 0, "pages_reused": 0, "snapshots": 0, "restores": 0,
+                     "spare_promotions": 0, "spare_pages_made": 0}
 
   # -- lifecycle --------------------------------------------------------------------------------
   async def start(self) -> None:
     self._pw = await async_playwright().start()
     await asyncio.gather(*[self._ensure(s) for s in self.slots])
+    if self.spare_pages:
+      await self._launch_spare()
     self._reaper = asyncio.create_task(self._reap_loop())
 
   async def stop(self) -> None:
     self._stopping = True
-    for t in [self._reaper, *self._background]:
+    for t in [self._reaper, self._warmer, *self._background]:
       if t:
         t.cancel()
-    for slot in self.slots:
+    for slot in [*self.slots, *([self.spare] if self.spare else [])]:
       if slot.browser is not None:
         try:
           await slot.browser.close()
@@ -237,10 +260,16 @@ class BrowserSandbox:
       if slot.browser is not None:
         self._browser_died(slot, "browser disconnected")
         self._spawn(_close_browser(slot.browser))  # in case Playwright still holds on to it
-      browser = await self._pw.chromium.launch(executable_path=self.executable, args=CHROMIUM_ARGS)
-      slot.browser, slot.generation = browser, slot.generation + 1
-      slot.pid = await _browser_pid(browser)
-      gen = slot.generation
+      if self.spare is not None and slot is not self.spare and self.spare.up():
+        self._promote_spare(slot)
+        gen = slot.generation
+        browser = slot.browser
+        self._spawn(self._launch_spare())  # the next standby
+      else:
+        browser = await self._pw.chromium.launch(executable_path=self.executable, args=CHROMIUM_ARGS)
+        slot.browser, slot.generation = browser, slot.generation + 1
+        slot.pid = await _browser_pid(browser)
+        gen = slot.generation
       browser.on("disconnected", lambda _b: self._on_disconnected(slot, gen))
       self.events.add("browser_launched", browser=slot.index, pid=slot.pid, generation=gen)
       if slot.died_at is not None:  # a relaunch after a crash
@@ -252,6 +281,107 @@ class BrowserSandbox:
         self.events.add("browser_recovered", browser=slot.index, pid=slot.pid, seconds=round(dt, 3))
       self.metrics.browsers_up.set(sum(s.up() for s in self.slots))
       return browser
+
+  # -- standby browser ----------------------------------------------------------------------------
+  async def _launch_spare(self) -> None:
+    """Launches the standby Chromium (no pages yet; the warmer makes them). Failures are logged: the
+    sandbox works without a standby, it only recovers more slowly."""
+    if self._stopping:
+      return
+    try:
+      browser = await self._pw.chromium.launch(executable_path=self.executable, args=CHROMIUM_ARGS)
+    except PlaywrightError as e:
+      log.error("standby browser launch failed: %s", e)
+      self.events.add("spare_launch_failed", error=str(e)[:300])
+      return
+    spare = _Slot(len(self.slots), browser=browser, pid=await _browser_pid(browser), generation=1)
+    browser.on("disconnected", lambda _b: self._on_spare_lost(spare, 1))
+    self.spare, self.spare_idle = spare, {}
+    self.events.add("spare_launched", pid=spare.pid)
+    self._kick_warmer()
+
+  def _on_spare_lost(self, spare: _Slot, gen: int) -> None:
+    """The standby died (not promoted): its pages are dropped and a new one is launched."""
+    if self._stopping or spare is not self.spare or spare.generation != gen:
+      return
+    self.events.add("spare_lost", pid=spare.pid)
+    self.spare, self.spare_idle = None, {}
+    self._spawn(self._launch_spare())
+
+  def _promote_spare(self, slot: _Slot) -> None:
+    """Puts the standby browser in the place of `slot` (whose browser died); its pages join the idle
+    pool as pages of `slot`. Called with slot.lock held."""
+    spare = self.spare
+    spare.generation += 1  # its own disconnected handler no longer applies
+    self.spare = None
+    slot.browser, slot.pid, slot.generation = spare.browser, spare.pid, slot.generation + 1
+    moved = 0
+    for task, pages in self.spare_idle.items():
+      for pg in pages:
+        if pg.crashed is None and not pg.discarded and not pg.page.is_closed():
+          pg.slot, pg.generation = slot, slot.generation
+          self.idle.setdefault(task, []).append(pg)
+          moved += 1
+    self.spare_idle = {}
+    self.counters["spare_promotions"] += 1
+    self.events.add("spare_promoted", browser=slot.index, pid=slot.pid, pages=moved)
+
+  def _spare_deficit(self) -> tuple[str | None, str | None]:
+    """(task that needs a standby page or None, task whose surplus page can go or None)."""
+    want: dict[str, int] = {}
+    for s in self.sessions.values():
+      want[s.task] = want.get(s.task, 0) + 1
+    for task in list(self.spare_idle):
+      self.spare_idle[task] = [pg for pg in self.spare_idle[task]
+                               if pg.crashed is None and not pg.discarded and not pg.page.is_closed()]
+    have = {t: len(p) for t, p in self.spare_idle.items()}
+    need = next((t for t in sorted(want) if want[t] > have.get(t, 0)), None)
+    surplus = next((t for t in sorted(have) if have[t] > want.get(t, 0)), None)
+    if need is not None and sum(have.values()) >= self.spare_pages:
+      return (need, surplus) if surplus is not None else (None, None)
+    return need, None
+
+  def _kick_warmer(self) -> None:
+    if self.spare_pages and not self._stopping and (self._warmer is None or self._warmer.done()):
+      self._warmer = asyncio.get_running_loop().create_task(self._warm())
+
+  async def _warm(self) -> None:
+    """Makes standby pages one at a time until the deficit is gone, yielding to any open in flight."""
+    while not self._stopping:
+      spare = self.spare
+      if spare is None or not spare.up():
+        return  # a new standby kicks the warmer when it is up
+      need, surplus = self._spare_deficit()
+      if need is None:
+        return
+      if any(s.opening for s in self.slots):  # real sessions first
+        await asyncio.sleep(0.05)
+        continue
+      if surplus is not None:
+        pg = self.spare_idle[surplus].pop()
+        pg.discarded = True
+        await _close_context(pg.context, self.page_timeout_s)
+        continue
+      try:
+        pg = await self._new_page(spare, need)
+      except (PlaywrightError, TimeoutError) as e:
+        log.warning("standby page for %s failed: %s", need, e)
+        await asyncio.sleep(0.5)
+        continue
+      self._transit.discard(pg.context)  # never seen by the GC (it walks `slots` only)
+      if spare is self.spare:
+        self.spare_idle.setdefault(need, []).append(pg)
+        self.counters["spare_pages_made"] += 1
+      # else: promoted or lost meanwhile; a promoted browser's page is owned by no one: the GC takes it
+
+  def spare_info(self) -> dict | None:
+    """{pid, up, pages, pss_mb} of the standby browser, or None. pss_mb: proportional set size (MiB)
+    of its process and children (Linux /proc smaps_rollup; shared pages split, so unlike RSS the
+    sum over processes is not inflated by the shared Chromium binary); 0.0 where unreadable."""
+    if self.spare is None:
+      return None
+    return {"pid": self.spare.pid, "up": self.spare.up(), "pages": sum(map(len, self.spare_idle.values())),
+            "pss_mb": round(_tree_pss_bytes(self.spare.pid) / 2**20, 1)}
 
   def _on_disconnected(self, slot: _Slot, gen: int) -> None:
     if self._stopping or gen != slot.generation:
@@ -427,6 +557,7 @@ class BrowserSandbox:
     self.counters["opened"] += 1
     self.metrics.events.labels("opened").inc()
     self.events.add("session_opened", session=sid, browser=slot.index, task=task, seed=seed, reused=reused)
+    self._kick_warmer()
     async with s.lock:
       obs = await self._observation(s, 0.0, {})
       s.last_used = time.monotonic()  # idle (lease) time counts from the end of a call
@@ -455,7 +586,12 @@ class BrowserSandbox:
     return slot
 
   async def _new_page(self, slot: _Slot, task: str) -> _Page:
-    browser = await self._ensure(slot)
+    if slot.index >= len(self.slots):  # the standby: never relaunched here (a lost one is replaced)
+      if not slot.browser.is_connected():
+        raise PlaywrightError("standby browser disconnected")
+      browser = slot.browser
+    else:
+      browser = await self._ensure(slot)
     ts = tasks.get(task)
     ctx = await browser.new_context(viewport={"width": ts.width, "height": ts.height}, device_scale_factor=1,
                                     timezone_id="UTC", locale="en-US")
@@ -685,13 +821,15 @@ class BrowserSandbox:
 
   def health(self) -> dict:
     """{ok, sessions, config, browsers: [{index, pid, up, generation, sessions, pages}], idle_pages,
-    **counters}; ok is False when no browser is connected."""
+    spare_pages, spare ({pid, up, pages, pss_mb} of the standby browser or None), **counters}; ok is
+    False when no browser is connected."""
     browsers = [{"index": s.index, "pid": s.pid, "up": s.up(), "generation": s.generation,
                  "sessions": s.sessions, "pages": len(s.browser.contexts) if s.up() else 0} for s in self.slots]
     return {"ok": any(b["up"] for b in browsers), "sessions": len(self.sessions), "step_ms": self.step_ms,
             "lease_s": self.lease_s, "max_sessions": self.max_sessions, "n_browsers": len(self.slots),
             "page_timeout_s": self.page_timeout_s, "browsers": browsers,
-            "idle_pages": sum(map(len, self.idle.values())), **self.counters}
+            "idle_pages": sum(map(len, self.idle.values())), "spare_pages": self.spare_pages,
+            "spare": self.spare_info(), **self.counters}
 
   def metrics_text(self) -> bytes:
     """Prometheus text exposition of the sandbox metrics."""
@@ -831,6 +969,25 @@ async def _close_browser(browser) -> None:
       await browser.close()
   except (PlaywrightError, TimeoutError):
     pass
+
+
+def _tree_pss_bytes(pid: int | None) -> int:
+  """PSS (bytes) of process `pid` and its descendants from /proc/<pid>/smaps_rollup; 0 if unknown."""
+  if pid is None:
+    return 0
+  total = 0
+  try:
+    procs = [psutil.Process(pid)]
+    procs += procs[0].children(recursive=True)
+  except psutil.Error:
+    return 0
+  for p in procs:
+    try:
+      with open(f"/proc/{p.pid}/smaps_rollup") as f:
+        total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
+    except (OSError, StopIteration, ValueError):
+      pass
+  return total
 
 
 def _pid_alive(pid: int) -> bool:

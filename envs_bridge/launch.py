@@ -115,7 +115,7 @@ def launch_server(module: str = "envs_bridge.browser.server", port: int | None =
                   host: str = "127.0.0.1", step_ms: int = 1000, lease_s: float = 300.0,
                   max_sessions: int = 64, wait_s: float = 30.0, log_path: str | None = None,
                   extra_args: tuple[str, ...] = (), n_browsers: int = 1, page_timeout_s: float = 60.0,
-                  gc_interval_s: float = 30.0, token: str | None = None) -> ServerHandle:
+                  gc_interval_s: float = 30.0, token: str | None = None, spare_pages: int = 0) -> ServerHandle:
   """Runs `python -m <module> --host H --port N --step-ms .. --lease-s .. --max-sessions ..` and waits
   until GET /health answers 200.
 
@@ -123,8 +123,9 @@ def launch_server(module: str = "envs_bridge.browser.server", port: int | None =
     port: None picks a free port. host: interface to bind (the URL uses it; 0.0.0.0 -> 127.0.0.1).
     wait_s: seconds to wait for /health. log_path: server stdout+stderr (default: a temp file,
       deleted on stop). extra_args: more command-line flags for the module.
-    n_browsers, page_timeout_s, gc_interval_s: browser-server flags (`--browsers`, ...), passed only
-      when they differ from the defaults (other server modules need not know them).
+    n_browsers, page_timeout_s, gc_interval_s, spare_pages: browser-server flags (`--browsers`, ...,
+      `--spare-pages`: a standby Chromium with that many pre-made pages for fast crash recovery),
+      passed only when they differ from the defaults (other server modules need not know them).
     token: bearer token the server requires (passed in its environment as `protocol.TOKEN_ENV`, never on
       its command line, which every user can read); None: inherit that env var from this process
       ('' there or unset: no token, and then the server binds loopback only). `.token` of the handle.
@@ -143,7 +144,7 @@ def launch_server(module: str = "envs_bridge.browser.server", port: int | None =
   cmd = [sys.executable, "-m", module, "--host", host, "--port", str(port), "--step-ms", str(int(step_ms)),
          "--lease-s", str(lease_s), "--max-sessions", str(max_sessions)]
   for flag, value, default in (("--browsers", n_browsers, 1), ("--page-timeout-s", page_timeout_s, 60.0),
-                               ("--gc-interval-s", gc_interval_s, 30.0)):
+                               ("--gc-interval-s", gc_interval_s, 30.0), ("--spare-pages", spare_pages, 0)):
     if value != default:
       cmd += [flag, str(value)]
   cmd += list(extra_args)
@@ -169,9 +170,10 @@ def launch_server(module: str = "envs_bridge.browser.server", port: int | None =
 
 
 @contextlib.contextmanager
-def sandbox_fleet(urls, step_ms: int = 1000, lease_s: float = 300.0, token: str | None = None):
+def sandbox_fleet(urls, step_ms: int = 1000, lease_s: float = 300.0, token: str | None = None,
+                  spare_pages: int = 0):
   """(event loop, [SandboxClient]) over the servers at `urls`, or over one browser server launched
-  here (`launch_server(step_ms=, lease_s=)`) when `urls` is empty. On exit the clients, the loop and
+  here (`launch_server(step_ms=, lease_s=, spare_pages=)`) when `urls` is empty. On exit the clients, the loop and
   the launched server are closed — also when the body raises (a trainer's SIGTERM unwinds through here).
 
   token: bearer token of the servers (and of the one launched here); None: the env var
@@ -181,7 +183,7 @@ def sandbox_fleet(urls, step_ms: int = 1000, lease_s: float = 300.0, token: str 
   server = None
   urls = list(urls or ())
   if not urls:
-    server = launch_server(step_ms=step_ms, lease_s=lease_s, token=token)
+    server = launch_server(step_ms=step_ms, lease_s=lease_s, token=token, spare_pages=spare_pages)
     urls = [server.url]
   loop = asyncio.new_event_loop()
   clients = [SandboxClient(u, token=token) for u in urls]

@@ -65,7 +65,8 @@ def evaluate(run: str, tasks: list[str] | None, episodes: int, step: int | None 
   policy = parts.batched_policy(state["policy"], batch_size=sessions, seed=config.seed + 7)
   jobs = eval_jobs(tasks, episodes, config.env.eval_seed_offset)
   results = []
-  with sandbox_fleet(servers, config.env.step_ms, config.env.lease_s) as (loop, clients):
+  with sandbox_fleet(servers, config.env.step_ms, config.env.lease_s,
+                     spare_pages=config.env.get("spare_pages", 0)) as (loop, clients):
     for s in tqdm(range(0, len(jobs), sessions), desc="eval", unit="batch"):
       results += loop.run_until_complete(run_episodes(
           policy.act, clients, jobs[s:s + sessions], parts.loop_cfg, parts.tokenizer, version=step,

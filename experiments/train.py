@@ -79,7 +79,8 @@ def main(argv):
   # Training loop.
   # ----------------------------------------------------------------------------------------------
   # Sandbox servers: the configured fleet, or one local server subprocess (stopped on any exit).
-  with sandbox_fleet(config.env.servers, config.env.step_ms, config.env.lease_s) as (loop, clients):
+  with sandbox_fleet(config.env.servers, config.env.step_ms, config.env.lease_s,
+                     spare_pages=config.env.get("spare_pages", 0)) as (loop, clients):
     t_start, it = time.time(), start_iter
     bar = tqdm(total=config.iterations, initial=start_iter, desc=config.rl.algo, unit="it", dynamic_ncols=True)
     tasks, n = tuple(config.tasks), config.env.num_sessions

@@ -75,7 +75,8 @@ def main(argv):
   # ----------------------------------------------------------------------------------------------
   # Rollouts of the fixed policy -> critic updates until the stop rule holds.
   # ----------------------------------------------------------------------------------------------
-  with sandbox_fleet(config.env.servers, config.env.step_ms, config.env.lease_s) as (loop, clients):
+  with sandbox_fleet(config.env.servers, config.env.step_ms, config.env.lease_s,
+                     spare_pages=config.env.get("spare_pages", 0)) as (loop, clients):
     t_start, streak, reason, it, m = time.time(), 0, "max_iterations", 0, {}
     tasks, n = tuple(config.tasks), config.env.num_sessions
     try:

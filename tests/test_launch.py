@@ -54,3 +54,22 @@ def test_server_dies_with_a_killed_parent():
     parent.kill()
     if server_pid is not None and _alive(server_pid):  # clean up after a failure
       os.killpg(server_pid, signal.SIGKILL)
+
+
+def test_config_spare_pages_reaches_the_server():
+  """`env.spare_pages` of a config goes through `sandbox_fleet` to the server's standby browser: a page
+  opened makes the standby build one for its task (read back from /health)."""
+  import httpx
+
+  from envs_bridge.launch import sandbox_fleet
+  with sandbox_fleet((), spare_pages=2) as (loop, clients):
+    c = clients[0]
+    sid = loop.run_until_complete(c.open("miniwob/click-test", seed=1))[0]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # the standby builds its pages in the background
+      h = httpx.get(c.base_url + "/health", timeout=5).json()
+      if h["spare"] and h["spare"]["pages"] >= 1:
+        break
+      time.sleep(0.2)
+    assert h["spare_pages"] == 2 and h["spare"]["up"] and h["spare"]["pages"] == 1, h
+    loop.run_until_complete(c.close(sid))

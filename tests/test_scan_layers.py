@@ -295,6 +295,7 @@ def test_bad_tensor_shape_names_tensor_and_shapes_when_scanned(hf_pair, tmp_path
 
 # --- 8 simulated devices (subprocess) ------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_scanned_loss_and_grads_on_mesh_equal_single_device(tmp_path):
   out = tmp_path / "scan_mesh.json"
   env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="--xla_force_host_platform_device_count=8",

@@ -8,7 +8,7 @@ cross-entropy + 0.01 * MoE aux loss over a [batch, seq] batch with one image per
 compiled for abstract parameters (`nnx.eval_shape`: nothing is initialised or run). Columns: seconds
 to trace + lower to StableHLO, seconds for XLA to compile, and the size of the lowered module text
 (the unrolled step grows with depth; the scanned one should not). One process, cold caches per row
-(each depth/scan pair is a different function); no timings are asserted anywhere.
+(each depth/scan pair is a different function) after one untimed warm-up compile; no timings are asserted anywhere.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ def main(argv):
   del argv
   print(f"jax {jax.__version__} on {jax.devices()[0].platform}; batch {_BATCH.value} x seq {_SEQ.value}, "
         f"remat {_REMAT.value}")
+  compile_seconds(ModelConfig.tiny(layers=1), _BATCH.value, _SEQ.value)  # untimed: one-time JAX/XLA warm-up
   print(f"{'layers':>6} {'scan':>5} {'lower s':>8} {'compile s':>10} {'HLO chars':>10}")
   for n in (int(x) for x in _LAYERS.value):
     for scan in (False, True):

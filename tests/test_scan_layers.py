@@ -1,4 +1,4 @@
-"""Scanned decoder layers (`ModelConfig.scan_layers`): the stacked, `nnx.scan`-ned decoder is the
+"""Scanned decoder layers (`ModelConfig.scan_layers`): the stacked, `lax.scan`-ned decoder is the
 same function as the unrolled one.
 
 With the same weights (the unscanned parameters stacked by `decoder.stack_layer_arrays`): logits

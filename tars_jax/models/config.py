@@ -58,7 +58,7 @@ class ModelConfig:
   Memory knobs: `dtype = "bfloat16"` (activations), `remat` in `REMAT_POLICIES` (per decoder layer
   and vision block: "none", "full" recompute, or "dots" = keep matmul outputs, recompute the rest);
   `scan_layers = True`: the decoder layers are one stacked module (every parameter gets a leading
-  [layers] axis, logical name "layers") run by `nnx.scan`, so the step compiles one layer body
+  [layers] axis, logical name "layers") run by `jax.lax.scan`, so the step compiles one layer body
   instead of `layers` unrolled copies (compile time and HLO size independent of depth, as maxtext's
   `scan_layers`); same outputs and gradients, the KV cache is stacked [layers, B, S, KV, hd]. Every
   layer must then have the same structure: a mix of dense and MoE layers (`decoder_sparse_step > 1`,

@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from tars_jax.models.config import ModelConfig
@@ -158,7 +158,7 @@ class Decoder(nnx.Module):
   """Embedded inputs -> decoder layers -> final RMSNorm (no embedding, no head).
 
   `layers`: an `nnx.List` of `DecoderLayer`s, or with `cfg.scan_layers` one `DecoderLayer` of
-  stacked parameters (`stacked_layers`) applied by `nnx.scan` (one compiled layer body)."""
+  stacked parameters (`stacked_layers`) applied by `jax.lax.scan` (one compiled layer body)."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg
@@ -232,6 +232,7 @@ class Decoder(nnx.Module):
 
     x, (routers, kv) = jax.lax.scan(body, x, (state, kv, jnp.arange(cfg.layers)))
     return x, routers, kv
+
 
 def split_layer_path(path: tuple):
   """(prefix up to and including "layers", layer index, rest) of an unscanned per-layer path

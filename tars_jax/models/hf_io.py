@@ -343,7 +343,7 @@ def save_pretrained(model: HFModel, path: str) -> None:
   cfg = model.cfg
   config_to_hf(cfg).save_pretrained(path)
   state = nnx.state(model, nnx.Param)
-  flat = {tuple(p): np.asarray(v.value, np.float32) for p, v in nnx.to_flat_state(state)}
+  flat = {tuple(p): np.asarray(v.get_value(), np.float32) for p, v in nnx.to_flat_state(state)}
   if cfg.scan_layers:  # stacked [layers, ...] parameters -> one entry per layer
     flat = unstack_layer_arrays(flat, {p for p in flat if p[:4] == _DECODER_LAYERS})
   tensors = {}

@@ -3,7 +3,7 @@ same function as the unrolled one.
 
 With the same weights (the unscanned parameters stacked by `decoder.stack_layer_arrays`): logits
 within 1e-5 (float32), the same MoE aux loss and `moe_stats`, and the same gradients (unstacked
-back per layer) for qwen3_vl_moe (MoE layers, DeepStack after layers 0 and 1) and qwen2_5_vl
+back per layer) for qwen3_vl_moe (MoE layers, DeepStack after layer 0; after layers 0 and 1 in the checkpoint tests) and qwen2_5_vl
 (dense Qwen2 layers with biases), with remat "none" / "full" / "dots". A transformers checkpoint
 loads into the stacked layout (`load_pretrained(..., scan_layers=True)`), greedy KV-cache decoding
 gives transformers `generate`'s tokens, and `save_pretrained` writes a directory transformers
@@ -34,12 +34,14 @@ LAYERS = ("trunk", "decoder", "layers")
 
 
 def _cfg(family, **kw):
-  """Tiny 3-layer model of `family` on 56x56 images (4 merged tokens per image)."""
-  base = dict(image_h=56, image_w=56, vision_hidden=32, vision_depth=2, vision_heads=2, vision_mlp=64,
+  """Tiny 3-layer model of `family` on 56x56 images (4 merged tokens per image), one vision block
+  (qwen3_vl_moe: its DeepStack level added after decoder layer 0 only; the two-level case is the
+  transformers checkpoint's below)."""
+  base = dict(image_h=56, image_w=56, vision_hidden=32, vision_depth=1, vision_heads=2, vision_mlp=64,
               hidden=64, layers=3, heads=4, kv_heads=2, head_dim=16, experts=4, top_k=2, moe_intermediate=32,
-              dense_intermediate=96, deepstack_visual_indexes=(0, 1))
+              dense_intermediate=96, deepstack_visual_indexes=(0,))
   if family == "qwen2_5_vl":
-    base.update(family=family, experts=0, deepstack_visual_indexes=(), window_size=28, fullatt_block_indexes=(1,))
+    base.update(family=family, experts=0, deepstack_visual_indexes=(), window_size=28)
   base.update(kw)
   return ModelConfig(**base)
 

@@ -57,6 +57,7 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.model.norm_topk_prob = True
   c.model.decoder_sparse_step = 1
   c.model.rope_theta = 10000.0
+  c.model.scan_layers = False  # True: decoder layers stacked and run by lax.scan (ModelConfig docstring)
 
   # --- Output grammar (tars_jax/agent/grammar.py) ----------------------------------------------------
   c.grammar = mlc.ConfigDict()

@@ -58,7 +58,13 @@ class ModelConfig:
   sections. `image_mean` / `image_std` normalise [0, 1] pixels (None: the family's processor
   default, 0.5 / 0.5 for qwen3_vl_moe, CLIP's for qwen2_5_vl).
   Memory knobs: `dtype = "bfloat16"` (activations), `remat` in `REMAT_POLICIES` (per decoder layer
-  and vision block: "none", "full" recompute, or "dots" = keep matmul outputs, recompute the rest).
+  and vision block: "none", "full" recompute, or "dots" = keep matmul outputs, recompute the rest);
+  `scan_layers = True`: the decoder layers are one stacked module (every parameter gets a leading
+  [layers] axis, logical name "layers") run by `jax.lax.scan`, so the step compiles one layer body
+  instead of `layers` unrolled copies (compile time and HLO size independent of depth, as maxtext's
+  `scan_layers`); same outputs and gradients, the KV cache is stacked [layers, B, S, KV, hd]. Every
+  layer must then have the same structure: a mix of dense and MoE layers (`decoder_sparse_step > 1`,
+  `mlp_only_layers`) raises ValueError here rather than scanning over periods.
   MoE compute: `moe_impl` in `MOE_IMPLS` ("dense": exact reference, all experts on all tokens;
   "ragged": dropless grouped matmuls over tokens sorted by expert, same outputs and gradients;
   "blocked": the same grouping padded to blocks of rows with one expert each, as batched matmuls:
@@ -108,6 +114,7 @@ class ModelConfig:
   remat: str = "none"
   moe_impl: str = "dense"
   moe_capacity_factor: float | None = None
+  scan_layers: bool = False
 
   def __post_init__(self):
     if self.remat not in REMAT_POLICIES:
@@ -146,6 +153,13 @@ class ModelConfig:
     if self.mrope_section is not None and sum(self.mrope_section) != self.head_dim // 2:
       raise ValueError(f"mrope_section {self.mrope_section} must sum to head_dim / 2 = {self.head_dim // 2}")
     jnp.dtype(self.dtype)  # raises TypeError for an unknown dtype name
+    if self.scan_layers:
+      kinds = {self.is_sparse(i) for i in range(self.layers)}
+      if len(kinds) > 1:  # one scanned body = one layer structure; mixed dense/MoE stacks cannot scan
+        dense = [i for i in range(self.layers) if not self.is_sparse(i)]
+        raise ValueError(f"scan_layers=True needs every decoder layer to have the same structure, but layers "
+                         f"{dense} are dense and the others MoE (decoder_sparse_step={self.decoder_sparse_step}, "
+                         f"mlp_only_layers={self.mlp_only_layers}); set scan_layers=False")
 
   @classmethod
   def tiny(cls, **overrides) -> "ModelConfig":

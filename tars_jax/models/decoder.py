@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from tars_jax.models.config import ModelConfig
@@ -23,8 +24,9 @@ _NEG = -1e9  # finite mask value: fully masked (padding) query rows stay NaN-fre
 class KVCache(NamedTuple):
   """Explicit KV cache (a pytree, static shapes).
 
-  k, v: one [B, S, KV, head_dim] array per layer (activation dtype); mask: [B, S] bool, True on
-  slots holding a real (non-padding) token that later queries may attend to.
+  k, v: one [B, S, KV, head_dim] array per layer (activation dtype), or with `cfg.scan_layers` one
+  stacked [layers, B, S, KV, head_dim] array each; mask: [B, S] bool, True on slots holding a real
+  (non-padding) token that later queries may attend to.
   """
   k: tuple
   v: tuple
@@ -32,8 +34,11 @@ class KVCache(NamedTuple):
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int) -> KVCache:
-  """Empty cache of `length` slots: zeros, mask all False."""
+  """Empty cache of `length` slots: zeros, mask all False (stacked k / v under `cfg.scan_layers`)."""
   shape = (batch, length, cfg.kv_heads, cfg.head_dim)
+  if cfg.scan_layers:
+    z = jnp.zeros((cfg.layers,) + shape, cfg.jdtype)
+    return KVCache(z, z, jnp.zeros((batch, length), bool))
   z = tuple(jnp.zeros(shape, cfg.jdtype) for _ in range(cfg.layers))
   return KVCache(z, z, jnp.zeros((batch, length), bool))
 
@@ -132,12 +137,35 @@ def remat_call(cfg: ModelConfig, block, *args):
   return nnx.remat(lambda b, *a: b(*a), policy=policy)(block, *args)
 
 
+LAYERS_AXIS = {nnx.PARTITION_NAME: "layers"}  # logical name of the stacked layer axis (rule: replicated)
+
+
+def stacked_layers(cfg: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
+  """`cfg.layers` decoder layers as one `DecoderLayer` whose parameters are stacked on a leading
+  [layers] axis (logical axis "layers" prepended to each `out_sharding`), built by `nnx.vmap` over
+  `cfg.layers` split keys (flax "scan over layers" recipe). Every layer has layer 0's structure
+  (`ModelConfig` rejects mixed dense/MoE stacks when `scan_layers` is set)."""
+
+  @nnx.split_rngs(splits=cfg.layers)
+  @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata=LAYERS_AXIS)
+  def make(r):
+    return DecoderLayer(cfg, 0, r)
+
+  return make(rngs)
+
+
 class Decoder(nnx.Module):
-  """Embedded inputs -> decoder layers -> final RMSNorm (no embedding, no head)."""
+  """Embedded inputs -> decoder layers -> final RMSNorm (no embedding, no head).
+
+  `layers`: an `nnx.List` of `DecoderLayer`s, or with `cfg.scan_layers` one `DecoderLayer` of
+  stacked parameters (`stacked_layers`) applied by `jax.lax.scan` (one compiled layer body)."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg
-    self.layers = nnx.List([DecoderLayer(cfg, i, rngs) for i in range(cfg.layers)])
+    if cfg.scan_layers:
+      self.layers = stacked_layers(cfg, rngs)
+    else:
+      self.layers = nnx.List([DecoderLayer(cfg, i, rngs) for i in range(cfg.layers)])
     self.norm = nnx.RMSNorm(cfg.hidden, epsilon=cfg.rms_eps, dtype=cfg.jdtype, rngs=rngs, scale_metadata=ax("norm"))
 
   def __call__(self, x, positions, attn_mask, cache: KVCache | None = None, cache_index=0, deepstack=None):
@@ -149,8 +177,9 @@ class Decoder(nnx.Module):
     With cache: the L tokens go to slots cache_index.. (their `attn_mask` is recorded in
     `cache.mask`) and attend causally over all valid cache slots; cache_index is an int32 scalar
     or a [B] per-row cursor.
-    Returns (hidden [B, L, D], routers: list of (probs [B*L, E], idx [B*L, k]) of MoE layers,
-    new cache or None).
+    Returns (hidden [B, L, D], routers, new cache or None); routers: None for a dense model, else
+    the router outputs of the n MoE layers stacked: (probs [n, B*L, E], idx [n, B*L, k]) plus, with
+    a capacity factor, dropped [n] float32.
     """
     cfg = self.cfg
     cos, sin = mrope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, cfg.sections, cfg.interleaved_mrope)
@@ -159,6 +188,10 @@ class Decoder(nnx.Module):
       key_mask = write_slots(cache.mask, attn_mask, cache_index)
     else:
       key_mask = attn_mask
+    if cfg.scan_layers:
+      x, routers, kv = self._scan(x, cos, sin, key_mask, cache, cache_index, deepstack)
+      new_cache = None if cache is None else KVCache(kv[0], kv[1], key_mask)
+      return self.norm(x), routers, new_cache
     routers, ks, vs = [], [], []
     for i, layer in enumerate(self.layers):
       kv = None if cache is None else (cache.k[i], cache.v[i])
@@ -172,4 +205,73 @@ class Decoder(nnx.Module):
         ks.append(kv[0])
         vs.append(kv[1])
     new_cache = None if cache is None else KVCache(tuple(ks), tuple(vs), key_mask)
+    routers = tuple(jnp.stack(a) for a in zip(*routers)) if routers else None
     return self.norm(x), routers, new_cache
+
+  def _scan(self, x, cos, sin, key_mask, cache, cache_index, deepstack):
+    """The stacked layers under `jax.lax.scan`: x is the carry; the layer parameters (the split
+    state of the stacked module, merged back into one layer per step), the cache's k / v
+    ([layers, B, S, KV, hd]) and the layer index are scanned; DeepStack [n, B, L, D] is closed over
+    and level i added after layer i < n (`jnp.where` with 0 elsewhere: exact). Remat, if any, wraps
+    the body (inside the scan, as maxtext). Returns (x, stacked routers or None, (k, v) or None).
+
+    A plain `lax.scan` over `nnx.split` state rather than `nnx.scan`: the sampler calls the model
+    inside a `lax.while_loop` body that closes over it, and `nnx.scan` refuses modules whose
+    variables belong to an outer trace."""
+    cfg = self.cfg
+    n_deep = 0 if deepstack is None else deepstack.shape[0]
+    kv = None if cache is None else (cache.k, cache.v)
+    graphdef, state = nnx.split(self.layers)
+
+    def body(x, xs):
+      st, kv, i = xs
+      x, r, kv = remat_call(cfg, nnx.merge(graphdef, st), x, cos, sin, key_mask, kv, cache_index)
+      if n_deep:
+        x = x + jnp.where(i < n_deep, deepstack[jnp.minimum(i, n_deep - 1)], 0).astype(x.dtype)
+      return constrain(x, HIDDEN), (r, kv)
+
+    x, (routers, kv) = jax.lax.scan(body, x, (state, kv, jnp.arange(cfg.layers)))
+    return x, routers, kv
+
+
+def split_layer_path(path: tuple):
+  """(prefix up to and including "layers", layer index, rest) of an unscanned per-layer path
+  (... "layers", i, ...), else None."""
+  for j in range(len(path) - 1):
+    if path[j] == "layers" and isinstance(path[j + 1], int):
+      return path[:j + 1], path[j + 1], path[j + 2:]
+  return None
+
+
+def stack_layer_arrays(flat) -> dict:
+  """Unscanned flat parameters {path: array} (paths `... "layers", i, ...` from `nnx.to_flat_state`)
+  -> the scanned layout {path without i: [layers, ...] stacked array}; other entries unchanged.
+  Arrays may be numpy or jax. Raises ValueError if a layer's entry is missing."""
+  out, groups = {}, {}
+  for path, a in flat.items():
+    sp = split_layer_path(tuple(path))
+    if sp is None:
+      out[tuple(path)] = a
+    else:
+      groups.setdefault(sp[0] + sp[2], {})[sp[1]] = a
+  for path, by_layer in groups.items():
+    if sorted(by_layer) != list(range(len(by_layer))):
+      raise ValueError(f"{path}: layers {sorted(by_layer)} are not 0 .. {len(by_layer) - 1}")
+    parts = [by_layer[i] for i in range(len(by_layer))]
+    out[path] = (np.stack if isinstance(parts[0], np.ndarray) else jnp.stack)(parts)
+  return out
+
+
+def unstack_layer_arrays(flat, layer_paths) -> dict:
+  """Inverse of `stack_layer_arrays`: `layer_paths` are the stacked paths (those under the
+  decoder's "layers"); each [layers, ...] array becomes entries (... "layers", i, ...)."""
+  out = {}
+  for path, a in flat.items():
+    path = tuple(path)
+    if path not in layer_paths:
+      out[path] = a
+      continue
+    j = path.index("layers")
+    for i in range(a.shape[0]):
+      out[path[:j + 1] + (i,) + path[j + 1:]] = a[i]
+  return out

@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from tars_jax.models.config import FAMILIES, ModelConfig
+from tars_jax.models.decoder import split_layer_path, unstack_layer_arrays
 from tars_jax.models.hf_model import HFModel
 from tars_jax import sharding as sharding_lib
 
@@ -255,7 +256,9 @@ def load_pretrained(path: str, mesh: jax.sharding.Mesh | None = None, dtype=jnp.
   layout, cast to `dtype` and `device_put` to its target: with a mesh, the NamedSharding the
   logical-axis `rules` (`tars_jax.sharding`, default `DEFAULT_RULES`) give the parameter, or
   `partition(name, shape)` when that callable is given; without a mesh, the default device.
-  `overrides` replace ModelConfig fields (e.g. image_h / image_w of the `Policy` path, `moe_impl`).
+  `overrides` replace ModelConfig fields (e.g. image_h / image_w of the `Policy` path, `moe_impl`,
+  `scan_layers=True`: the per-layer checkpoint tensors are stacked on the host into the
+  [layers, ...] parameters, then each stacked parameter is `device_put` to its sharding).
   Raises CheckpointMismatch naming the tensor and both shapes (or the missing / unexpected
   tensors), ValueError listing the known families for an unknown model_type, ShardingError when
   a mesh axis does not divide a parameter's dimension.
@@ -265,11 +268,12 @@ def load_pretrained(path: str, mesh: jax.sharding.Mesh | None = None, dtype=jnp.
     cfg = config_from_hf(json.load(f), dtype=jnp.dtype(dtype).name, **overrides)
   abstract = nnx.eval_shape(lambda: HFModel(cfg, nnx.Rngs(0)))
   graphdef, state = nnx.split(abstract)
-  specs = {t.hf_name: t for t in tensor_map(state, cfg.temporal_patch_size, cfg.family)}
+  specs = {t.hf_name: t for t in tensor_map(_per_layer_state(cfg, state), cfg.temporal_patch_size, cfg.family)}
   targets = None
   if mesh is not None and partition is None:  # each parameter's sharding from its logical axes
     targets = {tuple(p): v.value for p, v in nnx.to_flat_state(sharding_lib.logical_to_sharding(state, mesh, rules))}
   values: dict[tuple, jax.Array] = {}
+  pending: dict[tuple, dict[int, np.ndarray]] = {}  # scan_layers: per-layer host arrays until all are read
   seen = set()
   for file in _weight_files(path):
     with safe_open(file, framework="flax") as f:
@@ -290,10 +294,20 @@ def load_pretrained(path: str, mesh: jax.sharding.Mesh | None = None, dtype=jnp.
           raise CheckpointMismatch(f"tensor {file_name!r}: checkpoint shape {tuple(a.shape)}, model expects "
                                    f"{spec.hf_shape}")
         for p, x in zip(spec.paths, parts):
+          sp = split_layer_path(p) if cfg.scan_layers else None
+          if sp is not None:  # stack on the host, place once all layers are in
+            p = sp[0] + sp[2]
+            pending.setdefault(p, {})[sp[1]] = x
+            if len(pending[p]) < cfg.layers:
+              continue
+            by_layer = pending.pop(p)
+            x = np.stack([by_layer[i] for i in range(cfg.layers)])
           if mesh is None:
             sharding = None
           elif partition is not None:
-            sharding = jax.sharding.NamedSharding(mesh, partition(name, x.shape))
+            spec_ = partition(name, x.shape[1:] if sp is not None else x.shape)
+            sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, *spec_) if sp is not None
+                                                  else spec_)
           else:
             sharding = targets[p]
           x = jnp.asarray(x, dtype) if sharding is None else x.astype(jnp.dtype(dtype))
@@ -308,6 +322,18 @@ def load_pretrained(path: str, mesh: jax.sharding.Mesh | None = None, dtype=jnp.
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
+_DECODER_LAYERS = ("policy", "trunk", "decoder", "layers")
+
+
+def _per_layer_state(cfg: ModelConfig, state):
+  """`state` itself, or for `cfg.scan_layers` the abstract state of the same model with unscanned
+  layers (per-layer paths `... "layers", i, ...`), the layout the checkpoint names follow."""
+  if not cfg.scan_layers:
+    return state
+  cfg_u = dataclasses.replace(cfg, scan_layers=False)
+  return nnx.state(nnx.eval_shape(lambda: HFModel(cfg_u, nnx.Rngs(0))), nnx.Param)
+
+
 def save_pretrained(model: HFModel, path: str) -> None:
   """Writes config.json + model.safetensors (float32, transformers' in-memory layout) that
   `Qwen3VLMoeForConditionalGeneration` / `Qwen2_5_VLForConditionalGeneration.from_pretrained(path)`
@@ -317,10 +343,12 @@ def save_pretrained(model: HFModel, path: str) -> None:
   cfg = model.cfg
   config_to_hf(cfg).save_pretrained(path)
   state = nnx.state(model, nnx.Param)
-  flat = {tuple(p): v for p, v in nnx.to_flat_state(state)}
+  flat = {tuple(p): np.asarray(v.get_value(), np.float32) for p, v in nnx.to_flat_state(state)}
+  if cfg.scan_layers:  # stacked [layers, ...] parameters -> one entry per layer
+    flat = unstack_layer_arrays(flat, {p for p in flat if p[:4] == _DECODER_LAYERS})
   tensors = {}
-  for spec in tensor_map(state, cfg.temporal_patch_size, cfg.family):
-    a = spec.to_hf(*[np.asarray(flat[p].value, np.float32) for p in spec.paths])
+  for spec in tensor_map(_per_layer_state(cfg, state), cfg.temporal_patch_size, cfg.family):
+    a = spec.to_hf(*[flat[p] for p in spec.paths])
     tensors[spec.hf_name] = np.ascontiguousarray(a)
   save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
 

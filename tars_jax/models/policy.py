@@ -77,16 +77,15 @@ class Trunk(nnx.Module):
     x = constrain(x, HIDDEN)
     ci = 0 if cache_index is None else cache_index
     h, routers, cache = self.decoder(x, positions, attn_mask, cache, ci, deep)
-    if routers:
-      probs = jnp.stack([r[0] for r in routers])
-      idx = jnp.stack([r[1] for r in routers])
-      aux = load_balance_loss(probs, idx, self.cfg.experts, attn_mask.reshape(-1))
+    if routers is not None:
+      aux = load_balance_loss(routers[0], routers[1], self.cfg.experts, attn_mask.reshape(-1))
     else:
       aux = jnp.zeros((), jnp.float32)
     if not moe_stats:
       return h, aux, cache
-    dropped = sum((r[2] for r in routers if len(r) > 2), jnp.zeros((), jnp.float32))
-    assigned = jnp.float32(sum(r[1].size for r in routers))
+    no = jnp.zeros((), jnp.float32)
+    dropped = no if routers is None or len(routers) < 3 else jnp.sum(routers[2])
+    assigned = jnp.float32(0 if routers is None else routers[1].size)
     return h, aux, cache, {"moe_dropped": dropped, "moe_assignments": assigned}
 
   def init_cache(self, batch: int, length: int) -> KVCache:

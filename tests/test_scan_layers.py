@@ -167,20 +167,11 @@ def test_stacked_kv_cache_layout():
 def _hf_model():
   """A tiny transformers Qwen3-VL-MoE, all layers MoE, DeepStack on both vision blocks, visible norms."""
   import torch
-  from transformers import AutoModelForImageTextToText, Qwen3VLMoeConfig
-  from tars_jax.agent.tokenizer import IMAGE, VISION_END, VISION_START
-  cfg = Qwen3VLMoeConfig(
-      text_config=dict(vocab_size=264, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, moe_intermediate_size=24,
-                       num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
-                       rms_norm_eps=1e-6, initializer_range=0.2,
-                       rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[4, 2, 2],
-                                            mrope_interleaved=True)),
-      vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14,
-                         temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=64,
-                         num_position_embeddings=16, deepstack_visual_indexes=[0, 1], initializer_range=0.2),
-      image_token_id=IMAGE, video_token_id=263, vision_start_token_id=VISION_START,
-      vision_end_token_id=VISION_END, tie_word_embeddings=False)
+  from transformers import AutoModelForImageTextToText
+  from test_hf_parity import _hf_config
+  cfg = _hf_config("qwen3_vl_moe")  # the parity tests' model, with every layer MoE (scannable)
+  cfg.text_config.mlp_only_layers = []
+  cfg.vision_config.num_position_embeddings = 16
   torch.manual_seed(0)
   hf = AutoModelForImageTextToText.from_config(cfg).eval()
   with torch.no_grad():

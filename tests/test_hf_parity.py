@@ -157,6 +157,19 @@ def test_padded_batch_and_policy_api(pair):
 
 
 @pytest.mark.slow
+def hf_greedy(hf, ids, mask, pix, grid, n: int) -> np.ndarray:
+  """transformers `generate`: n greedy tokens [B, n] after the prompts; asserts every step's top-2
+  logit gap > 1e-3, so that an equal sequence from our sampler is not luck."""
+  with torch.no_grad():
+    out = hf.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), pixel_values=torch.tensor(pix),
+                      image_grid_thw=torch.tensor(grid), mm_token_type_ids=torch.tensor((ids == IMAGE).astype(np.int64)),
+                      max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=PAD,
+                      output_scores=True, return_dict_in_generate=True)
+  top2 = np.sort(torch.stack(out.scores, 1).numpy(), -1)[..., -2:]  # [B, n, 2]
+  assert (top2[..., 1] - top2[..., 0]).min() > 1e-3
+  return out.sequences[:, ids.shape[1]:].numpy()
+
+
 def test_greedy_decoding_matches_generate(pair):
   """32 greedy tokens from our KV-cache sampler (left-padded batch, one image per row) equal
   transformers `generate`; every step's top-2 logit gap is checked to be far above 1e-4, so an
@@ -165,15 +178,7 @@ def test_greedy_decoding_matches_generate(pair):
   rng = np.random.default_rng(4)
   ids, mask, pix, grid, images = _inputs(pair, rng, [[(56, 84)], [(56, 84)]], text_len=(2, 9))
   n = 32
-  with torch.no_grad():
-    out = hf.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), pixel_values=torch.tensor(pix),
-                      image_grid_thw=torch.tensor(grid), mm_token_type_ids=torch.tensor((ids == IMAGE).astype(np.int64)),
-                      max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=PAD,
-                      output_scores=True, return_dict_in_generate=True)
-  want = out.sequences[:, ids.shape[1]:].numpy()
-  scores = torch.stack(out.scores, 1).numpy()  # [B, N, V]
-  top2 = np.sort(scores, -1)[..., -2:]
-  assert (top2[..., 1] - top2[..., 0]).min() > 1e-3
+  want = hf_greedy(hf, ids, mask, pix, grid, n)
   imgs = jnp.asarray(np.stack(images)[:, None] / 255.0, jnp.float32)
   gen = sampler.generate(ours.policy, jnp.asarray(ids, jnp.int32), jnp.asarray(mask, bool), imgs, None,
                          jax.random.PRNGKey(0), max_new_tokens=n, temperature=0.0, eos_id=-1, pad_id=PAD)

@@ -219,8 +219,8 @@ def hf_pair(tmp_path_factory):
 def test_load_pretrained_stacks_layers_and_decodes_like_generate(hf_pair):
   """Stacked parameters equal the unscanned load's per layer; 16 greedy KV-cache tokens of the
   scanned model equal the unscanned model's and transformers `generate`'s (top-2 gaps checked)."""
-  import torch
-  from tars_jax.agent.tokenizer import IMAGE, PAD
+  from test_hf_parity import hf_greedy
+  from tars_jax.agent.tokenizer import PAD
   from tars_jax.models import sampler
   hf, _, scn, ref = hf_pair
   assert scn.cfg.scan_layers and not ref.cfg.scan_layers
@@ -231,14 +231,7 @@ def test_load_pretrained_stacks_layers_and_decodes_like_generate(hf_pair):
   ids, mask, images = _prompts(np.random.default_rng(4))
   pix, grid = _hf_pixels(images)
   n = 16
-  with torch.no_grad():
-    out = hf.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), pixel_values=torch.tensor(pix),
-                      image_grid_thw=torch.tensor(grid), mm_token_type_ids=torch.tensor((ids == IMAGE).astype(np.int64)),
-                      max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=PAD,
-                      output_scores=True, return_dict_in_generate=True)
-  want = out.sequences[:, ids.shape[1]:].numpy()
-  top2 = np.sort(torch.stack(out.scores, 1).numpy(), -1)[..., -2:]
-  assert (top2[..., 1] - top2[..., 0]).min() > 1e-3  # an equal sequence is not luck
+  want = hf_greedy(hf, ids, mask, pix, grid, n)  # asserts top-2 gaps: an equal sequence is not luck
   imgs = jnp.asarray(np.stack(images)[:, None] / 255.0, jnp.float32)
   for model in (scn, ref):
     gen = sampler.generate(model.policy, jnp.asarray(ids, jnp.int32), jnp.asarray(mask, bool), imgs, None,

@@ -103,6 +103,31 @@ def test_grouped_moe_matches_dense_outputs_and_gradients(tokens):
       assert float(r_r[2]) == 0.0
 
 
+@pytest.mark.parametrize("balanced", [True, False])
+def test_bounded_moe_both_branches_equal_dense(balanced):
+  """The "blocked" impl's middle regime (decode at batch 16): the [E, C, D] capacity branch when every
+  expert's load fits C, the dense branch when one overflows (a zero router sends every token to
+  experts 0..k-1); both equal the dense reference in outputs and gradients."""
+  cfg = _small_cfg(hidden=64, moe_intermediate=48, experts=8, top_k=2)
+  x = jax.random.normal(jax.random.PRNGKey(3), (2, 8, 64))
+  n, c = 16, moe.capacity(16, 2, 8, moe.DECODE_CAPACITY)
+  assert moe.block_rows(n * 2, 8) == 0 and c < n  # this shape takes the bounded path
+  m = MoE(cfg, nnx.Rngs(0))
+  if not balanced:
+    m.router.kernel[...] = jnp.zeros_like(m.router.kernel[...])
+  _, _, idx = moe.route(m.router(x.reshape(n, 64)), 2, True)
+  assert (int(jnp.bincount(idx.reshape(-1), length=8).max()) <= c) == balanced
+  gd, st = nnx.split(m)
+  blocked = nnx.merge(nnx.split(MoE(dataclasses.replace(cfg, moe_impl="blocked"), nnx.Rngs(0)))[0], st)
+
+  def loss(mod, x):
+    return jnp.sum(jnp.sin(mod(x)[0]))
+
+  (l_d, g_d), (l_b, g_b) = (jax.value_and_grad(loss, argnums=(0, 1))(mod, x) for mod in (m, blocked))
+  assert abs(float(l_d - l_b)) <= TOL
+  assert _maxdiff(g_d, g_b) <= TOL
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(0, 40), min_size=1, max_size=12), st.integers(1, 16))
 def test_block_bound_holds_for_any_routing(sizes, rows):

@@ -63,6 +63,9 @@ def sort_by_expert(idx: jax.Array, num_experts: int):
 # dense all-experts einsum is faster on CPU (one MoE layer, hidden 256, 8 experts top-2, XLA:CPU,
 # 2026-11-23: blocked / dense time 2.5x at 16 tokens, 1.3x at 144, 0.8x at 576).
 MIN_BLOCK_ROWS = 64
+# Between per-token gathers and blocks (e.g. decode at batch 16): an [E, C, D] buffer of
+# C = ceil(DECODE_CAPACITY * N * k / E) rows per expert when every expert's load fits, else dense.
+DECODE_CAPACITY = 2.0
 
 
 def block_rows(assignments: int, num_experts: int) -> int:
@@ -135,7 +138,10 @@ class MoE(nnx.Module):
       return self._dense(flat, w, idx).reshape(b, t, d), (probs, idx)
     if self.impl == "blocked" and block_rows(b * t * self.top_k, self.experts):
       return self._blocked(flat, w, idx).reshape(b, t, d), (probs, idx)
-    if self.impl == "blocked":  # too few tokens per expert for blocks to pay: the dense path
+    if self.impl == "blocked":  # too few tokens per expert for blocks to pay
+      n = b * t
+      if capacity(n, self.top_k, self.experts, DECODE_CAPACITY) < n:
+        return self._bounded(flat, w, idx).reshape(b, t, d), (probs, idx)
       return self._dense(flat, w, idx).reshape(b, t, d), (probs, idx)
     y, dropped = self._grouped(flat, w, idx)
     return y.reshape(b, t, d), ((probs, idx) if dropped is None else (probs, idx, dropped))
@@ -167,8 +173,7 @@ class MoE(nnx.Module):
                   self.w_down[...][block_e].astype(dt))
     h = jax.nn.silu(jnp.einsum("brd,bdi->bri", xs, wg)) * jnp.einsum("brd,bdi->bri", xs, wu)
     ys = jnp.einsum("bri,bid->brd", h, wd).reshape(nb * rows, d)[pos]  # [N*k, D], sorted order
-    inv = jnp.zeros_like(order).at[order].set(jnp.arange(g, dtype=jnp.int32))
-    return jnp.einsum("nkd,nk->nd", ys[inv].reshape(n, k, d), w.astype(dt))
+    return self._combine(ys, order, w)
 
   def _grouped(self, flat, w, idx):
     n, d = flat.shape
@@ -182,20 +187,47 @@ class MoE(nnx.Module):
       h = jax.nn.silu(jax.lax.ragged_dot(xs, wg, sizes)) * jax.lax.ragged_dot(xs, wu, sizes)
       ys = jax.lax.ragged_dot(h, wd, sizes)  # [N*k, D]
     else:
-      c = capacity(n, k, e, self.capacity_factor)
-      start = jnp.cumsum(sizes) - sizes  # first sorted position of each expert's group
-      rank = jnp.arange(n * k, dtype=jnp.int32) - start[sorted_e]  # position within the group
-      keep = rank < c
-      slot = jnp.where(keep, sorted_e * c + rank, e * c)  # dropped -> a spare row, cut off below
-      buf = jnp.zeros((e * c + 1, d), dt).at[slot].set(xs)[:-1].reshape(e, c, d)
-      buf = constrain(buf, ("act_expert", None, "act_embed"))  # the dispatch: [E, C, D] over experts
-      h = jax.nn.silu(jnp.einsum("ecd,edi->eci", buf, wg)) * jnp.einsum("ecd,edi->eci", buf, wu)
-      yb = constrain(jnp.einsum("eci,eid->ecd", h, wd), ("act_expert", None, "act_embed")).reshape(e * c, d)
-      ys = jnp.where(keep[:, None], yb[jnp.minimum(slot, e * c - 1)], 0)
+      ys, keep = self._capacity_mlp(xs, sorted_e, sizes, capacity(n, k, e, self.capacity_factor))
       dropped = jnp.sum(~keep).astype(jnp.float32)
-    inv = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=jnp.int32))  # unsort
-    ys = ys[inv].reshape(n, k, d)
-    return jnp.einsum("nkd,nk->nd", ys, w.astype(dt)), dropped
+    return self._combine(ys, order, w), dropped
+
+  def _capacity_mlp(self, xs, sorted_e, sizes, c: int):
+    """Experts over an [E, C, D] buffer: xs [N*k, D] sorted by expert -> (ys [N*k, D] in the same
+    order, 0 for dropped assignments; keep [N*k] bool: within its expert's first C)."""
+    g, d = xs.shape
+    e, dt = self.experts, self.dtype
+    wg, wu, wd = (self.w_gate[...].astype(dt), self.w_up[...].astype(dt), self.w_down[...].astype(dt))
+    start = jnp.cumsum(sizes) - sizes  # first sorted position of each expert's group
+    rank = jnp.arange(g, dtype=jnp.int32) - start[sorted_e]  # position within the group
+    keep = rank < c
+    slot = jnp.where(keep, sorted_e * c + rank, e * c)  # dropped -> a spare row, cut off below
+    buf = jnp.zeros((e * c + 1, d), dt).at[slot].set(xs.astype(dt))[:-1].reshape(e, c, d)
+    buf = constrain(buf, ("act_expert", None, "act_embed"))  # the dispatch: [E, C, D] over experts
+    h = jax.nn.silu(jnp.einsum("ecd,edi->eci", buf, wg)) * jnp.einsum("ecd,edi->eci", buf, wu)
+    yb = constrain(jnp.einsum("eci,eid->ecd", h, wd), ("act_expert", None, "act_embed")).reshape(e * c, d)
+    return jnp.where(keep[:, None], yb[jnp.minimum(slot, e * c - 1)], 0), keep
+
+  def _combine(self, ys, order, w):
+    """ys [N*k, D] in expert-sorted order -> [N, D]: unsorted, weighted by the routing weights w [N, k]."""
+    g, d = ys.shape
+    n, k = w.shape
+    inv = jnp.zeros_like(order).at[order].set(jnp.arange(g, dtype=jnp.int32))  # unsort
+    return jnp.einsum("nkd,nk->nd", ys[inv].reshape(n, k, d), w.astype(self.dtype))
+
+  def _bounded(self, flat, w, idx):
+    """Exact and dropless: the [E, C, D] capacity path with C = `capacity(N, k, E, DECODE_CAPACITY)`
+    when no expert got more than C assignments, else (`lax.cond`, one branch runs) the dense path.
+    E * C rows instead of the dense path's N * E."""
+    n, _ = flat.shape
+    k, e = self.top_k, self.experts
+    c = capacity(n, k, e, DECODE_CAPACITY)
+    order, sorted_e, sizes = sort_by_expert(idx, e)
+
+    def capped(_):
+      ys, _ = self._capacity_mlp(flat[order // k], sorted_e, sizes, c)
+      return self._combine(ys, order, w)
+
+    return jax.lax.cond(jnp.max(sizes) <= c, capped, lambda _: self._dense(flat, w, idx), None)
 
 
 class DenseMLP(nnx.Module):

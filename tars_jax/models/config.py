@@ -68,7 +68,8 @@ class ModelConfig:
   MoE compute: `moe_impl` in `MOE_IMPLS` ("dense": exact reference, all experts on all tokens;
   "ragged": dropless grouped matmuls over tokens sorted by expert, same outputs and gradients;
   "blocked": the same grouping padded to blocks of rows with one expert each, as batched matmuls:
-  at decode (N * k <= E) each token's k expert matrices only; the fastest path on CPU);
+  at decode (N * k <= E) each token's k expert matrices only, for few rows per expert a bounded
+  [E, C, D] buffer with the dense path as exact fallback; the fastest path on CPU);
   `moe_capacity_factor` (ragged only; None = dropless): at most ceil(factor * tokens * top_k /
   experts) assignments per expert, the rest dropped and counted (`Policy(..., moe_stats=True)`;
   the trainer logs `train/moe_dropped_frac`).

@@ -68,6 +68,13 @@ MIN_BLOCK_ROWS = 64
 DECODE_CAPACITY = 2.0
 
 
+def rank_in_group(sorted_e: jax.Array, sizes: jax.Array) -> jax.Array:
+  """[N*k] int32: the position of each sorted assignment within its expert's group (0, 1, ...), from
+  `sort_by_expert`'s sorted_experts [N*k] and group_sizes [E]."""
+  start = jnp.cumsum(sizes) - sizes  # first sorted position of each expert's group
+  return jnp.arange(sorted_e.shape[0], dtype=jnp.int32) - start[sorted_e]
+
+
 def block_rows(assignments: int, num_experts: int) -> int:
   """Rows per block of the "blocked" MoE path for `assignments` = N * k (token, expert) pairs: 1 (a
   per-token gather of its k experts' weights: decode) while there are at most as many assignments as
@@ -111,8 +118,10 @@ class MoE(nnx.Module):
       gathered ([nb, D, I]). Dropless and exact like "ragged", but plain dot_generals, which XLA:CPU
       runs far faster than `ragged_dot`; at decode (N * k <= E, blocks of 1 row) it reads only each
       token's k experts instead of all E (the dense path's cost), hence the faster greedy decode in
-      `benchmarks/decode.py`; between the two (fewer than `MIN_BLOCK_ROWS` rows per expert) it
-      computes densely (MegaBlocks' block-sparse grouping, Gale et al. 2022, without custom kernels).
+      `benchmarks/decode.py`; between the two (fewer than `MIN_BLOCK_ROWS` rows per expert, e.g.
+      decode at batch 16) an [E, C, D] buffer of C = `capacity(N, k, E, DECODE_CAPACITY)` rows when
+      every expert's load fits, else the dense path (`lax.cond`; exact either way). MegaBlocks'
+      block-sparse grouping (Gale et al. 2022) without custom kernels.
   Source: maxtext `MaxText/layers/moe.py` (`sparse_matmul` with `ragged_dot`, `dense_matmul` with
   capacity); Fedus et al. 2021 (capacity factor).
   """
@@ -136,13 +145,15 @@ class MoE(nnx.Module):
     probs, w, idx = route(self.router(flat), self.top_k, self.norm_topk_prob)
     if self.impl == "dense":
       return self._dense(flat, w, idx).reshape(b, t, d), (probs, idx)
-    if self.impl == "blocked" and block_rows(b * t * self.top_k, self.experts):
-      return self._blocked(flat, w, idx).reshape(b, t, d), (probs, idx)
-    if self.impl == "blocked":  # too few tokens per expert for blocks to pay
-      n = b * t
-      if capacity(n, self.top_k, self.experts, DECODE_CAPACITY) < n:
-        return self._bounded(flat, w, idx).reshape(b, t, d), (probs, idx)
-      return self._dense(flat, w, idx).reshape(b, t, d), (probs, idx)
+    if self.impl == "blocked":
+      n, rows = b * t, block_rows(b * t * self.top_k, self.experts)
+      if rows:
+        y = self._blocked(flat, w, idx, rows)
+      elif capacity(n, self.top_k, self.experts, DECODE_CAPACITY) < n:  # too few rows per expert for blocks
+        y = self._bounded(flat, w, idx)
+      else:  # a buffer of C >= N rows per expert is no smaller than the dense path
+        y = self._dense(flat, w, idx)
+      return y.reshape(b, t, d), (probs, idx)
     y, dropped = self._grouped(flat, w, idx)
     return y.reshape(b, t, d), ((probs, idx) if dropped is None else (probs, idx, dropped))
 
@@ -154,17 +165,15 @@ class MoE(nnx.Module):
     h = constrain(h, ("act_exp_tokens", "act_expert", "act_mlp"))
     return jnp.einsum("nei,eid,ne->nd", h, self.w_down[...].astype(dt), dense_w.astype(dt))
 
-  def _blocked(self, flat, w, idx):
+  def _blocked(self, flat, w, idx, rows: int):
     n, d = flat.shape
     k, e, dt = self.top_k, self.experts, self.dtype
     g = n * k
-    rows = block_rows(g, e)
     nb = num_blocks(g, e, rows)
     order, sorted_e, sizes = sort_by_expert(idx, e)
     padded = -(-sizes // rows) * rows  # each expert's group rounded up to whole blocks
     pend = jnp.cumsum(padded)
-    rank = jnp.arange(g, dtype=jnp.int32) - (jnp.cumsum(sizes) - sizes)[sorted_e]
-    pos = (pend - padded)[sorted_e] + rank  # padded row of each sorted assignment (all < nb * rows)
+    pos = (pend - padded)[sorted_e] + rank_in_group(sorted_e, sizes)  # padded row of each assignment (< nb * rows)
     xs = jnp.zeros((nb * rows, d), dt).at[pos].set(flat[order // k].astype(dt)).reshape(nb, rows, d)
     # expert of block j: the group whose padded range holds row j * rows (unused tail blocks: zeros
     # through the last expert, never read back)
@@ -197,8 +206,7 @@ class MoE(nnx.Module):
     g, d = xs.shape
     e, dt = self.experts, self.dtype
     wg, wu, wd = (self.w_gate[...].astype(dt), self.w_up[...].astype(dt), self.w_down[...].astype(dt))
-    start = jnp.cumsum(sizes) - sizes  # first sorted position of each expert's group
-    rank = jnp.arange(g, dtype=jnp.int32) - start[sorted_e]  # position within the group
+    rank = rank_in_group(sorted_e, sizes)
     keep = rank < c
     slot = jnp.where(keep, sorted_e * c + rank, e * c)  # dropped -> a spare row, cut off below
     buf = jnp.zeros((e * c + 1, d), dt).at[slot].set(xs.astype(dt))[:-1].reshape(e, c, d)

@@ -39,6 +39,7 @@ import time
 from playwright.async_api import async_playwright
 
 from benchmarks import browsergym_env
+from benchmarks.command import command_line
 from envs_bridge.browser import miniwob_tasks as mw
 from envs_bridge.browser.sessions import CHROMIUM_ARGS, EPOCH_MS, HIDE_CARET_CSS
 from envs_bridge.client import SandboxClient
@@ -170,9 +171,11 @@ def main(argv=None):
             + "".join(f", BrowserGym {p} {b['steps_per_s']:.2f} steps/s (p50 {b['p50_ms']:.0f} ms, "
                       f"{b['resets']} resets, setup {b['setup_s']:.0f} s)" for p, b in bg.items()), flush=True)
   print()
-  print(f"Command: `.venv/bin/python -m benchmarks.env_throughput --sessions {a.sessions} --seconds {a.seconds:g} "
-        f"--browsers {a.browsers} --browsergym '{a.browsergym}' --browsergym-profiles '{a.browsergym_profiles}' "
-        f"--browsergym-seconds {a.browsergym_seconds:g}`. "
+  cmd = command_line("benchmarks.env_throughput",
+                     f"--sessions {a.sessions} --seconds {a.seconds:g} --browsers {a.browsers} "
+                     f"--browsergym '{a.browsergym}' --browsergym-profiles '{a.browsergym_profiles}' "
+                     f"--browsergym-seconds {a.browsergym_seconds:g}")
+  print(f"Command: `{cmd}`. "
         f"Date: {datetime.date.today()}. Machine: {platform.machine()}, {os.cpu_count()} CPU cores, "
         f"{platform.platform()}, load average {os.getloadavg()[0]:.1f} at the end.")
   print()

@@ -36,6 +36,7 @@ import signal
 import statistics
 import time
 
+from benchmarks.command import command_line
 from envs_bridge import protocol as P
 from envs_bridge.client import SandboxClient
 from envs_bridge.launch import launch_server
@@ -134,15 +135,16 @@ def main(argv=None):
   rows = []
   load0 = os.getloadavg()[0]
   with launch_server(step_ms=1000, lease_s=600.0, max_sessions=max(64, 2 * a.sessions), n_browsers=a.browsers,
-                     extra_args=("--spare-pages", str(a.spare_pages)) if a.spare_pages else ()) as h:
+                     spare_pages=a.spare_pages) as h:
     for k in range(a.kills):
       r = asyncio.run(one_round(h.url, a.sessions, seed0=1000 * k))
       rows.append(r)
       print(f"kill {k + 1}: {r}", flush=True)
   load1 = os.getloadavg()[0]
   print()
-  print(f"Command: `nice -n 10 .venv/bin/python -m benchmarks.recovery --kills {a.kills} --sessions {a.sessions} "
-        f"--browsers {a.browsers} --spare-pages {a.spare_pages}`. Date: {datetime.date.today()}. Machine: {platform.machine()}, "
+  cmd = command_line("benchmarks.recovery", f"--kills {a.kills} --sessions {a.sessions} --browsers {a.browsers} "
+                                            f"--spare-pages {a.spare_pages}")
+  print(f"Command: `{cmd}`. Date: {datetime.date.today()}. Machine: {platform.machine()}, "
         f"{os.cpu_count()} CPU cores, load average {load0:.1f} before / {load1:.1f} after.")
   print()
   print("| kill | sessions lost | all accounted for | kill -> detected (s) | detected -> relaunched (s) | "

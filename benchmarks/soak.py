@@ -38,6 +38,7 @@ import time
 import httpx
 import psutil
 
+from benchmarks.command import command_line
 from envs_bridge import protocol as P
 from envs_bridge.client import SandboxClient
 from envs_bridge.launch import launch_server
@@ -202,8 +203,8 @@ def main(argv=None):
       return report(json.load(f), a.warmup_s, a.report.removesuffix(".json"))
   with launch_server(step_ms=1000, lease_s=600.0, max_sessions=max(64, a.sessions), n_browsers=a.browsers) as h:
     r = asyncio.run(soak(h.url, h.proc.pid, a.sessions, a.duration_s, a.interval_s))
-  cmd = (f"nice -n 10 .venv/bin/python -m benchmarks.soak --sessions {a.sessions} --duration-s {a.duration_s:g} "
-         f"--interval-s {a.interval_s:g} --warmup-s {a.warmup_s:g} --browsers {a.browsers}")
+  cmd = command_line("benchmarks.soak", f"--sessions {a.sessions} --duration-s {a.duration_s:g} --interval-s "
+                     f"{a.interval_s:g} --warmup-s {a.warmup_s:g} --browsers {a.browsers}")
   meta = {"command": cmd, "date": str(datetime.date.today()), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
           "loadavg_end": os.getloadavg()}
   with open(a.out + ".json", "w") as f:

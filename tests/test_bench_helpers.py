@@ -2,6 +2,7 @@
 numpy cross-entropy of the same logits, and the `--moe_impl` pass-through."""
 
 import dataclasses
+import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -51,3 +52,19 @@ def test_moe_impl_override():
     with pytest.raises(ValueError, match="moe_impl"):
       bench_model.overrides("dense")
     assert bench_model.moe_impl_name(ModelConfig()) == "dense"
+
+
+def test_reported_command_says_how_it_was_run():
+  """`benchmarks.command.command_line` prefixes `nice -n N` exactly when the process runs niced."""
+  import subprocess
+  import sys
+  code = "from benchmarks.command import command_line; print(command_line('benchmarks.soak', '--sessions 2'))"
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=root)
+  plain = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, check=True)
+  niced = subprocess.run(["nice", "-n", "7", sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
+                         text=True, check=True)
+  base = os.nice(0)  # the test runner's own niceness is inherited by both children
+  prefix = f"nice -n {base} " if base > 0 else ""
+  assert plain.stdout.strip() == prefix + ".venv/bin/python -m benchmarks.soak --sessions 2"
+  assert niced.stdout.strip() == f"nice -n {min(base + 7, 19)} .venv/bin/python -m benchmarks.soak --sessions 2"

@@ -153,7 +153,7 @@ def _metrics(text):
 @pytest.mark.parametrize("spare_pages", [0, 16])  # 16: the lost sessions' replacements run on standby pages
 def test_kill9_during_16_session_rollout_every_episode_accounted_for(spare_pages):
   n = 16
-  with launch_server(n_browsers=2, extra_args=("--spare-pages", str(spare_pages))) as h:
+  with launch_server(n_browsers=2, spare_pages=spare_pages) as h:
     async def go():
       async with SessionPool([h.url], max_retries=2) as pool:
         c = pool.clients[0]

@@ -376,7 +376,7 @@ class BrowserSandbox:
 
   def spare_info(self) -> dict | None:
     """{pid, up, pages, pss_mb} of the standby browser, or None. pss_mb: proportional set size (MiB)
-    of its process and children (Linux /proc smaps_rollup; shared pages split, so unlike RSS the
+    of its process and children (Linux smaps via psutil; shared pages split, so unlike RSS the
     sum over processes is not inflated by the shared Chromium binary); 0.0 where unreadable."""
     if self.spare is None:
       return None
@@ -972,20 +972,20 @@ async def _close_browser(browser) -> None:
 
 
 def _tree_pss_bytes(pid: int | None) -> int:
-  """PSS (bytes) of process `pid` and its descendants from /proc/<pid>/smaps_rollup; 0 if unknown."""
+  """PSS (bytes) of process `pid` and its descendants (psutil `memory_full_info`, Linux smaps); 0 if
+  unknown, processes that vanish or cannot be read count 0."""
   if pid is None:
     return 0
-  total = 0
   try:
     procs = [psutil.Process(pid)]
     procs += procs[0].children(recursive=True)
   except psutil.Error:
     return 0
+  total = 0
   for p in procs:
     try:
-      with open(f"/proc/{p.pid}/smaps_rollup") as f:
-        total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
-    except (OSError, StopIteration, ValueError):
+      total += p.memory_full_info().pss
+    except psutil.Error:
       pass
   return total
 

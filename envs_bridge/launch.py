@@ -170,6 +170,14 @@ def launch_server(module: str = "envs_bridge.browser.server", port: int | None =
 
 
 @contextlib.contextmanager
+def env_fleet(env, urls=None):
+  """`sandbox_fleet` of a training / eval config's `env` block: its `servers` (or `urls` when given;
+  empty = launch one), `step_ms`, `lease_s` and `spare_pages` (0 when absent: configs saved before
+  the field existed)."""
+  return sandbox_fleet(env.servers if urls is None else urls, env.step_ms, env.lease_s,
+                       spare_pages=env.get("spare_pages", 0))
+
+
 def sandbox_fleet(urls, step_ms: int = 1000, lease_s: float = 300.0, token: str | None = None,
                   spare_pages: int = 0):
   """(event loop, [SandboxClient]) over the servers at `urls`, or over one browser server launched

@@ -22,7 +22,7 @@ from absl import app, flags
 import ml_collections as mlc
 from tqdm import tqdm
 
-from envs_bridge.launch import sandbox_fleet
+from envs_bridge.launch import env_fleet
 from experiments.game_scores import format_games, game_episode_records, game_scores
 from tars_jax.rollout.agent_loop import RolloutStats, run_episodes
 from tars_jax.rollout.evaluation import eval_jobs, format_table, summarize
@@ -65,8 +65,7 @@ def evaluate(run: str, tasks: list[str] | None, episodes: int, step: int | None 
   policy = parts.batched_policy(state["policy"], batch_size=sessions, seed=config.seed + 7)
   jobs = eval_jobs(tasks, episodes, config.env.eval_seed_offset)
   results = []
-  with sandbox_fleet(servers, config.env.step_ms, config.env.lease_s,
-                     spare_pages=config.env.get("spare_pages", 0)) as (loop, clients):
+  with env_fleet(config.env, urls=servers or ()) as (loop, clients):
     for s in tqdm(range(0, len(jobs), sessions), desc="eval", unit="batch"):
       results += loop.run_until_complete(run_episodes(
           policy.act, clients, jobs[s:s + sessions], parts.loop_cfg, parts.tokenizer, version=step,

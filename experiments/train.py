@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from envs_bridge.launch import sandbox_fleet
+from envs_bridge.launch import env_fleet
 from tars_jax.agent.trajectory import collate
 from tars_jax.rollout.agent_loop import RolloutStats, run_episodes
 from tars_jax.rollout.jobs import group_ids, rollout_jobs
@@ -79,8 +79,7 @@ def main(argv):
   # Training loop.
   # ----------------------------------------------------------------------------------------------
   # Sandbox servers: the configured fleet, or one local server subprocess (stopped on any exit).
-  with sandbox_fleet(config.env.servers, config.env.step_ms, config.env.lease_s,
-                     spare_pages=config.env.get("spare_pages", 0)) as (loop, clients):
+  with env_fleet(config.env) as (loop, clients):
     t_start, it = time.time(), start_iter
     bar = tqdm(total=config.iterations, initial=start_iter, desc=config.rl.algo, unit="it", dynamic_ncols=True)
     tasks, n = tuple(config.tasks), config.env.num_sessions

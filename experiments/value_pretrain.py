@@ -27,7 +27,7 @@ from ml_collections import config_flags
 import jax
 import numpy as np
 
-from envs_bridge.launch import sandbox_fleet
+from envs_bridge.launch import env_fleet
 from tars_jax.agent.trajectory import collate
 from tars_jax.rollout.agent_loop import RolloutStats, run_episodes
 from tars_jax.rollout.jobs import rollout_jobs
@@ -75,8 +75,7 @@ def main(argv):
   # ----------------------------------------------------------------------------------------------
   # Rollouts of the fixed policy -> critic updates until the stop rule holds.
   # ----------------------------------------------------------------------------------------------
-  with sandbox_fleet(config.env.servers, config.env.step_ms, config.env.lease_s,
-                     spare_pages=config.env.get("spare_pages", 0)) as (loop, clients):
+  with env_fleet(config.env) as (loop, clients):
     t_start, streak, reason, it, m = time.time(), 0, "max_iterations", 0, {}
     tasks, n = tuple(config.tasks), config.env.num_sessions
     try:

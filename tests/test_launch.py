@@ -57,12 +57,15 @@ def test_server_dies_with_a_killed_parent():
 
 
 def test_config_spare_pages_reaches_the_server():
-  """`env.spare_pages` of a config goes through `sandbox_fleet` to the server's standby browser: a page
-  opened makes the standby build one for its task (read back from /health)."""
+  """`env.spare_pages` of a training config goes through `env_fleet` to the server's standby browser: a
+  page opened makes the standby build one for its task (read back from /health)."""
   import httpx
 
-  from envs_bridge.launch import sandbox_fleet
-  with sandbox_fleet((), spare_pages=2) as (loop, clients):
+  from envs_bridge.launch import env_fleet
+  from experiments.configs import miniwob_ppo
+  config = miniwob_ppo.get_config("smoke")
+  config.env.spare_pages = 2
+  with env_fleet(config.env) as (loop, clients):
     c = clients[0]
     sid = loop.run_until_complete(c.open("miniwob/click-test", seed=1))[0]
     deadline = time.monotonic() + 60

@@ -158,7 +158,7 @@ def test_mixed_dense_and_moe_layers_cannot_scan():
 def test_stacked_kv_cache_layout():
   cfg = _cfg("qwen3_vl_moe", scan_layers=True)
   cache = init_cache(cfg, 2, 7)
-  assert cache.k.shape == cache.v.shape == (3, 2, 7, cfg.kv_heads, cfg.head_dim)
+  assert cache.k.shape == cache.v.shape == (3, 2, cfg.kv_heads, 7, cfg.head_dim)
   assert cache.mask.shape == (2, 7)
 
 

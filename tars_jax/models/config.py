@@ -62,7 +62,7 @@ class ModelConfig:
   `scan_layers = True`: the decoder layers are one stacked module (every parameter gets a leading
   [layers] axis, logical name "layers") run by `jax.lax.scan`, so the step compiles one layer body
   instead of `layers` unrolled copies (compile time and HLO size independent of depth, as maxtext's
-  `scan_layers`); same outputs and gradients, the KV cache is stacked [layers, B, S, KV, hd]. Every
+  `scan_layers`); same outputs and gradients, the KV cache is stacked [layers, B, KV, S, hd]. Every
   layer must then have the same structure: a mix of dense and MoE layers (`decoder_sparse_step > 1`,
   `mlp_only_layers`) raises ValueError here rather than scanning over periods.
   MoE compute: `moe_impl` in `MOE_IMPLS` ("dense": exact reference, all experts on all tokens;

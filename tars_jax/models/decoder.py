@@ -24,8 +24,9 @@ _NEG = -1e9  # finite mask value: fully masked (padding) query rows stay NaN-fre
 class KVCache(NamedTuple):
   """Explicit KV cache (a pytree, static shapes).
 
-  k, v: one [B, S, KV, head_dim] array per layer (activation dtype), or with `cfg.scan_layers` one
-  stacked [layers, B, S, KV, head_dim] array each; mask: [B, S] bool, True on slots holding a real
+  k, v: one [B, KV, S, head_dim] array per layer (activation dtype; head-major, the layout the
+  attention matmuls read without a transpose), or with `cfg.scan_layers` one stacked
+  [layers, B, KV, S, head_dim] array each; mask: [B, S] bool, True on slots holding a real
   (non-padding) token that later queries may attend to.
   """
   k: tuple
@@ -35,7 +36,7 @@ class KVCache(NamedTuple):
 
 def init_cache(cfg: ModelConfig, batch: int, length: int) -> KVCache:
   """Empty cache of `length` slots: zeros, mask all False (stacked k / v under `cfg.scan_layers`)."""
-  shape = (batch, length, cfg.kv_heads, cfg.head_dim)
+  shape = (batch, cfg.kv_heads, length, cfg.head_dim)
   if cfg.scan_layers:
     z = jnp.zeros((cfg.layers,) + shape, cfg.jdtype)
     return KVCache(z, z, jnp.zeros((batch, length), bool))
@@ -43,17 +44,18 @@ def init_cache(cfg: ModelConfig, batch: int, length: int) -> KVCache:
   return KVCache(z, z, jnp.zeros((batch, length), bool))
 
 
-def write_slots(buf: jax.Array, new: jax.Array, index) -> jax.Array:
-  """Writes new [B, L, ...] into buf [B, S, ...] at slots index .. index + L - 1 along axis 1.
+def write_slots(buf: jax.Array, new: jax.Array, index, axis: int = 1) -> jax.Array:
+  """Writes new [B, ..., L, ...] into buf [B, ..., S, ...] at slots index .. index + L - 1 along `axis`
+  (>= 1; the mask [B, S] uses 1, the head-major cache [B, KV, S, hd] uses 2).
 
   `index`: int32 scalar (all rows) or [B] (per row). Like `lax.dynamic_update_slice`, a start that
   would overrun S is clamped, so callers size buffers to fit.
   """
   new = new.astype(buf.dtype)
-  tail = (0,) * (buf.ndim - 2)
+  start = lambda i, nd: tuple(i if a == axis else 0 for a in range(nd))
   if jnp.ndim(index) == 0:
-    return jax.lax.dynamic_update_slice(buf, new, (0, index) + tail)
-  return jax.vmap(lambda b_, n_, i: jax.lax.dynamic_update_slice(b_, n_, (i,) + tail))(buf, new, index)
+    return jax.lax.dynamic_update_slice(buf, new, start(index, buf.ndim))
+  return jax.vmap(lambda b_, n_, i: jax.lax.dynamic_update_slice(b_, n_, start(i, buf.ndim)[1:]))(buf, new, index)
 
 
 class Attention(nnx.Module):
@@ -80,7 +82,7 @@ class Attention(nnx.Module):
     """x [B, L, D]; cos/sin [B, L, hd]; key_mask [B, S] bool over key slots.
 
     Without `kv` the keys are these L tokens (S = L, query j at slot j). With `kv = (k, v)`
-    ([B, S, KV, hd]) the new keys/values are written at slots write_index .. write_index + L - 1
+    ([B, KV, S, hd]) the new keys/values are written at slots write_index .. write_index + L - 1
     and query j (slot write_index + j) attends to slots <= its own. `write_index` is an int32
     scalar, or [B] for a per-row cursor (jump-forward decoding writes chunks of different valid
     lengths per row). Returns (y [B, L, D], (k, v) | None).
@@ -92,19 +94,24 @@ class Attention(nnx.Module):
       q, k = self.q_norm(q), self.k_norm(k)
     v = self.v_proj(x).reshape(b, l, self.kv, self.hd)
     q, k = rotate(q, cos, sin).astype(x.dtype), rotate(k, cos, sin).astype(x.dtype)
+    # Keys / values head-major [B, KV, S, hd]: a [B, S, KV, hd] cache made XLA copy the whole cache
+    # into this layout twice per layer and decode step.
+    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     if kv is not None:
       ck, cv = kv
-      k, v = write_slots(ck, k, write_index), write_slots(cv, v, write_index)
+      k, v = write_slots(ck, k, write_index, axis=2), write_slots(cv, v, write_index, axis=2)
       kv = (k, v)
-    s = k.shape[1]
+    s = k.shape[2]
     q_slot = jnp.reshape(write_index, (-1, 1)) + jnp.arange(l)  # [1 or B, L]
     allowed = (jnp.arange(s)[None, None, :] <= q_slot[:, :, None]) & key_mask[:, None, :]  # [B, L, S]
     g = self.h // self.kv  # query heads per KV head (head i uses KV head i // g, as repeat_kv)
     qg = q.reshape(b, l, self.kv, g, self.hd)
-    att = jnp.einsum("blkgd,bskd->bkgls", qg, k).astype(jnp.float32) / jnp.sqrt(jnp.float32(self.hd))
+    att = jnp.einsum("blkgd,bksd->bkgls", qg, k).astype(jnp.float32) / jnp.sqrt(jnp.float32(self.hd))
     att = jnp.where(allowed[:, None, None], att, _NEG)
     p = jax.nn.softmax(att, axis=-1).astype(v.dtype)
-    o = jnp.einsum("bkgls,bskd->blkgd", p, v).reshape(b, l, self.h * self.hd)
+    # Batch-major product, then the small output transposed: writing "->blkgd" directly lowers to a
+    # ~10x slower CPU dot (benchmarks/RESULTS.md, "decode step layout").
+    o = jnp.einsum("bkgls,bksd->bkgld", p, v).transpose(0, 3, 1, 2, 4).reshape(b, l, self.h * self.hd)
     return self.o_proj(o), kv
 
 
@@ -211,7 +218,7 @@ class Decoder(nnx.Module):
   def _scan(self, x, cos, sin, key_mask, cache, cache_index, deepstack):
     """The stacked layers under `jax.lax.scan`: x is the carry; the layer parameters (the split
     state of the stacked module, merged back into one layer per step), the cache's k / v
-    ([layers, B, S, KV, hd]) and the layer index are scanned; DeepStack [n, B, L, D] is closed over
+    ([layers, B, KV, S, hd]) and the layer index are scanned; DeepStack [n, B, L, D] is closed over
     and level i added after layer i < n (`jnp.where` with 0 elsewhere: exact). Remat, if any, wraps
     the body (inside the scan, as maxtext). Returns (x, stacked routers or None, (k, v) or None).
 

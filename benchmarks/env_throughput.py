@@ -20,7 +20,9 @@ BrowserGym: `benchmarks/browsergym_env.py` (its own venv under runs/bench_venvs/
 see there how it is pointed at /usr/bin/chromium and the miniwob wheel's HTML): N envs in N processes,
 `env.step("mouse_click(x, y)")`, resets inside the measured time, profiles "default" (as shipped) and
 "no-delay" (its 0.5 s pre-observation sleep and 100 ms slow_mo set to 0). Its window is longer
-(--browsergym-seconds, 30 s) because one of its resets takes seconds.
+(--browsergym-seconds, 30 s) because one of its resets takes seconds. Its envs start
+--browsergym-setup-concurrency at a time (2: all 16 at once fail their first reset on 2 cores); resets
+or steps that raise inside the window are counted (column "failures") and the env reset again.
 
 All of a point's runs are made one after the other, on the same machine, so the ratios are comparable
 even when the machine is loaded.
@@ -145,6 +147,8 @@ def main(argv=None):
   ap.add_argument("--browsergym-profiles", default="default,no-delay", help="BrowserGym profiles to run")
   ap.add_argument("--browsergym-seconds", type=float, default=30.0,
                   help="measured seconds per BrowserGym point (its reset launches two Chromium: seconds each)")
+  ap.add_argument("--browsergym-setup-concurrency", type=int, default=browsergym_env.SETUP_CONCURRENCY,
+                  help="BrowserGym envs that start at the same time")
   a = ap.parse_args(argv)
   ns = [int(x) for x in a.sessions.split(",")]
   bg_ns = {int(x) for x in a.browsergym.split(",") if x}
@@ -162,19 +166,23 @@ def main(argv=None):
           print(f"n={n}: BrowserGym {prof} skipped: {_mem_available() / 2**30:.1f} GiB available, "
                 f"{n} envs need about {n * BROWSERGYM_ENV_BYTES / 2**30:.1f} GiB", flush=True)
           continue
-        bg[prof] = browsergym_env.measure(n, a.browsergym_seconds, a.warmup_s, TASKS, mw.HTML_DIR, CHROMIUM_ARGS, prof)
+        bg[prof] = browsergym_env.measure(n, a.browsergym_seconds, a.warmup_s, TASKS, mw.HTML_DIR, CHROMIUM_ARGS, prof,
+                                          setup_concurrency=a.browsergym_setup_concurrency)
         if bg[prof]["env_errors"]:
           raise RuntimeError(f"BrowserGym envs failed: {bg[prof]['env_errors']}")
       rows.append((n, o, r, rc, bg))
       print(f"n={n}: ours {o['steps_per_s']:.1f} steps/s (p50 {o['p50_ms']:.0f} ms, {o['resets']} resets), "
             f"raw {r['shots_per_s']:.1f} shots/s, raw cdp {rc['shots_per_s']:.1f} shots/s"
             + "".join(f", BrowserGym {p} {b['steps_per_s']:.2f} steps/s (p50 {b['p50_ms']:.0f} ms, "
-                      f"{b['resets']} resets, setup {b['setup_s']:.0f} s)" for p, b in bg.items()), flush=True)
+                      f"{b['resets']} resets, {b.get('failures', 0)} failures, start-up {b.get('startup_s', nan):.0f} s"
+                      + (f", first failure: {b['first_failure']}" if b.get("first_failure") else "") + ")"
+                      for p, b in bg.items()), flush=True)
   print()
   cmd = command_line("benchmarks.env_throughput",
                      f"--sessions {a.sessions} --seconds {a.seconds:g} --browsers {a.browsers} "
                      f"--browsergym '{a.browsergym}' --browsergym-profiles '{a.browsergym_profiles}' "
-                     f"--browsergym-seconds {a.browsergym_seconds:g}")
+                     f"--browsergym-seconds {a.browsergym_seconds:g} "
+                     f"--browsergym-setup-concurrency {a.browsergym_setup_concurrency}")
   print(f"Command: `{cmd}`. "
         f"Date: {datetime.date.today()}. Machine: {platform.machine()}, {os.cpu_count()} CPU cores, "
         f"{platform.platform()}, load average {os.getloadavg()[0]:.1f} at the end.")
@@ -182,7 +190,7 @@ def main(argv=None):
   head = ["sessions", "ours steps/s", "step p50 (ms)", "resets", "raw page.screenshot/s", "ours / raw",
           "raw CDP shots/s", "ours / raw CDP"]
   for p in profiles:
-    head += [f"BrowserGym {p} steps/s", f"ours / BrowserGym {p}"]
+    head += [f"BrowserGym {p} steps/s", f"BrowserGym {p} failures", f"ours / BrowserGym {p}"]
   print("| " + " | ".join(head) + " |")
   print("|" + "---|" * len(head))
   for n, o, r, rc, bg in rows:
@@ -191,7 +199,8 @@ def main(argv=None):
              _fmt(rc["shots_per_s"]), _fmt(o["steps_per_s"] / rc["shots_per_s"] if rc["shots_per_s"] else nan, ".2f")]
     for p in profiles:
       b = bg.get(p, {}).get("steps_per_s", nan)
-      cells += [_fmt(b, ".2f"), _fmt(o["steps_per_s"] / b if b else nan, ".1f") + ("x" if b == b and b else "")]
+      cells += [_fmt(b, ".2f"), str(bg[p].get("failures", "")) if p in bg else "",
+                _fmt(o["steps_per_s"] / b if b else nan, ".1f") + ("x" if b == b and b else "")]
     print("| " + " | ".join(cells) + " |")
 
 

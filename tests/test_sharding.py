@@ -91,8 +91,8 @@ def test_grouped_moe_matches_dense_outputs_and_gradients(tokens):
   cfg = _small_cfg(hidden=64, moe_intermediate=48, experts=8, top_k=3)
   x = jax.random.normal(jax.random.PRNGKey(1), tokens + (64,))
   loss_d, y_d, r_d, g_d = _moe_loss_and_grads(cfg, x)
-  # ragged dropless, ragged with a capacity no expert can exceed (C = 8 * N * k / E >= N), blocked
-  for impl, cf in (("ragged", None), ("ragged", 8.0), ("blocked", None)):
+  # ragged dropless, ragged with a capacity no expert can exceed (C = 8 * N * k / E >= N), blocked, grouped
+  for impl, cf in (("ragged", None), ("ragged", 8.0), ("blocked", None), ("grouped", None)):
     loss_r, y_r, r_r, g_r = _moe_loss_and_grads(dataclasses.replace(cfg, moe_impl=impl, moe_capacity_factor=cf), x)
     assert float(jnp.max(jnp.abs(y_r - y_d))) <= TOL, impl
     assert abs(float(loss_r - loss_d)) <= TOL, impl
@@ -191,7 +191,7 @@ def test_config_and_rule_errors():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("impl", ["ragged", "blocked"])
+@pytest.mark.parametrize("impl", ["ragged", "blocked", "grouped"])
 def test_grouped_moe_keeps_transformers_parity(tmp_path, impl):
   torch = pytest.importorskip("torch")
   from transformers import AutoModelForImageTextToText

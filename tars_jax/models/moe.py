@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tars_jax.models.config import ModelConfig
+from tars_jax.models.grouped_mlp import grouped_swiglu
 from tars_jax.sharding import constrain, param_axes as ax
 
 
@@ -66,6 +67,8 @@ MIN_BLOCK_ROWS = 64
 # Between per-token gathers and blocks (e.g. decode at batch 16): an [E, C, D] buffer of
 # C = ceil(DECODE_CAPACITY * N * k / E) rows per expert when every expert's load fits, else dense.
 DECODE_CAPACITY = 2.0
+# Rows per chunk of the "grouped" path's loop (at most; smaller when block_rows says so).
+GROUPED_ROWS = 128
 
 
 def rank_in_group(sorted_e: jax.Array, sizes: jax.Array) -> jax.Array:
@@ -122,6 +125,11 @@ class MoE(nnx.Module):
       decode at batch 16) an [E, C, D] buffer of C = `capacity(N, k, E, DECODE_CAPACITY)` rows when
       every expert's load fits, else the dense path (`lax.cond`; exact either way). MegaBlocks'
       block-sparse grouping (Gale et al. 2022) without custom kernels.
+    "grouped": "blocked" for decode and few rows per expert; from `MIN_BLOCK_ROWS` rows per expert a
+      `lax.while_loop` over only the (expert, chunk of <= `GROUPED_ROWS` rows) pairs the groups need,
+      weights indexed in place, with a custom VJP (`grouped_mlp.grouped_swiglu`): exact like the
+      others, without "blocked"'s static block bound (3840 computed rows for 2048 assignments in
+      `benchmarks/train_step.py`) or its per-block weight gathers.
   Source: maxtext `MaxText/layers/moe.py` (`sparse_matmul` with `ragged_dot`, `dense_matmul` with
   capacity); Fedus et al. 2021 (capacity factor).
   """
@@ -145,9 +153,11 @@ class MoE(nnx.Module):
     probs, w, idx = route(self.router(flat), self.top_k, self.norm_topk_prob)
     if self.impl == "dense":
       return self._dense(flat, w, idx).reshape(b, t, d), (probs, idx)
-    if self.impl == "blocked":
+    if self.impl in ("blocked", "grouped"):
       n, rows = b * t, block_rows(b * t * self.top_k, self.experts)
-      if rows:
+      if rows > 1 and self.impl == "grouped":
+        y = self._grouped_loop(flat, w, idx, min(rows, GROUPED_ROWS))
+      elif rows:
         y = self._blocked(flat, w, idx, rows)
       elif capacity(n, self.top_k, self.experts, DECODE_CAPACITY) < n:  # too few rows per expert for blocks
         y = self._bounded(flat, w, idx)
@@ -182,6 +192,15 @@ class MoE(nnx.Module):
                   self.w_down[...][block_e].astype(dt))
     h = jax.nn.silu(jnp.einsum("brd,bdi->bri", xs, wg)) * jnp.einsum("brd,bdi->bri", xs, wu)
     ys = jnp.einsum("bri,bid->brd", h, wd).reshape(nb * rows, d)[pos]  # [N*k, D], sorted order
+    return self._combine(ys, order, w)
+
+  def _grouped_loop(self, flat, w, idx, rows: int):
+    """The "grouped" path: exact per-expert groups in chunks of `rows` (`grouped_mlp.grouped_swiglu`)."""
+    k, e, dt = self.top_k, self.experts, self.dtype
+    order, _, sizes = sort_by_expert(idx, e)
+    xs = flat[order // k].astype(dt)
+    ys = grouped_swiglu(xs, sizes, self.w_gate[...].astype(dt), self.w_up[...].astype(dt),
+                        self.w_down[...].astype(dt), rows, num_blocks(xs.shape[0], e, rows))
     return self._combine(ys, order, w)
 
   def _grouped(self, flat, w, idx):

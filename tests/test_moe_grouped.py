@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from hypothesis import given, settings, strategies as st
 
 from tars_jax.models import moe
 from tars_jax.models.config import ModelConfig
@@ -62,12 +61,10 @@ def test_values_and_gradients_equal_per_row_reference(sizes, rows):
       assert float(jnp.max(jnp.abs(got[1][k]))) == 0.0 and float(jnp.max(jnp.abs(got[3][k]))) == 0.0
 
 
-@settings(max_examples=150, deadline=None)
-@given(st.lists(st.integers(0, 40), min_size=1, max_size=10), st.integers(1, 16))
-def test_chunk_table_covers_every_group_once(sizes, rows):
+def check_chunk_table(sizes: list[int], rows: int) -> None:
+  """The chunk table of any routing covers every row exactly once, one expert per chunk (run by the
+  hypothesis test of the block bound, `test_sharding.test_block_bound_holds_for_any_routing`)."""
   g = sum(sizes)
-  if g == 0:
-    return
   count, expert, start, valid = (np.asarray(a) for a in chunk_table(jnp.asarray(sizes, jnp.int32), rows,
                                                                       moe.num_blocks(g, len(sizes), rows)))
   assert int(count) == sum(-(-s // rows) for s in sizes)

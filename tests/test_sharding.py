@@ -131,12 +131,15 @@ def test_bounded_moe_both_branches_equal_dense(balanced):
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(0, 40), min_size=1, max_size=12), st.integers(1, 16))
 def test_block_bound_holds_for_any_routing(sizes, rows):
-  """`num_blocks` bounds the blocks any routing needs (the blocked path's static buffer never overflows)."""
+  """`num_blocks` bounds the blocks any routing needs (the blocked path's static buffer never overflows),
+  and the grouped path's chunk table covers every assignment once."""
+  from test_moe_grouped import check_chunk_table
   g = sum(sizes)
   if g == 0:
     return
   need = sum(-(-s // rows) for s in sizes)
   assert need <= moe.num_blocks(g, len(sizes), rows)
+  check_chunk_table(sizes, rows)
   chosen = moe.block_rows(g, len(sizes))
   assert chosen == 0 or chosen == 1 or chosen >= moe.MIN_BLOCK_ROWS // 2  # 0 = dense, 1 = gather
 

@@ -58,6 +58,9 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.model.decoder_sparse_step = 1
   c.model.rope_theta = 10000.0
   c.model.scan_layers = False  # True: decoder layers stacked and run by lax.scan (ModelConfig docstring)
+  # MoE compute (ModelConfig.moe_impl): "dense" exact reference; "grouped" exact and the fastest CPU
+  # train step; "blocked" the fastest CPU decode; "ragged" for expert parallelism on a mesh.
+  c.model.moe_impl = "dense"
 
   # --- Output grammar (tars_jax/agent/grammar.py) ----------------------------------------------------
   c.grammar = mlc.ConfigDict()

@@ -174,7 +174,7 @@ def main(argv=None):
       print(f"n={n}: ours {o['steps_per_s']:.1f} steps/s (p50 {o['p50_ms']:.0f} ms, {o['resets']} resets), "
             f"raw {r['shots_per_s']:.1f} shots/s, raw cdp {rc['shots_per_s']:.1f} shots/s"
             + "".join(f", BrowserGym {p} {b['steps_per_s']:.2f} steps/s (p50 {b['p50_ms']:.0f} ms, "
-                      f"{b['resets']} resets, {b.get('failures', 0)} failures, start-up {b.get('startup_s', nan):.0f} s"
+                      f"{b['resets']} resets, {b['failures']} failures, start-up {b['startup_s']:.0f} s"
                       + (f", first failure: {b['first_failure']}" if b.get("first_failure") else "") + ")"
                       for p, b in bg.items()), flush=True)
   print()
@@ -199,7 +199,7 @@ def main(argv=None):
              _fmt(rc["shots_per_s"]), _fmt(o["steps_per_s"] / rc["shots_per_s"] if rc["shots_per_s"] else nan, ".2f")]
     for p in profiles:
       b = bg.get(p, {}).get("steps_per_s", nan)
-      cells += [_fmt(b, ".2f"), str(bg[p].get("failures", "")) if p in bg else "",
+      cells += [_fmt(b, ".2f"), str(bg[p]["failures"]) if p in bg else "",
                 _fmt(o["steps_per_s"] / b if b else nan, ".1f") + ("x" if b == b and b else "")]
     print("| " + " | ".join(cells) + " |")
 

@@ -92,12 +92,14 @@ def test_grouped_moe_matches_dense_outputs_and_gradients(tokens):
   x = jax.random.normal(jax.random.PRNGKey(1), tokens + (64,))
   loss_d, y_d, r_d, g_d = _moe_loss_and_grads(cfg, x)
   # ragged dropless, ragged with a capacity no expert can exceed (C = 8 * N * k / E >= N), blocked, grouped
+  # (at N * k = 540 its while loop over 64-row chunks, router gradient included)
   for impl, cf in (("ragged", None), ("ragged", 8.0), ("blocked", None), ("grouped", None)):
     loss_r, y_r, r_r, g_r = _moe_loss_and_grads(dataclasses.replace(cfg, moe_impl=impl, moe_capacity_factor=cf), x)
     assert float(jnp.max(jnp.abs(y_r - y_d))) <= TOL, impl
     assert abs(float(loss_r - loss_d)) <= TOL, impl
     assert _maxdiff(g_r, g_d) <= TOL, impl  # parameters and the input
     assert float(jnp.max(jnp.abs(g_d[0]["w_down"][...]))) > 1e-3  # gradients are not vacuous
+    assert float(jnp.max(jnp.abs(g_r[0]["router"]["kernel"][...]))) > 1e-4  # the router's gradient flows
     np.testing.assert_array_equal(r_r[1], r_d[1])
     if cf is not None:
       assert float(r_r[2]) == 0.0

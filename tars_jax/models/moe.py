@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tars_jax.models.config import ModelConfig
-from tars_jax.models.grouped_mlp import grouped_swiglu
+from tars_jax.models.grouped_mlp import chunk_table, grouped_swiglu
 from tars_jax.sharding import constrain, param_axes as ax
 
 
@@ -185,9 +185,9 @@ class MoE(nnx.Module):
     pend = jnp.cumsum(padded)
     pos = (pend - padded)[sorted_e] + rank_in_group(sorted_e, sizes)  # padded row of each assignment (< nb * rows)
     xs = jnp.zeros((nb * rows, d), dt).at[pos].set(flat[order // k].astype(dt)).reshape(nb, rows, d)
-    # expert of block j: the group whose padded range holds row j * rows (unused tail blocks: zeros
-    # through the last expert, never read back)
-    block_e = jnp.minimum(jnp.searchsorted(pend, jnp.arange(nb) * rows, side="right"), e - 1)
+    # expert of block j = expert of the grouped path's chunk j (unused tail blocks: zeros through the
+    # last expert, never read back)
+    _, block_e, _, _ = chunk_table(sizes, rows, nb)
     wg, wu, wd = (self.w_gate[...][block_e].astype(dt), self.w_up[...][block_e].astype(dt),
                   self.w_down[...][block_e].astype(dt))
     h = jax.nn.silu(jnp.einsum("brd,bdi->bri", xs, wg)) * jnp.einsum("brd,bdi->bri", xs, wu)

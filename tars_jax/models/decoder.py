@@ -52,10 +52,10 @@ def write_slots(buf: jax.Array, new: jax.Array, index, axis: int = 1) -> jax.Arr
   would overrun S is clamped, so callers size buffers to fit.
   """
   new = new.astype(buf.dtype)
-  start = lambda i, nd: tuple(i if a == axis else 0 for a in range(nd))
+  start = lambda i: tuple(i if a == axis else 0 for a in range(buf.ndim))
   if jnp.ndim(index) == 0:
-    return jax.lax.dynamic_update_slice(buf, new, start(index, buf.ndim))
-  return jax.vmap(lambda b_, n_, i: jax.lax.dynamic_update_slice(b_, n_, start(i, buf.ndim)[1:]))(buf, new, index)
+    return jax.lax.dynamic_update_slice(buf, new, start(index))
+  return jax.vmap(lambda b_, n_, i: jax.lax.dynamic_update_slice(b_, n_, start(i)[1:]))(buf, new, index)
 
 
 class Attention(nnx.Module):

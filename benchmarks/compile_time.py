@@ -1,9 +1,10 @@
-r"""Compile time of the train step with and without scanned decoder layers (`ModelConfig.scan_layers`).
+r"""Compile time of the train step with and without scanned layers (`ModelConfig.scan_layers`: the
+decoder layers and the vision blocks).
 
-  .venv/bin/python -m benchmarks.compile_time [--layers 4,16] [--batch 4] [--seq 64]
+  .venv/bin/python -m benchmarks.compile_time [--layers 4,16] [--vision_depth 2] [--batch 4] [--seq 64]
 
 For each depth and scan off/on: the `tiny()` policy (4 experts top-2, hidden 128, 224x168 images)
-with `layers` decoder layers; the step is `jax.jit(jax.value_and_grad(loss))` of the next-token
+with `layers` decoder layers and `vision_depth` vision blocks; the step is `jax.jit(jax.value_and_grad(loss))` of the next-token
 cross-entropy + 0.01 * MoE aux loss over a [batch, seq] batch with one image per row, traced and
 compiled for abstract parameters (`nnx.eval_shape`: nothing is initialised or run). Columns: seconds
 to trace + lower to StableHLO, seconds for XLA to compile, and the size of the lowered module text
@@ -27,6 +28,7 @@ _LAYERS = flags.DEFINE_list("layers", ["4", "16"], "Decoder depths to compile.")
 _BATCH = flags.DEFINE_integer("batch", 4, "Rows per batch.")
 _SEQ = flags.DEFINE_integer("seq", 64, "Tokens per row (at least n_img_tokens + 2).")
 _REMAT = flags.DEFINE_string("remat", "none", "ModelConfig.remat of every row.")
+_VISION_DEPTH = flags.DEFINE_integer("vision_depth", ModelConfig.tiny().vision_depth, "Vision blocks of every row.")
 
 
 def compile_seconds(cfg: ModelConfig, batch: int, seq: int) -> tuple[float, float, int]:
@@ -58,12 +60,12 @@ def compile_seconds(cfg: ModelConfig, batch: int, seq: int) -> tuple[float, floa
 def main(argv):
   del argv
   print(f"jax {jax.__version__} on {jax.devices()[0].platform}; batch {_BATCH.value} x seq {_SEQ.value}, "
-        f"remat {_REMAT.value}")
+        f"remat {_REMAT.value}, {_VISION_DEPTH.value} vision blocks")
   compile_seconds(ModelConfig.tiny(layers=1), _BATCH.value, _SEQ.value)  # untimed: one-time JAX/XLA warm-up
   print(f"{'layers':>6} {'scan':>5} {'lower s':>8} {'compile s':>10} {'HLO chars':>10}")
   for n in (int(x) for x in _LAYERS.value):
     for scan in (False, True):
-      cfg = dataclasses.replace(ModelConfig.tiny(layers=n, remat=_REMAT.value), scan_layers=scan)
+      cfg = ModelConfig.tiny(layers=n, vision_depth=_VISION_DEPTH.value, remat=_REMAT.value, scan_layers=scan)
       lower, comp, size = compile_seconds(cfg, _BATCH.value, _SEQ.value)
       print(f"{n:>6} {'on' if scan else 'off':>5} {lower:>8.2f} {comp:>10.2f} {size:>10}", flush=True)
 

@@ -1,10 +1,12 @@
-"""Scanned decoder layers (`ModelConfig.scan_layers`): the stacked, `lax.scan`-ned decoder is the
-same function as the unrolled one.
+"""Scanned decoder layers and vision blocks (`ModelConfig.scan_layers`): the stacked, `lax.scan`-ned
+decoder and ViT are the same function as the unrolled ones.
 
 With the same weights (the unscanned parameters stacked by `decoder.stack_layer_arrays`): logits
 within 1e-5 (float32), the same MoE aux loss and `moe_stats`, and the same gradients (unstacked
-back per layer) for qwen3_vl_moe (MoE layers, DeepStack after layer 0; after layers 0 and 1 in the checkpoint tests) and qwen2_5_vl
-(dense Qwen2 layers with biases), with remat "none" / "full" / "dots". A transformers checkpoint
+back per layer / block) for qwen3_vl_moe (MoE layers; 3 vision blocks with DeepStack taken after
+blocks 0 and 2 and added after decoder layers 0 and 1) and qwen2_5_vl (dense Qwen2 layers with
+biases; 3 vision blocks, window attention in blocks 0 and 2, full attention in block 1, a window
+mask that changes the output), with remat "none" / "full" / "dots". A transformers checkpoint
 loads into the stacked layout (`load_pretrained(..., scan_layers=True)`), greedy KV-cache decoding
 gives transformers `generate`'s tokens, and `save_pretrained` writes a directory transformers
 loads to our logits. On 8 simulated CPU devices (subprocess) the scanned loss and gradients on mesh
@@ -31,17 +33,18 @@ from tars_jax.models.decoder import init_cache, stack_layer_arrays, unstack_laye
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = 1e-5
 LAYERS = ("trunk", "decoder", "layers")
+BLOCKS = ("trunk", "visual", "blocks")
 
 
 def _cfg(family, **kw):
-  """Tiny 3-layer model of `family` on 56x56 images (4 merged tokens per image), one vision block
-  (qwen3_vl_moe: its DeepStack level added after decoder layer 0 only; the two-level case is the
-  transformers checkpoint's below)."""
-  base = dict(image_h=56, image_w=56, vision_hidden=32, vision_depth=1, vision_heads=2, vision_mlp=64,
+  """Tiny 3-layer model of `family` on 56x56 images (4 merged tokens per image), 3 vision blocks
+  (qwen3_vl_moe: DeepStack after blocks 0 and 2; qwen2_5_vl: windows of one merged token, i.e. 4
+  windows per image, full attention in block 1)."""
+  base = dict(image_h=56, image_w=56, vision_hidden=32, vision_depth=3, vision_heads=2, vision_mlp=64,
               hidden=64, layers=3, heads=4, kv_heads=2, head_dim=16, experts=4, top_k=2, moe_intermediate=32,
-              dense_intermediate=96, deepstack_visual_indexes=(0,))
+              dense_intermediate=96, deepstack_visual_indexes=(0, 2))
   if family == "qwen2_5_vl":
-    base.update(family=family, experts=0, deepstack_visual_indexes=(), window_size=28)
+    base.update(family=family, experts=0, deepstack_visual_indexes=(), window_size=28, fullatt_block_indexes=(1,))
   base.update(kw)
   return ModelConfig(**base)
 
@@ -122,11 +125,32 @@ def test_scanned_equals_unscanned_logits_aux_and_grads(family, remat, moe):
   if moe.get("moe_capacity_factor"):
     assert float(st0["moe_dropped"]) > 0  # the capacity really drops some assignments
   f0, f1 = _flat(g0), _flat(g1)
-  u1 = unstack_layer_arrays(f1, {p for p in f1 if p[:3] == LAYERS})
+  u1 = unstack_layer_arrays(f1, {p for p in f1 if p[:3] in (LAYERS, BLOCKS)})
   assert set(u1) == set(f0)
   err = max(float(np.abs(f0[p] - u1[p]).max()) for p in f0)
   assert err <= TOL, err
   assert max(float(np.abs(g).max()) for g in f0.values()) > 1e-3  # gradients are not all ~0
+  for i in range(cfg.vision_depth):  # every vision block gets a gradient (none is skipped by the scan)
+    assert float(np.abs(f0[BLOCKS[:3] + (i, "attn", "qkv", "kernel")]).max()) > 1e-4, i
+
+
+def test_window_and_full_attention_blocks_differ_in_the_scanned_vit():
+  """The qwen2_5_vl case above is not vacuous: with every block full-attention the scanned ViT's
+  output changes (so the per-block window / full switch really selects different masks), and the
+  scanned ViT with full attention everywhere still equals its unscanned twin."""
+  cfg = _cfg("qwen2_5_vl")
+  pix = jnp.asarray(np.random.default_rng(1).random((2, 56, 56, 3)), jnp.float32)
+  enc = lambda m: np.asarray(nnx.jit(lambda m, p: m.trunk.visual.encode(p))(m, pix))
+  ref = _policy(cfg)
+  scn = _scanned_copy(ref)
+  full = dataclasses.replace(cfg, fullatt_block_indexes=(0, 1, 2))
+  ref_full = _policy(full)
+  fa, fb = _flat(nnx.state(ref, nnx.Param)), _flat(nnx.state(ref_full, nnx.Param))
+  assert all(np.array_equal(fa[p], fb[p]) for p in fa)  # same seed and structure: same weights
+  scn_full = _scanned_copy(ref_full)
+  assert np.abs(enc(ref) - enc(scn)).max() <= TOL
+  assert np.abs(enc(ref_full) - enc(scn_full)).max() <= TOL
+  assert np.abs(enc(scn) - enc(scn_full)).max() > 1e-2
 
 
 def test_stacked_parameters_carry_the_layers_axis():
@@ -136,12 +160,17 @@ def test_stacked_parameters_carry_the_layers_axis():
   for path, var in nnx.to_flat_state(state):
     names = var.get_metadata()["out_sharding"]
     assert len(names) == var.get_value().ndim, (path, names)
-    if tuple(path[:3]) == LAYERS:
+    if tuple(path[:3]) in (LAYERS, BLOCKS):
       seen += 1
-      assert names[0] == "layers" and var.get_value().shape[0] == cfg.layers, (path, names)
+      n = cfg.layers if tuple(path[:3]) == LAYERS else cfg.vision_depth
+      assert names[0] == "layers" and var.get_value().shape[0] == n, (path, names)
     else:
       assert "layers" not in names, (path, names)
-  assert seen >= 10
+  assert seen >= 20
+  qkv = state["trunk"]["visual"]["blocks"]["attn"]["qkv"]["kernel"]
+  assert qkv.get_metadata()["out_sharding"] == ("layers", "vision_embed", "vision_heads")
+  assert qkv.get_value().shape == (cfg.vision_depth, 32, 96)
+  assert dict(sharding.make_rules())["layers"] == ()  # the stacked axis is never sharded
   moe = dict((tuple(p[3:]), v) for p, v in nnx.to_flat_state(state) if tuple(p[:3]) == LAYERS)
   assert moe[("mlp", "w_gate")].get_metadata()["out_sharding"] == ("layers", "expert", "embed", "mlp")
   assert moe[("mlp", "w_gate")].get_value().shape == (3, 4, 64, 32)
@@ -240,7 +269,7 @@ def test_load_pretrained_stacks_layers_and_decodes_like_generate(hf_pair):
 
 
 def test_save_pretrained_from_stacked_round_trips_through_transformers(hf_pair, tmp_path):
-  """Scanned model (layer 1's k_proj perturbed) -> save_pretrained -> transformers from_pretrained
+  """Scanned model (layer 1's k_proj and vision block 1's qkv perturbed) -> save_pretrained -> transformers from_pretrained
   -> its logits equal ours; the written tensors are the per-layer names transformers expects."""
   import torch
   from transformers import AutoModelForImageTextToText
@@ -250,6 +279,8 @@ def test_save_pretrained_from_stacked_round_trips_through_transformers(hf_pair, 
   scn = hf_io.load_pretrained(path, image_h=56, image_w=56, scan_layers=True)
   k = scn.policy.trunk.decoder.layers.self_attn.k_proj.kernel
   k[...] = k[...].at[1].multiply(1.5)  # only layer 1: a layer mix-up on export would show
+  qkv = scn.policy.trunk.visual.blocks.attn.qkv.kernel
+  qkv[...] = qkv[...].at[1].multiply(1.5)  # likewise vision block 1
   hf_io.save_pretrained(scn, str(tmp_path))
   hf2 = AutoModelForImageTextToText.from_pretrained(str(tmp_path)).eval()
   orig = AutoModelForImageTextToText.from_pretrained(path).eval()
@@ -257,6 +288,9 @@ def test_save_pretrained_from_stacked_round_trips_through_transformers(hf_pair, 
   name = "model.language_model.layers.{}.self_attn.k_proj.weight"
   np.testing.assert_allclose(sd2[name.format(1)].numpy(), 1.5 * sd0[name.format(1)].numpy(), rtol=1e-6)
   np.testing.assert_array_equal(sd2[name.format(0)].numpy(), sd0[name.format(0)].numpy())
+  vname = "model.visual.blocks.{}.attn.qkv.weight"
+  np.testing.assert_allclose(sd2[vname.format(1)].numpy(), 1.5 * sd0[vname.format(1)].numpy(), rtol=1e-6)
+  np.testing.assert_array_equal(sd2[vname.format(0)].numpy(), sd0[vname.format(0)].numpy())
   ids, mask, images = _prompts(np.random.default_rng(5))
   pix, grid = _hf_pixels(images)
   with torch.no_grad():
@@ -270,7 +304,12 @@ def test_save_pretrained_from_stacked_round_trips_through_transformers(hf_pair, 
   np.testing.assert_array_equal(np.asarray(back(ids, mask, pix, grid)), got)
 
 
-def test_bad_tensor_shape_names_tensor_and_shapes_when_scanned(hf_pair, tmp_path):
+@pytest.mark.parametrize("name", ["model.language_model.layers.2.self_attn.q_proj.weight",
+                                  "model.visual.blocks.1.attn.qkv.weight"])
+def test_bad_tensor_shape_names_tensor_and_shapes_when_scanned(hf_pair, tmp_path, name):
+  """A decoder layer's or a vision block's tensor with half its input width: the error names it and
+  both shapes (checked per tensor before the per-layer arrays are stacked)."""
+  import re
   from safetensors.numpy import load_file, save_file
   from tars_jax.models import hf_io
   _, path, _, _ = hf_pair
@@ -279,10 +318,11 @@ def test_bad_tensor_shape_names_tensor_and_shapes_when_scanned(hf_pair, tmp_path
       with open(os.path.join(path, f)) as src, open(os.path.join(tmp_path, f), "w") as dst:
         dst.write(src.read())
   t = load_file(os.path.join(path, "model.safetensors"))
-  name = "model.language_model.layers.2.self_attn.q_proj.weight"
-  t[name] = t[name][:, :32]
+  full = t[name].shape
+  t[name] = t[name][:, :full[1] // 2]
   save_file(t, os.path.join(tmp_path, "model.safetensors"), metadata={"format": "pt"})
-  with pytest.raises(hf_io.CheckpointMismatch, match=r"layers\.2\.self_attn\.q_proj\.weight.*\(64, 32\).*\(64, 64\)"):
+  want = rf"{re.escape(name[len('model.'):])}.*{re.escape(str(t[name].shape))}.*{re.escape(str(full))}"
+  with pytest.raises(hf_io.CheckpointMismatch, match=want):
     hf_io.load_pretrained(str(tmp_path), image_h=56, image_w=56, scan_layers=True)
 
 

@@ -60,9 +60,9 @@ class ModelConfig:
   default, 0.5 / 0.5 for qwen3_vl_moe, CLIP's for qwen2_5_vl).
   Memory knobs: `dtype = "bfloat16"` (activations), `remat` in `REMAT_POLICIES` (per decoder layer
   and vision block: "none", "full" recompute, or "dots" = keep matmul outputs, recompute the rest);
-  `scan_layers = True`: the decoder layers are one stacked module (every parameter gets a leading
-  [layers] axis, logical name "layers") run by `jax.lax.scan`, so the step compiles one layer body
-  instead of `layers` unrolled copies (compile time and HLO size independent of depth, as maxtext's
+  `scan_layers = True`: the decoder layers, and the vision blocks, are each one stacked module (every
+  parameter gets a leading [layers] / [vision_depth] axis, logical name "layers") run by
+  `jax.lax.scan`, so the step compiles one layer body and one block body instead of unrolled copies (compile time and HLO size independent of depth, as maxtext's
   `scan_layers`); same outputs and gradients, the KV cache is stacked [layers, B, KV, S, hd]. Every
   layer must then have the same structure: a mix of dense and MoE layers (`decoder_sparse_step > 1`,
   `mlp_only_layers`) raises ValueError here rather than scanning over periods.

@@ -145,20 +145,43 @@ def remat_call(cfg: ModelConfig, block, *args):
 
 
 LAYERS_AXIS = {nnx.PARTITION_NAME: "layers"}  # logical name of the stacked layer axis (rule: replicated)
+STACKED_NAMES = ("layers", "blocks")  # attribute names of stackable lists: decoder layers, vision blocks
+
+
+def stacked_module(make, n: int, rngs: nnx.Rngs):
+  """`n` instances of `make(rngs)` as one module whose parameters are stacked on a leading [n] axis
+  (logical axis "layers" prepended to each `out_sharding`), built by `nnx.vmap` over `n` split keys
+  (flax "scan over layers" recipe). Every instance must have the same structure."""
+
+  @nnx.split_rngs(splits=n)
+  @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata=LAYERS_AXIS)
+  def build(r):
+    return make(r)
+
+  return build(rngs)
 
 
 def stacked_layers(cfg: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
-  """`cfg.layers` decoder layers as one `DecoderLayer` whose parameters are stacked on a leading
-  [layers] axis (logical axis "layers" prepended to each `out_sharding`), built by `nnx.vmap` over
-  `cfg.layers` split keys (flax "scan over layers" recipe). Every layer has layer 0's structure
-  (`ModelConfig` rejects mixed dense/MoE stacks when `scan_layers` is set)."""
+  """`cfg.layers` decoder layers as one stacked `DecoderLayer` (`stacked_module`); every layer has
+  layer 0's structure (`ModelConfig` rejects mixed dense/MoE stacks when `scan_layers` is set)."""
+  return stacked_module(lambda r: DecoderLayer(cfg, 0, r), cfg.layers, rngs)
 
-  @nnx.split_rngs(splits=cfg.layers)
-  @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata=LAYERS_AXIS)
-  def make(r):
-    return DecoderLayer(cfg, 0, r)
 
-  return make(rngs)
+def scan_stacked(stacked: nnx.Module, step, carry, xs):
+  """`jax.lax.scan` of `step(block, carry, x_i) -> (carry, y_i)` over the blocks of a `stacked_module`
+  (block i: the split state's slice i merged back into one module) and the per-block inputs `xs`
+  (a pytree with leading [n] axes, or None). Returns (carry, stacked ys).
+
+  A plain `lax.scan` over `nnx.split` state rather than `nnx.scan`: the sampler calls the model
+  inside a `lax.while_loop` body that closes over it, and `nnx.scan` refuses modules whose
+  variables belong to an outer trace."""
+  graphdef, state = nnx.split(stacked)
+
+  def body(c, inp):
+    st, x = inp
+    return step(nnx.merge(graphdef, st), c, x)
+
+  return jax.lax.scan(body, carry, (state, xs))
 
 
 class Decoder(nnx.Module):
@@ -216,44 +239,38 @@ class Decoder(nnx.Module):
     return self.norm(x), routers, new_cache
 
   def _scan(self, x, cos, sin, key_mask, cache, cache_index, deepstack):
-    """The stacked layers under `jax.lax.scan`: x is the carry; the layer parameters (the split
-    state of the stacked module, merged back into one layer per step), the cache's k / v
-    ([layers, B, KV, S, hd]) and the layer index are scanned; DeepStack [n, B, L, D] is closed over
-    and level i added after layer i < n (`jnp.where` with 0 elsewhere: exact). Remat, if any, wraps
-    the body (inside the scan, as maxtext). Returns (x, stacked routers or None, (k, v) or None).
-
-    A plain `lax.scan` over `nnx.split` state rather than `nnx.scan`: the sampler calls the model
-    inside a `lax.while_loop` body that closes over it, and `nnx.scan` refuses modules whose
-    variables belong to an outer trace."""
+    """The stacked layers under `scan_stacked`: x is the carry; the layer parameters, the cache's
+    k / v ([layers, B, KV, S, hd]) and the layer index are scanned; DeepStack [n, B, L, D] is closed
+    over and level i added after layer i < n (`jnp.where` with 0 elsewhere: exact). Remat, if any,
+    wraps the body (inside the scan, as maxtext). Returns (x, stacked routers or None, (k, v) or None)."""
     cfg = self.cfg
     n_deep = 0 if deepstack is None else deepstack.shape[0]
     kv = None if cache is None else (cache.k, cache.v)
-    graphdef, state = nnx.split(self.layers)
 
-    def body(x, xs):
-      st, kv, i = xs
-      x, r, kv = remat_call(cfg, nnx.merge(graphdef, st), x, cos, sin, key_mask, kv, cache_index)
+    def step(layer, x, xs):
+      kv, i = xs
+      x, r, kv = remat_call(cfg, layer, x, cos, sin, key_mask, kv, cache_index)
       if n_deep:
         x = x + jnp.where(i < n_deep, deepstack[jnp.minimum(i, n_deep - 1)], 0).astype(x.dtype)
       return constrain(x, HIDDEN), (r, kv)
 
-    x, (routers, kv) = jax.lax.scan(body, x, (state, kv, jnp.arange(cfg.layers)))
+    x, (routers, kv) = scan_stacked(self.layers, step, x, (kv, jnp.arange(cfg.layers)))
     return x, routers, kv
 
 
 def split_layer_path(path: tuple):
-  """(prefix up to and including "layers", layer index, rest) of an unscanned per-layer path
-  (... "layers", i, ...), else None."""
+  """(prefix up to and including the list name, index, rest) of an unscanned per-layer path
+  (... "layers", i, ... of the decoder or ... "blocks", i, ... of the vision encoder), else None."""
   for j in range(len(path) - 1):
-    if path[j] == "layers" and isinstance(path[j + 1], int):
+    if path[j] in STACKED_NAMES and isinstance(path[j + 1], int):
       return path[:j + 1], path[j + 1], path[j + 2:]
   return None
 
 
 def stack_layer_arrays(flat) -> dict:
-  """Unscanned flat parameters {path: array} (paths `... "layers", i, ...` from `nnx.to_flat_state`)
-  -> the scanned layout {path without i: [layers, ...] stacked array}; other entries unchanged.
-  Arrays may be numpy or jax. Raises ValueError if a layer's entry is missing."""
+  """Unscanned flat parameters {path: array} (paths `... "layers" | "blocks", i, ...` from
+  `nnx.to_flat_state`) -> the scanned layout {path without i: [n, ...] stacked array}; other entries
+  unchanged. Arrays may be numpy or jax. Raises ValueError if a layer's entry is missing."""
   out, groups = {}, {}
   for path, a in flat.items():
     sp = split_layer_path(tuple(path))
@@ -271,14 +288,15 @@ def stack_layer_arrays(flat) -> dict:
 
 def unstack_layer_arrays(flat, layer_paths) -> dict:
   """Inverse of `stack_layer_arrays`: `layer_paths` are the stacked paths (those under the
-  decoder's "layers"); each [layers, ...] array becomes entries (... "layers", i, ...)."""
+  decoder's "layers" or the vision encoder's "blocks"); each [n, ...] array becomes entries
+  (... name, i, ...)."""
   out = {}
   for path, a in flat.items():
     path = tuple(path)
     if path not in layer_paths:
       out[path] = a
       continue
-    j = path.index("layers")
+    j = min(path.index(n) for n in STACKED_NAMES if n in path)
     for i in range(a.shape[0]):
       out[path[:j + 1] + (i,) + path[j + 1:]] = a[i]
   return out

@@ -257,8 +257,8 @@ def load_pretrained(path: str, mesh: jax.sharding.Mesh | None = None, dtype=jnp.
   logical-axis `rules` (`tars_jax.sharding`, default `DEFAULT_RULES`) give the parameter, or
   `partition(name, shape)` when that callable is given; without a mesh, the default device.
   `overrides` replace ModelConfig fields (e.g. image_h / image_w of the `Policy` path, `moe_impl`,
-  `scan_layers=True`: the per-layer checkpoint tensors are stacked on the host into the
-  [layers, ...] parameters, then each stacked parameter is `device_put` to its sharding).
+  `scan_layers=True`: the per-layer / per-block checkpoint tensors are stacked on the host into the
+  [layers, ...] / [vision_depth, ...] parameters, then each stacked parameter is `device_put` to its sharding).
   Raises CheckpointMismatch naming the tensor and both shapes (or the missing / unexpected
   tensors), ValueError listing the known families for an unknown model_type, ShardingError when
   a mesh axis does not divide a parameter's dimension.
@@ -298,10 +298,11 @@ def load_pretrained(path: str, mesh: jax.sharding.Mesh | None = None, dtype=jnp.
           if sp is not None:  # stack on the host, place once all layers are in
             p = sp[0] + sp[2]
             pending.setdefault(p, {})[sp[1]] = x
-            if len(pending[p]) < cfg.layers:
+            n = cfg.layers if sp[0][-1] == "layers" else cfg.vision_depth
+            if len(pending[p]) < n:
               continue
             by_layer = pending.pop(p)
-            x = np.stack([by_layer[i] for i in range(cfg.layers)])
+            x = np.stack([by_layer[i] for i in range(n)])
           if mesh is None:
             sharding = None
           elif partition is not None:
@@ -322,7 +323,7 @@ def load_pretrained(path: str, mesh: jax.sharding.Mesh | None = None, dtype=jnp.
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
-_DECODER_LAYERS = ("policy", "trunk", "decoder", "layers")
+_STACKED = (("policy", "trunk", "decoder", "layers"), ("policy", "trunk", "visual", "blocks"))
 
 
 def _per_layer_state(cfg: ModelConfig, state):
@@ -344,8 +345,8 @@ def save_pretrained(model: HFModel, path: str) -> None:
   config_to_hf(cfg).save_pretrained(path)
   state = nnx.state(model, nnx.Param)
   flat = {tuple(p): np.asarray(v.get_value(), np.float32) for p, v in nnx.to_flat_state(state)}
-  if cfg.scan_layers:  # stacked [layers, ...] parameters -> one entry per layer
-    flat = unstack_layer_arrays(flat, {p for p in flat if p[:4] == _DECODER_LAYERS})
+  if cfg.scan_layers:  # stacked [layers, ...] / [vision_depth, ...] parameters -> one entry per layer
+    flat = unstack_layer_arrays(flat, {p for p in flat if p[:4] in _STACKED})
   tensors = {}
   for spec in tensor_map(_per_layer_state(cfg, state), cfg.temporal_patch_size, cfg.family):
     a = spec.to_hf(*[flat[p] for p in spec.paths])

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from tars_jax.models.config import ModelConfig
-from tars_jax.models.decoder import remat_call
+from tars_jax.models.decoder import remat_call, scan_stacked, stacked_module
 from tars_jax.models.rope import rotate
 from tars_jax.sharding import constrain, param_axes as ax
 
@@ -235,7 +235,10 @@ class VisionEncoder(nnx.Module):
     self.learned_pos = cfg.family != "qwen2_5_vl"
     if self.learned_pos:
       self.pos_embed = nnx.Param(sincos_2d(side, side, d), **ax("pos", "vision_embed"))
-    self.blocks = nnx.List([VisionBlock(cfg, rngs) for _ in range(cfg.vision_depth)])
+    if cfg.scan_layers:  # one VisionBlock of stacked [vision_depth, ...] parameters, run by lax.scan
+      self.blocks = stacked_module(lambda r: VisionBlock(cfg, r), cfg.vision_depth, rngs)
+    else:
+      self.blocks = nnx.List([VisionBlock(cfg, rngs) for _ in range(cfg.vision_depth)])
     self.merger = PatchMerger(d, cfg.hidden, dt, rngs, m, rms=not self.learned_pos)
     self.deepstack_merger_list = nnx.List([PatchMerger(d, cfg.hidden, dt, rngs, m, postshuffle=True)
                                            for _ in cfg.deepstack_visual_indexes])
@@ -255,13 +258,47 @@ class VisionEncoder(nnx.Module):
     win = None
     if cfg.family == "qwen2_5_vl":  # window attention except in the full-attention blocks
       win = window_mask(gh, gw, m, cfg.window_size // m // cfg.patch_size)
-    deep = []
-    for i, blk in enumerate(self.blocks):
-      x = remat_call(cfg, blk, x, cos, sin, None if i in cfg.fullatt_block_indexes else win)
-      x = constrain(x, PATCHES)
-      if i in cfg.deepstack_visual_indexes:
-        deep.append(self.deepstack_merger_list[cfg.deepstack_visual_indexes.index(i)](x))
+    if cfg.scan_layers:
+      x, levels = self._scan(x, cos, sin, win)
+    else:
+      levels = {}
+      for i, blk in enumerate(self.blocks):
+        x = remat_call(cfg, blk, x, cos, sin, None if i in cfg.fullatt_block_indexes else win)
+        x = constrain(x, PATCHES)
+        if i in cfg.deepstack_visual_indexes:
+          levels[i] = x
+    # Levels in block order, each through the merger of its position in the index list (transformers)
+    idx = cfg.deepstack_visual_indexes
+    deep = [self.deepstack_merger_list[idx.index(i)](levels[i]) for i in sorted(idx)]
     return jnp.stack([self.merger(x)] + deep)
+
+  def _scan(self, x, cos, sin, win):
+    """The stacked blocks under `scan_stacked` -> (x [N, L, d], {block index: hidden state [N, L, d]}
+    after each of the `deepstack_visual_indexes` blocks).
+
+    Scanned per block: its parameters, whether it is a full-attention block (qwen2_5_vl's
+    `fullatt_block_indexes`: the window mask OR-ed with True, i.e. no mask: exact) and its DeepStack
+    level (-1: none). The DeepStack hidden states are a [levels, N, L, d] carry that block i writes
+    into its level's slot with `jnp.where`: `levels` copies of the activations (3 in the released
+    models) rather than `vision_depth` (27) had the scan emitted every block's output."""
+    cfg = self.cfg
+    depth, n_lv = cfg.vision_depth, len(cfg.deepstack_visual_indexes)
+    level_of = np.full(depth, -1, np.int32)
+    level_of[list(cfg.deepstack_visual_indexes)] = np.arange(n_lv)
+    full = np.isin(np.arange(depth), cfg.fullatt_block_indexes)
+
+    def step(blk, carry, xs):
+      x, buf = carry
+      level, is_full = xs
+      mask = None if win is None else jnp.asarray(win) | is_full
+      x = constrain(remat_call(cfg, blk, x, cos, sin, mask), PATCHES)
+      if n_lv:
+        buf = jnp.where((jnp.arange(n_lv) == level)[:, None, None, None], x[None], buf)
+      return (x, buf), None
+
+    buf = jnp.zeros((n_lv,) + x.shape, x.dtype) if n_lv else None
+    (x, buf), _ = scan_stacked(self.blocks, step, (x, buf), (jnp.asarray(level_of), jnp.asarray(full)))
+    return x, {i: buf[k] for k, i in enumerate(cfg.deepstack_visual_indexes)}
 
   def encode(self, pixel_values: jax.Array) -> jax.Array:
     """pixel_values [N, image_h, image_w, 3] in [0, 1] -> [1 + n_deepstack, N, n_img_tokens, hidden]."""

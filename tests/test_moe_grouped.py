@@ -14,7 +14,7 @@ from flax import nnx
 
 from tars_jax.models import moe
 from tars_jax.models.config import ModelConfig
-from tars_jax.models.grouped_mlp import chunk_table, grouped_swiglu
+from tars_jax.models.grouped_mlp import chunk_counts, chunk_sizes, chunk_table, grouped_swiglu
 
 TOL = 1e-5
 
@@ -32,9 +32,13 @@ def _weights(key, e, d, i):
           jax.random.normal(k3, (e, i, d)) / np.sqrt(i))
 
 
-# group sizes: an empty expert, sizes not multiples of the chunk, one expert with everything
-@pytest.mark.parametrize("sizes,rows", [((5, 0, 9, 3), 4), ((0, 0, 17, 0), 4), ((8, 8, 8, 8), 8), ((1, 2, 3, 30), 16)])
-def test_values_and_gradients_equal_per_row_reference(sizes, rows):
+# group sizes: an empty expert, sizes not multiples of the chunk, one expert with everything; chunk
+# sizes (rows, min_rows): one size only, or a group's tail split over chunks of 8, 4, 2 rows (31 = 16 + 8
+# + 4 + 2 + a masked 2-row chunk)
+@pytest.mark.parametrize("sizes,rows,min_rows", [((5, 0, 9, 3), 4, 4), ((0, 0, 17, 0), 4, 4), ((8, 8, 8, 8), 8, 8),
+                                                 ((1, 2, 3, 30), 16, 16), ((1, 2, 31, 7), 16, 2),
+                                                 ((33, 0, 15, 9), 16, 4)])
+def test_values_and_gradients_equal_per_row_reference(sizes, rows, min_rows):
   e, d, i = len(sizes), 6, 5
   g = sum(sizes)
   xs = jax.random.normal(jax.random.PRNGKey(g), (g, d))
@@ -44,12 +48,12 @@ def test_values_and_gradients_equal_per_row_reference(sizes, rows):
   probe = jax.random.normal(jax.random.PRNGKey(2), (g, d))  # a non-uniform cotangent
 
   def ours(xs, wg, wu, wd):
-    return jnp.sum(probe * grouped_swiglu(xs, sz, wg, wu, wd, rows, moe.num_blocks(g, e, rows)))
+    return jnp.sum(probe * grouped_swiglu(xs, sz, wg, wu, wd, rows, min_rows))
 
   def ref(xs, wg, wu, wd):
     return jnp.sum(probe * _reference(xs, expert, wg, wu, wd))
 
-  y = jax.jit(lambda *a: grouped_swiglu(a[0], sz, *a[1:], rows, moe.num_blocks(g, e, rows)))(xs, wg, wu, wd)
+  y = jax.jit(lambda *a: grouped_swiglu(a[0], sz, *a[1:], rows, min_rows))(xs, wg, wu, wd)
   np.testing.assert_allclose(y, _reference(xs, expert, wg, wu, wd), atol=TOL)
   got = jax.jit(jax.grad(ours, argnums=(0, 1, 2, 3)))(xs, wg, wu, wd)
   want = jax.grad(ref, argnums=(0, 1, 2, 3))(xs, wg, wu, wd)
@@ -62,7 +66,8 @@ def test_values_and_gradients_equal_per_row_reference(sizes, rows):
 
 
 def check_chunk_table(sizes: list[int], rows: int) -> None:
-  """The chunk table of any routing covers every row exactly once, one expert per chunk (run by the
+  """The chunk table of any routing covers every row exactly once, one expert per chunk, and the grouped
+  loop's chunk counts cover each group with fewer padded rows than its smallest chunk (run by the
   hypothesis test of the block bound, `test_sharding.test_block_bound_holds_for_any_routing`)."""
   g = sum(sizes)
   count, expert, start, valid = (np.asarray(a) for a in chunk_table(jnp.asarray(sizes, jnp.int32), rows,
@@ -74,6 +79,14 @@ def check_chunk_table(sizes: list[int], rows: int) -> None:
   for j in range(int(count)):
     assert 1 <= valid[j] <= rows
     assert (owner[start[j]:start[j] + valid[j]] == expert[j]).all()  # a chunk never mixes experts
+  # the grouped loop's chunks of rows, rows / 2, ...: cover each group with < the smallest size padded
+  for min_rows in (1, 2, 16):
+    sizes_ = chunk_sizes(rows, min_rows)
+    assert sizes_[0] == rows and all(a // 2 == b for a, b in zip(sizes_, sizes_[1:])) and sizes_[-1] >= min(min_rows, rows)
+    for size in sizes:
+      counts = chunk_counts(size, sizes_)  # the same arithmetic the loop traces, on Python ints
+      covered = sum(c * n for c, n in zip(counts, sizes_))
+      assert size <= covered < size + sizes_[-1], (size, sizes_, counts)
 
 
 def test_grouped_in_bfloat16_stays_close_to_float32():

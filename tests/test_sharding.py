@@ -134,7 +134,7 @@ def test_bounded_moe_both_branches_equal_dense(balanced):
 @given(st.lists(st.integers(0, 40), min_size=1, max_size=12), st.integers(1, 16))
 def test_block_bound_holds_for_any_routing(sizes, rows):
   """`num_blocks` bounds the blocks any routing needs (the blocked path's static buffer never overflows),
-  and the grouped path's chunk table covers every assignment once."""
+  and the blocked path's block table and the grouped loop's chunk counts cover every assignment."""
   from test_moe_grouped import check_chunk_table
   g = sum(sizes)
   if g == 0:

@@ -1,16 +1,19 @@
-"""Exact grouped SwiGLU experts for CPU training: a `lax.while_loop` over (expert, chunk) pairs with a
-dynamic trip count, and its hand-written backward (`jax.custom_vjp`).
+"""Exact grouped SwiGLU experts for CPU training: loops over experts and over the chunks of rows each
+expert's group really needs (dynamic trip counts), and their hand-written backward (`jax.custom_vjp`).
 
 The N*k assignments are sorted by expert (`moe.sort_by_expert`), so expert e owns rows
-[start_e, start_e + g_e) of `xs`. The loop visits the sum_e ceil(g_e / R) chunks of R rows that the
-groups really need (not the static bound `moe.num_blocks` that a batched matmul must compute) and indexes
-the expert's weights in place (no [blocks, D, I] gather, no scatter-add of gathered-weight gradients).
-Rows of a chunk past its group's end belong to the next expert: they are masked on input and not
-written. A while loop with a data-dependent trip count has no reverse-mode rule in JAX, hence the
-custom VJP; the forward of a differentiated call also keeps the gate / up pre-activations [G, I] (two
-of the backward's eight chunk matmuls fewer, ~2 x 6 MiB per layer at 2048 assignments, width 384), and
-the backward accumulates each expert's weight gradient in place. What transformers' `grouped_mm` does in torch (exact groups),
-written with XLA primitives. Source: MegaBlocks (Gale et al. 2022) grouped GEMM; transformers
+[start_e, start_e + g_e) of `xs`. For each expert (outer `fori_loop`) its weights are indexed once and
+its group is covered by floor(g_e / R) chunks of R rows, then at most one chunk each of R/2, R/4, ...
+down to `MIN_ROWS` (`chunk_sizes`, `chunk_counts`), so fewer than MIN_ROWS padded rows are computed
+per expert instead of up to R - 1 (not the static bound `moe.num_blocks` a batched matmul computes,
+and no [blocks, D, I] weight gather or scatter-add of its gradient). Rows of a chunk past its group's
+end belong to the next expert: they are masked on input and not written. Gate and up run as one
+matmul with the expert's [D, 2I] concatenation (transformers' fused `gate_up_proj`). A while loop
+with a data-dependent trip count has no reverse-mode rule in JAX, hence the custom VJP; the forward
+of a differentiated call also keeps the gate|up pre-activations [G, 2I] (~12 MiB per layer at 2048
+assignments, width 384), and the backward accumulates each expert's weight gradients in a loop
+carry written once per expert. What transformers' `grouped_mm` does in torch (exact groups), written
+with XLA primitives. Source: MegaBlocks (Gale et al. 2022) grouped GEMM; transformers
 `integrations/moe.py` (`grouped_mm` experts).
 """
 
@@ -42,18 +45,29 @@ def chunk_table(sizes: jax.Array, rows: int, max_chunks: int):
   return end[-1].astype(jnp.int32), e, start.astype(jnp.int32), valid.astype(jnp.int32)
 
 
-def _chunk(xs_pad, table, j, rows):
-  """(expert, start, [R, 1] bool row mask, [R, D] rows with the foreign ones zeroed) of chunk j."""
-  _, e, start, valid = table
-  keep = (jnp.arange(rows) < valid[j])[:, None]
-  x = jax.lax.dynamic_slice_in_dim(xs_pad, start[j], rows, axis=0)
-  return e[j], start[j], keep, jnp.where(keep, x, 0)
+# Smallest chunk of the loop: a group's last (ragged) rows are covered by chunks of rows / 2, rows / 4,
+# ... down to this, so at most MIN_ROWS - 1 padded rows are computed per expert (not rows - 1).
+MIN_ROWS = 16
 
 
-def _swiglu_parts(x, wg, wu, e):
-  g = x @ jax.lax.dynamic_index_in_dim(wg, e, keepdims=False)
-  u = x @ jax.lax.dynamic_index_in_dim(wu, e, keepdims=False)
-  return g, u
+def chunk_sizes(rows: int, min_rows: int = MIN_ROWS) -> tuple[int, ...]:
+  """The static chunk sizes of the loop: rows, rows // 2, ... while >= min_rows (at least (rows,))."""
+  out = [rows]
+  while out[-1] // 2 >= min_rows:
+    out.append(out[-1] // 2)
+  return tuple(out)
+
+
+def chunk_counts(size, sizes_: tuple[int, ...]) -> list:
+  """How many chunks of each static size cover a group of `size` rows (an int32 scalar array, or a
+  Python int): greedily whole
+  chunks of sizes_[0], then of sizes_[1], ...; the last size also takes the remainder (its final chunk
+  partly masked). Sum of count * chunk size - size < sizes_[-1]."""
+  counts, rem = [], size
+  for s in sizes_[:-1]:
+    counts.append(rem // s)
+    rem = rem - counts[-1] * s
+  return counts + [-(-rem // sizes_[-1])]
 
 
 def _put(buf, val, start, keep):
@@ -66,77 +80,121 @@ def _pad(a, rows):
   return jnp.concatenate([a, jnp.zeros((rows,) + a.shape[1:], a.dtype)])
 
 
+def _for_each_chunk(sizes, sizes_, chunk_fn, expert_init, expert_done, carry):
+  """Loops over experts e (outer, `lax.fori_loop`) and over the chunks covering e's group (inner: one
+  dynamic-count loop per static chunk size). `expert_init(e, carry) -> (carry, local)` runs first
+  (index e's weights once, not once per chunk); `chunk_fn(s, e, local, carry, start, keep) -> (carry,
+  local)` for each chunk of s rows at sorted row `start` ([s, 1] bool `keep`: rows inside the group);
+  `expert_done(e, local, carry) -> carry` last. `sizes_`: the static chunk sizes (`chunk_sizes`)."""
+  group_start = jnp.cumsum(sizes) - sizes
+
+  def per_expert(e, carry):
+    carry, local = expert_init(e, carry)
+    end = group_start[e] + sizes[e]
+    pos = group_start[e]
+    for s, count in zip(sizes_, chunk_counts(sizes[e], sizes_)):
+      def body(_, c, s=s):
+        carry, local, pos = c
+        keep = (pos + jnp.arange(s) < end)[:, None]
+        carry, local = chunk_fn(s, e, local, carry, pos, keep)
+        return carry, local, pos + s
+      carry, local, pos = jax.lax.fori_loop(0, count, body, (carry, local, pos))
+    return expert_done(e, local, carry)
+
+  return jax.lax.fori_loop(0, sizes.shape[0], per_expert, carry)
+
+
+def _rows(a, start, s, keep=None):
+  x = jax.lax.dynamic_slice_in_dim(a, start, s, axis=0)
+  return x if keep is None else jnp.where(keep, x, 0)
+
+
+def _index(w, e):
+  return jax.lax.dynamic_index_in_dim(w, e, keepdims=False)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def grouped_swiglu(xs, sizes, wg, wu, wd, rows: int, max_chunks: int):
+def grouped_swiglu(xs, sizes, wg, wu, wd, rows: int, min_rows: int = MIN_ROWS):
   """ys [G, D] = down(silu(x W_gate[e]) * (x W_up[e])) for each row x of expert e's group.
 
   Args:
     xs: [G, D] assignments sorted by expert; sizes: [E] int32 group sizes (sum G);
     wg, wu: [E, D, I]; wd: [E, I, D] (all in the compute dtype);
-    rows: R, rows per chunk (static); max_chunks: static bound on the chunk count
-      (`moe.num_blocks(G, E, R)`).
+    rows: R, the largest chunk (static); a group's tail is covered by chunks of R/2, R/4, ... down to
+      `min_rows` (`chunk_sizes`), so each expert computes fewer than min_rows padded rows.
   Returns: ys [G, D] in xs's dtype. Differentiable (reverse mode) in xs, wg, wu, wd; exact (no
   padding enters a result, no assignment is dropped).
   """
-  return _forward(xs, sizes, wg, wu, wd, rows, max_chunks, keep_parts=False)[0]
+  return _forward(xs, sizes, wg, wu, wd, rows, min_rows, keep_parts=False)[0]
 
 
-def _forward(xs, sizes, wg, wu, wd, rows, max_chunks, keep_parts: bool):
-  """(ys [G, D], (gate, up) pre-activations [G + R, I] each or None)."""
+def _forward(xs, sizes, wg, wu, wd, rows, min_rows, keep_parts: bool):
+  """(ys [G, D], gate|up pre-activations [G + R, 2I] or None). Gate and up run as one matmul with the
+  expert's [D, 2I] concatenation (as transformers' fused `gate_up_proj`): one larger dot per chunk
+  instead of two."""
   g, d = xs.shape
-  table = chunk_table(sizes, rows, max_chunks)
+  i = wg.shape[-1]
   xs_pad = _pad(xs, rows)
+  wgu = jnp.concatenate([wg, wu], axis=-1)  # [E, D, 2I]
 
-  def body(c):
-    j, ys, parts = c
-    e, start, keep, x = _chunk(xs_pad, table, j, rows)
-    a, b = _swiglu_parts(x, wg, wu, e)
-    y = (jax.nn.silu(a) * b) @ jax.lax.dynamic_index_in_dim(wd, e, keepdims=False)
+  def init(e, carry):
+    return carry, (_index(wgu, e), _index(wd, e))
+
+  def chunk(s, e, w, carry, start, keep):
+    ys, parts = carry
+    x = _rows(xs_pad, start, s, keep)
+    ab = x @ w[0]
+    y = (jax.nn.silu(ab[:, :i]) * ab[:, i:]) @ w[1]
     if keep_parts:
-      parts = (_put(parts[0], a, start, keep), _put(parts[1], b, start, keep))
-    return j + 1, _put(ys, y, start, keep), parts
+      parts = _put(parts, ab, start, keep)
+    return (_put(ys, y, start, keep), parts), w
 
-  parts = None
-  if keep_parts:
-    parts = tuple(jnp.zeros((g + rows, wg.shape[-1]), xs.dtype) for _ in range(2))
-  init = (jnp.int32(0), jnp.zeros((g + rows, d), xs.dtype), parts)
-  _, ys, parts = jax.lax.while_loop(lambda c: c[0] < table[0], body, init)
+  parts = jnp.zeros((g + rows, 2 * i), xs.dtype) if keep_parts else None
+  ys, parts = _for_each_chunk(sizes, chunk_sizes(rows, min_rows), chunk, init, lambda e, w, c: c,
+                              (jnp.zeros((g + rows, d), xs.dtype), parts))
   return ys[:g], parts
 
 
-def _fwd(xs, sizes, wg, wu, wd, rows, max_chunks):
-  ys, parts = _forward(xs, sizes, wg, wu, wd, rows, max_chunks, keep_parts=True)
+def _fwd(xs, sizes, wg, wu, wd, rows, min_rows):
+  ys, parts = _forward(xs, sizes, wg, wu, wd, rows, min_rows, keep_parts=True)
   return ys, (xs, sizes, wg, wu, wd, parts)
 
 
-def _bwd(rows, max_chunks, res, dys):
-  xs, sizes, wg, wu, wd, (a_all, b_all) = res
+def _bwd(rows, min_rows, res, dys):
+  xs, sizes, wg, wu, wd, ab_all = res
   g, d = xs.shape
-  table = chunk_table(sizes, rows, max_chunks)
+  i = wg.shape[-1]
   xs_pad, dys_pad = _pad(xs, rows), _pad(dys.astype(xs.dtype), rows)
+  wgu = jnp.concatenate([wg, wu], axis=-1)  # [E, D, 2I], as in the forward
 
-  def body(c):
-    j, dxs, dwg, dwu, dwd = c
-    e, start, keep, x = _chunk(xs_pad, table, j, rows)
-    dy = jnp.where(keep, jax.lax.dynamic_slice_in_dim(dys_pad, start, rows, axis=0), 0)
-    a = jax.lax.dynamic_slice_in_dim(a_all, start, rows, axis=0)  # rows past the group: masked below
-    b = jax.lax.dynamic_slice_in_dim(b_all, start, rows, axis=0)
+  def init(e, carry):
+    # e's weights, and its weight gradients accumulated over its chunks (written once, in done)
+    w = (_index(wgu, e), _index(wd, e))
+    return carry, (w, tuple(jnp.zeros_like(a) for a in w))
+
+  def chunk(s, e, local, carry, start, keep):
+    (w_gu, w_d), (dw_gu, dw_d) = local
+    x = _rows(xs_pad, start, s, keep)
+    dy = _rows(dys_pad, start, s, keep)
+    ab = _rows(ab_all, start, s)  # rows past the group: masked through x and dy
+    a, b = ab[:, :i], ab[:, i:]
     sig = jax.nn.sigmoid(a)
-    s = a * sig  # silu(a)
-    h = s * b
-    dh = dy @ jax.lax.dynamic_index_in_dim(wd, e, keepdims=False).T
-    da = dh * b * sig * (1 + a * (1 - sig))  # d silu(a) / da
-    db = dh * s
-    w_g = jax.lax.dynamic_index_in_dim(wg, e, keepdims=False)
-    w_u = jax.lax.dynamic_index_in_dim(wu, e, keepdims=False)
-    dx = da @ w_g.T + db @ w_u.T
-    add = lambda acc, delta: jax.lax.dynamic_update_index_in_dim(
-        acc, jax.lax.dynamic_index_in_dim(acc, e, keepdims=False) + delta.astype(acc.dtype), e, axis=0)
-    return (j + 1, _put(dxs, dx, start, keep), add(dwg, x.T @ da), add(dwu, x.T @ db), add(dwd, h.T @ dy))
+    silu_a = a * sig
+    h = silu_a * b
+    dh = dy @ w_d.T
+    dab = jnp.concatenate([dh * b * sig * (1 + a * (1 - sig)), dh * silu_a], axis=-1)  # d/da (silu'), d/db
+    dx = dab @ w_gu.T
+    grads = (dw_gu + x.T @ dab, dw_d + h.T @ dy)
+    return (_put(carry[0], dx, start, keep),) + carry[1:], ((w_gu, w_d), grads)
 
-  init = (jnp.int32(0), jnp.zeros((g + rows, d), xs.dtype), jnp.zeros_like(wg), jnp.zeros_like(wu), jnp.zeros_like(wd))
-  _, dxs, dwg, dwu, dwd = jax.lax.while_loop(lambda c: c[0] < table[0], body, init)
-  return dxs[:g], None, dwg, dwu, dwd
+  def done(e, local, carry):
+    dxs, dwgu, dwd = carry
+    put = lambda acc, val: jax.lax.dynamic_update_index_in_dim(acc, val.astype(acc.dtype), e, axis=0)
+    return dxs, put(dwgu, local[1][0]), put(dwd, local[1][1])
+
+  init_carry = (jnp.zeros((g + rows, d), xs.dtype), jnp.zeros_like(wgu), jnp.zeros_like(wd))
+  dxs, dwgu, dwd = _for_each_chunk(sizes, chunk_sizes(rows, min_rows), chunk, init, done, init_carry)
+  return dxs[:g], None, dwgu[..., :i], dwgu[..., i:], dwd
 
 
 grouped_swiglu.defvjp(_fwd, _bwd)

@@ -126,8 +126,8 @@ class MoE(nnx.Module):
       every expert's load fits, else the dense path (`lax.cond`; exact either way). MegaBlocks'
       block-sparse grouping (Gale et al. 2022) without custom kernels.
     "grouped": "blocked" for decode and few rows per expert; from `MIN_BLOCK_ROWS` rows per expert a
-      `lax.while_loop` over only the (expert, chunk of <= `GROUPED_ROWS` rows) pairs the groups need,
-      weights indexed in place, with a custom VJP (`grouped_mlp.grouped_swiglu`): exact like the
+      loop over experts and the chunks of `GROUPED_ROWS`, then halving down to 16 rows, that each group
+      needs, weights indexed once per expert, with a custom VJP (`grouped_mlp.grouped_swiglu`): exact like the
       others, without "blocked"'s static block bound (3840 computed rows for 2048 assignments in
       `benchmarks/train_step.py`) or its per-block weight gathers.
   Source: maxtext `MaxText/layers/moe.py` (`sparse_matmul` with `ragged_dot`, `dense_matmul` with
@@ -200,7 +200,7 @@ class MoE(nnx.Module):
     order, _, sizes = sort_by_expert(idx, e)
     xs = flat[order // k].astype(dt)
     ys = grouped_swiglu(xs, sizes, self.w_gate[...].astype(dt), self.w_up[...].astype(dt),
-                        self.w_down[...].astype(dt), rows, num_blocks(xs.shape[0], e, rows))
+                        self.w_down[...].astype(dt), rows)
     return self._combine(ys, order, w)
 
   def _grouped(self, flat, w, idx):

@@ -42,6 +42,13 @@ def torch_kernels(model) -> str:
           f"experts {getattr(tc, '_experts_implementation', None)!r}")
 
 
+def allocator() -> str:
+  """The malloc this process runs (for table headers; both sides of a benchmark share it):
+  "tcmalloc" when `scripts/env.sh` preloaded it, else "glibc"."""
+  with open("/proc/self/maps") as f:
+    return "tcmalloc" if "libtcmalloc" in f.read() else "glibc"
+
+
 def overrides(moe_impl: str | None) -> dict:
   """`ModelConfig` overrides for `hf_io.load_pretrained`: `moe_impl` when given (the MoE compute path,
   a field the scaling work adds; None keeps the config's default). Raises ValueError when the installed

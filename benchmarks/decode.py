@@ -1,5 +1,6 @@
 r"""Greedy decode speed: our KV-cache sampler vs transformers `generate`, same weights, side by side.
 
+  source scripts/env.sh   # tcmalloc for both sides, as the trainer runs (the header says which malloc)
   .venv/bin/python -m benchmarks.decode [--batch_sizes 1,16] [--new_tokens 64] [--repeats 3] \
       [--moe_impl dense,blocked]
 
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from benchmarks.bench_model import best_time, hf_model, image_processor, moe_impl_name, overrides, torch_kernels
+from benchmarks.bench_model import allocator, best_time, hf_model, image_processor, moe_impl_name, overrides, torch_kernels
 from tars_jax.agent.tokenizer import BOS, IMAGE, PAD, VISION_END, VISION_START
 from tars_jax.models import hf_io, sampler
 
@@ -67,7 +68,7 @@ def main(argv):
       rows.append((moe_impl_name(ours.cfg), b, b * n / t_ours, b * n / t_hf, t_hf / t_ours, same))
   print(f"\ngreedy decode, {n_params / 1e6:.1f}M params (qwen3_vl_moe), prompt {len(prompt)} tokens incl. "
         f"one 112x112 image, {n} new tokens, {jax.devices()[0].platform}, "
-        f"torch threads {torch.get_num_threads()}, transformers {torch_kernels(hf)}")
+        f"torch threads {torch.get_num_threads()}, malloc {allocator()}, transformers {torch_kernels(hf)}")
   print(f"{'our MoE':>8} {'batch':>5} {'ours tok/s':>11} {'transformers tok/s':>19} {'ratio':>6} {'same tokens':>12}")
   for impl, b, ours_tps, hf_tps, ratio, same in rows:
     print(f"{impl:>8} {b:>5} {ours_tps:>11.1f} {hf_tps:>19.1f} {ratio:>5.2f}x {str(same):>12}")

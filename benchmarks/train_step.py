@@ -1,5 +1,6 @@
 r"""Train-step speed: our jitted forward+backward vs the transformers model in torch, same weights.
 
+  source scripts/env.sh   # tcmalloc for both sides, as the trainer runs (the header says which malloc)
   .venv/bin/python -m benchmarks.train_step [--batch_sizes 4,16] [--seq 64] [--repeats 5]
 
 Builds the ~24M-parameter random-init transformers `Qwen3VLMoeForConditionalGeneration` of
@@ -33,7 +34,7 @@ import numpy as np
 import torch
 from flax import nnx
 
-from benchmarks.bench_model import hf_model, image_processor, moe_impl_name, overrides, torch_kernels
+from benchmarks.bench_model import allocator, hf_model, image_processor, moe_impl_name, overrides, torch_kernels
 from tars_jax.agent.tokenizer import BOS, IMAGE, VISION_END, VISION_START
 from tars_jax.models import hf_io
 from tars_jax.models.rope import rope_positions
@@ -110,7 +111,8 @@ def main(argv):
         f"{moe_impl_name(cfg)!r}), "
         f"{seq} tokens/row incl. one {IMAGE_HW}x{IMAGE_HW} image; median of {_REPEATS.value} interleaved rounds after "
         f"{_WARMUP.value} warm-up; {jax.devices()[0].platform} ({os.cpu_count()} cores visible), "
-        f"torch threads {torch.get_num_threads()}, XLA_FLAGS {xla}, transformers {torch_kernels(hf)}")
+        f"torch threads {torch.get_num_threads()}, XLA_FLAGS {xla}, malloc {allocator()}, transformers "
+        f"{torch_kernels(hf)}")
   print(f"{'batch':>5} {'model':>10} {'tokens/s':>9} {'vs torch':>9} {'loss':>10} {'grad norm':>11}", flush=True)
   for b in (int(x) for x in _BATCHES.value):
     ids, images = make_batch(rng, b, seq)

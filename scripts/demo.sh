@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+source scripts/env.sh
 RUN=${RUN:-runs/miniwob_ppo}
 .venv/bin/python -m experiments.train --config experiments/configs/miniwob_ppo.py --workdir "$RUN" "$@"
 .venv/bin/python -m experiments.eval --run "$RUN" --tasks miniwob/click-test,miniwob/click-test-2 \

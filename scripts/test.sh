@@ -3,5 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+source scripts/env.sh
 exec .venv/bin/python -m pytest "${@:--q}"

@@ -1,0 +1,17 @@
+# Sourced by the other scripts (and by you, for your own commands: `source scripts/env.sh`):
+# PYTHONPATH = the checkout, and tcmalloc as the allocator of the processes started from here.
+# Why tcmalloc: XLA:CPU allocates each step's buffers with malloc and glibc hands large blocks back to
+# the kernel on free, so every train step faults its ~400 MB of temporaries in again (~100k page
+# faults per step of benchmarks/train_step.py at batch 16); tcmalloc keeps them (benchmarks/RESULTS.md,
+# "allocator"). TARS_MALLOC=system keeps glibc's malloc.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if [[ ${TARS_MALLOC:-tcmalloc} != system && ${LD_PRELOAD:-} != *tcmalloc* ]]; then
+  _tcmalloc=$(/sbin/ldconfig -p 2>/dev/null | awk '/libtcmalloc_minimal\.so\.4 /{print $NF; exit}')
+  if [[ -n $_tcmalloc ]]; then
+    export LD_PRELOAD="$_tcmalloc${LD_PRELOAD:+:$LD_PRELOAD}"
+    export TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD=${TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD:-1099511627776}  # no "large alloc" noise
+  else
+    echo "[env] libtcmalloc_minimal.so.4 not found (scripts/setup.sh installs it): glibc malloc" >&2
+  fi
+  unset _tcmalloc
+fi

@@ -45,7 +45,7 @@ from benchmarks.command import command_line
 from envs_bridge.browser import miniwob_tasks as mw
 from envs_bridge.browser.sessions import CHROMIUM_ARGS, EPOCH_MS, HIDE_CARET_CSS
 from envs_bridge.client import SandboxClient
-from envs_bridge.launch import launch_server
+from envs_bridge.launch import launch_server, without_tcmalloc
 
 # Memory one BrowserGym env holds (worker + Playwright driver + two Chromium with their renderer, GPU and
 # utility processes), measured on 2026-11-23: 16 envs had taken 6.7 GB while still starting up.
@@ -93,7 +93,9 @@ async def raw(n: int, seconds: float, warmup_s: float, method: str = "playwright
   hidden by a style as in the sandbox).
   """
   pw = await async_playwright().start()
-  browser = await pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
+  # the system malloc, as the sandbox server's Chromium (`launch_server` takes tcmalloc out of its env)
+  browser = await pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS,
+                                     env=without_tcmalloc(os.environ))
   try:
     pages = []
     for k in range(n):

@@ -111,6 +111,20 @@ def die_with_parent() -> None:
     sys.exit(0)
 
 
+def without_tcmalloc(env) -> dict:
+  """A copy of the environment mapping `env` with tcmalloc taken out of LD_PRELOAD (`scripts/env.sh`
+  preloads it for XLA's per-step buffers). Sandbox servers and the Chromium they start run with the
+  system malloc: with tcmalloc the 16-session throughput was no better (0.43-0.53 of the screenshot
+  ceiling vs 0.43-0.61 over three runs each, benchmarks/RESULTS.md "Allocator")."""
+  env = dict(env)
+  keep = [p for p in env.get("LD_PRELOAD", "").split(":") if p and "tcmalloc" not in p]
+  if keep:
+    env["LD_PRELOAD"] = ":".join(keep)
+  else:
+    env.pop("LD_PRELOAD", None)
+  return env
+
+
 def launch_server(module: str = "envs_bridge.browser.server", port: int | None = None,
                   host: str = "127.0.0.1", step_ms: int = 1000, lease_s: float = 300.0,
                   max_sessions: int = 64, wait_s: float = 30.0, log_path: str | None = None,
@@ -136,8 +150,8 @@ def launch_server(module: str = "envs_bridge.browser.server", port: int | None =
   if own_log:
     fd, log_path = tempfile.mkstemp(prefix="sandbox-server-", suffix=".log")
     os.close(fd)
-  env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-             **{PARENT_ENV: str(os.getpid())})
+  env = without_tcmalloc(dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                                **{PARENT_ENV: str(os.getpid())}))
   if token is not None:
     env[TOKEN_ENV] = token
   token = env.get(TOKEN_ENV) or None

@@ -76,3 +76,39 @@ def test_config_spare_pages_reaches_the_server():
       time.sleep(0.2)
     assert h["spare_pages"] == 2 and h["spare"]["up"] and h["spare"]["pages"] == 1, h
     loop.run_until_complete(c.close(sid))
+
+
+def _tcmalloc() -> str | None:
+  out = subprocess.run(["/sbin/ldconfig", "-p"], capture_output=True, text=True).stdout
+  libs = [line.split("=>")[-1].strip() for line in out.splitlines() if "libtcmalloc_minimal.so.4 " in line]
+  return libs[0] if libs else None
+
+
+def test_without_tcmalloc_keeps_other_preloads():
+  from envs_bridge.launch import without_tcmalloc
+  env = without_tcmalloc({"LD_PRELOAD": "/x/libtcmalloc_minimal.so.4:/y/libfoo.so", "A": "1"})
+  assert env == {"LD_PRELOAD": "/y/libfoo.so", "A": "1"}
+  assert without_tcmalloc({"LD_PRELOAD": "/x/libtcmalloc_minimal.so.4", "A": "1"}) == {"A": "1"}
+  assert without_tcmalloc({"A": "1"}) == {"A": "1"}
+
+
+def test_sandbox_server_runs_with_the_system_malloc():
+  """A trainer under `scripts/env.sh` (tcmalloc preloaded) starts its sandbox server, and so its
+  Chromium, without tcmalloc: read from the processes' memory maps."""
+  lib = _tcmalloc()
+  if lib is None:
+    pytest.skip("libtcmalloc_minimal.so.4 not installed (scripts/setup.sh installs it)")
+  parent = subprocess.Popen([sys.executable, "-c", _PARENT], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=ROOT, LD_PRELOAD=lib))
+  server_pid = None
+  try:
+    server_pid = int(parent.stdout.readline())
+    with open(f"/proc/{parent.pid}/maps") as f:
+      assert "libtcmalloc" in f.read()  # the preload took in the parent: the check below can fail
+    with open(f"/proc/{server_pid}/maps") as f:
+      assert "libtcmalloc" not in f.read()
+  finally:
+    parent.kill()
+    parent.wait()
+    if server_pid is not None:
+      _wait_gone(server_pid)

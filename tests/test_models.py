@@ -238,6 +238,8 @@ def test_config_from_dict_and_presets():
     ModelConfig(family="llama")
   with pytest.raises(ValueError):
     ModelConfig(image_h=100).merged_grid
+  with pytest.raises(ValueError, match=r"deepstack_visual_indexes \(1, 1\) repeats a block"):
+    ModelConfig(deepstack_visual_indexes=(1, 1))
 
 
 @pytest.mark.parametrize("remat", ["full", "dots"])

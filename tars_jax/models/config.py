@@ -146,6 +146,9 @@ class ModelConfig:
         raise ValueError(f"qwen2_5_vl needs head_dim * heads == hidden ({self.head_dim} * {self.heads} != {self.hidden})")
     if any(not 0 <= i < self.vision_depth for i in self.deepstack_visual_indexes):
       raise ValueError(f"deepstack_visual_indexes {self.deepstack_visual_indexes} outside [0, {self.vision_depth})")
+    if len(set(self.deepstack_visual_indexes)) != len(self.deepstack_visual_indexes):
+      # one DeepStack level per block: a repeated block would get one merger's output, not two levels
+      raise ValueError(f"deepstack_visual_indexes {self.deepstack_visual_indexes} repeats a block")
     if len(self.deepstack_visual_indexes) > self.layers:
       raise ValueError(f"{len(self.deepstack_visual_indexes)} deepstack levels > {self.layers} decoder layers")
     if self.heads % self.kv_heads:

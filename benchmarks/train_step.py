@@ -15,7 +15,8 @@ then `loss.backward()` (transformers' defaults: sdpa attention, its default expe
                matmuls in bfloat16, logits / softmax / loss in float32);
   torch f32    transformers in float32 eager mode.
 Warm-up calls (compilation included) are not timed; then `repeats` rounds each time one step of every
-row in turn (interleaved: the machine may be shared, load changes hit all rows alike). The table gives
+row in turn (interleaved: the machine may be shared, load changes hit all rows alike), each timed step
+after 50 ms idle (`PAUSE_S`: torch's OpenMP workers spin for a while after its step). The table gives
 the median step time as tokens/s = batch * seq / median, and the loss and global gradient norm of each side (f32 rows
 must agree: the sanity check that both compute the same thing).
 """
@@ -76,10 +77,15 @@ def global_norm(tree) -> float:
   return float(jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree))))
 
 
-def interleaved_medians(fns: dict, warmup: int, repeats: int) -> tuple[dict, dict]:
+# Idle time before each timed call: torch's OpenMP workers spin after a step (~9 ms of CPU in the
+# 200 ms after a torch step, 0.1 ms after ours; getrusage, 2026-11-24), which the next call would pay.
+PAUSE_S = 0.05
+
+
+def interleaved_medians(fns: dict, warmup: int, repeats: int, pause_s: float = PAUSE_S) -> tuple[dict, dict]:
   """Runs every fn `warmup` times untimed, then `repeats` rounds of one timed call of each fn in turn
-  (interleaved, so a change of the shared machine's load hits all sides alike).
-  Returns ({name: last output}, {name: median seconds})."""
+  (interleaved, so a change of the shared machine's load hits all sides alike), each after `pause_s`
+  seconds idle. Returns ({name: last output}, {name: median seconds})."""
   out = {}
   for name, fn in fns.items():
     for _ in range(warmup):
@@ -87,6 +93,7 @@ def interleaved_medians(fns: dict, warmup: int, repeats: int) -> tuple[dict, dic
   times = {name: [] for name in fns}
   for _ in range(repeats):
     for name, fn in fns.items():
+      time.sleep(pause_s)
       t0 = time.perf_counter()
       out[name] = fn()
       times[name].append(time.perf_counter() - t0)

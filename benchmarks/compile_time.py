@@ -4,9 +4,9 @@ decoder layers and the vision blocks).
   .venv/bin/python -m benchmarks.compile_time [--layers 4,16] [--vision_depth 2] [--batch 4] [--seq 64]
 
 For each depth and scan off/on: the `tiny()` policy (4 experts top-2, hidden 128, 224x168 images)
-with `layers` decoder layers and `vision_depth` vision blocks; the step is `jax.jit(jax.value_and_grad(loss))` of the next-token
-cross-entropy + 0.01 * MoE aux loss over a [batch, seq] batch with one image per row, traced and
-compiled for abstract parameters (`nnx.eval_shape`: nothing is initialised or run). Columns: seconds
+with `layers` decoder layers and `vision_depth` vision blocks; the step is
+`jax.jit(jax.value_and_grad(loss))` of the next-token cross-entropy + 0.01 * MoE aux loss over a
+[batch, seq] batch with one image per row, traced and compiled for abstract parameters (`nnx.eval_shape`: nothing is initialised or run). Columns: seconds
 to trace + lower to StableHLO, seconds for XLA to compile, and the size of the lowered module text
 (the unrolled step grows with depth; the scanned one should not). One process, cold caches per row
 (each depth/scan pair is a different function) after one untimed warm-up compile; no timings are asserted anywhere.
@@ -14,7 +14,6 @@ to trace + lower to StableHLO, seconds for XLA to compile, and the size of the l
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 from absl import app, flags

@@ -1,6 +1,7 @@
-"""The "grouped" MoE path (`tars_jax/models/grouped_mlp.py`): the while loop over (expert, chunk) pairs
-and its hand-written backward against a per-row reference written independently (each row through its
-own expert's weights, differentiated by JAX), and the chunk table against a direct count."""
+"""The "grouped" MoE path (`tars_jax/models/grouped_mlp.py`): the loops over experts and their chunks
+and the hand-written backward against a per-row reference written independently (each row through its
+own expert's weights, differentiated by JAX); the chunk counts, and the blocked path's block table
+(`moe.chunk_table`), against a direct count."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from flax import nnx
 
 from tars_jax.models import moe
 from tars_jax.models.config import ModelConfig
-from tars_jax.models.grouped_mlp import chunk_counts, chunk_sizes, chunk_table, grouped_swiglu
+from tars_jax.models.grouped_mlp import chunk_counts, chunk_sizes, grouped_swiglu
 
 TOL = 1e-5
 
@@ -66,11 +67,11 @@ def test_values_and_gradients_equal_per_row_reference(sizes, rows, min_rows):
 
 
 def check_chunk_table(sizes: list[int], rows: int) -> None:
-  """The chunk table of any routing covers every row exactly once, one expert per chunk, and the grouped
+  """The blocked path's block table of any routing covers every row exactly once, one expert per chunk, and the grouped
   loop's chunk counts cover each group with fewer padded rows than its smallest chunk (run by the
   hypothesis test of the block bound, `test_sharding.test_block_bound_holds_for_any_routing`)."""
   g = sum(sizes)
-  count, expert, start, valid = (np.asarray(a) for a in chunk_table(jnp.asarray(sizes, jnp.int32), rows,
+  count, expert, start, valid = (np.asarray(a) for a in moe.chunk_table(jnp.asarray(sizes, jnp.int32), rows,
                                                                       moe.num_blocks(g, len(sizes), rows)))
   assert int(count) == sum(-(-s // rows) for s in sizes)
   covered = np.concatenate([np.arange(start[j], start[j] + valid[j]) for j in range(int(count))])

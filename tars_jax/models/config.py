@@ -62,8 +62,8 @@ class ModelConfig:
   and vision block: "none", "full" recompute, or "dots" = keep matmul outputs, recompute the rest);
   `scan_layers = True`: the decoder layers, and the vision blocks, are each one stacked module (every
   parameter gets a leading [layers] / [vision_depth] axis, logical name "layers") run by
-  `jax.lax.scan`, so the step compiles one layer body and one block body instead of unrolled copies (compile time and HLO size independent of depth, as maxtext's
-  `scan_layers`); same outputs and gradients, the KV cache is stacked [layers, B, KV, S, hd]. Every
+  `jax.lax.scan`, so the step compiles one layer body and one block body instead of unrolled copies
+  (compile time and HLO size independent of depth, as maxtext's `scan_layers`); same outputs and gradients, the KV cache is stacked [layers, B, KV, S, hd]. Every
   layer must then have the same structure: a mix of dense and MoE layers (`decoder_sparse_step > 1`,
   `mlp_only_layers`) raises ValueError here rather than scanning over periods.
   MoE compute: `moe_impl` in `MOE_IMPLS` ("dense": exact reference, all experts on all tokens;

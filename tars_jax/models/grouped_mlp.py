@@ -25,26 +25,6 @@ import jax
 import jax.numpy as jnp
 
 
-def chunk_table(sizes: jax.Array, rows: int, max_chunks: int):
-  """The chunks of R = `rows` rows covering each expert's group, in expert order.
-
-  Args: sizes [E] int32 group sizes (sum G); max_chunks: a static bound on sum_e ceil(g_e / R)
-    (`moe.num_blocks(G, E, R)`).
-  Returns: (count int32 scalar = sum_e ceil(g_e / R), expert [M] int32, start [M] int32 first row in
-    the sorted assignments, valid [M] int32 rows of the chunk inside its group (1..R)); entries at
-    index >= count are unused.
-  """
-  n_chunks = -(-sizes // rows)
-  end = jnp.cumsum(n_chunks)
-  j = jnp.arange(max_chunks, dtype=jnp.int32)
-  e = jnp.minimum(jnp.searchsorted(end, j, side="right"), sizes.shape[0] - 1).astype(jnp.int32)
-  local = j - (end - n_chunks)[e]
-  group_start = jnp.cumsum(sizes) - sizes
-  start = group_start[e] + local * rows
-  valid = jnp.clip(sizes[e] - local * rows, 0, rows)
-  return end[-1].astype(jnp.int32), e, start.astype(jnp.int32), valid.astype(jnp.int32)
-
-
 # Smallest chunk of the loop: a group's last (ragged) rows are covered by chunks of rows / 2, rows / 4,
 # ... down to this, so at most MIN_ROWS - 1 padded rows are computed per expert (not rows - 1).
 MIN_ROWS = 16
@@ -60,9 +40,8 @@ def chunk_sizes(rows: int, min_rows: int = MIN_ROWS) -> tuple[int, ...]:
 
 def chunk_counts(size, sizes_: tuple[int, ...]) -> list:
   """How many chunks of each static size cover a group of `size` rows (an int32 scalar array, or a
-  Python int): greedily whole
-  chunks of sizes_[0], then of sizes_[1], ...; the last size also takes the remainder (its final chunk
-  partly masked). Sum of count * chunk size - size < sizes_[-1]."""
+  Python int): greedily whole chunks of sizes_[0], then of sizes_[1], ...; the last size also takes
+  the remainder (its final chunk partly masked). Sum of count * chunk size - size < sizes_[-1]."""
   counts, rem = [], size
   for s in sizes_[:-1]:
     counts.append(rem // s)

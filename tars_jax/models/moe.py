@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tars_jax.models.config import ModelConfig
-from tars_jax.models.grouped_mlp import chunk_table, grouped_swiglu
+from tars_jax.models.grouped_mlp import grouped_swiglu
 from tars_jax.sharding import constrain, param_axes as ax
 
 
@@ -95,6 +95,27 @@ def num_blocks(assignments: int, num_experts: int, rows: int) -> int:
   """Upper bound on sum_e ceil(g_e / rows) over group sizes g_e summing to `assignments`:
   (G + E (rows - 1)) // rows (each group wastes at most rows - 1 padding slots), capped at G."""
   return min(assignments, (assignments + num_experts * (rows - 1)) // rows)
+
+
+def chunk_table(sizes: jax.Array, rows: int, max_chunks: int):
+  """The blocks of R = `rows` rows covering each expert's group, in expert order (the "blocked" path's
+  block -> expert map).
+
+  Args: sizes [E] int32 group sizes (sum G); max_chunks: a static bound on sum_e ceil(g_e / R)
+    (`num_blocks(G, E, R)`).
+  Returns: (count int32 scalar = sum_e ceil(g_e / R), expert [M] int32, start [M] int32 first row in
+    the sorted assignments, valid [M] int32 rows of the chunk inside its group (1..R)); entries at
+    index >= count are unused.
+  """
+  n_chunks = -(-sizes // rows)
+  end = jnp.cumsum(n_chunks)
+  j = jnp.arange(max_chunks, dtype=jnp.int32)
+  e = jnp.minimum(jnp.searchsorted(end, j, side="right"), sizes.shape[0] - 1).astype(jnp.int32)
+  local = j - (end - n_chunks)[e]
+  group_start = jnp.cumsum(sizes) - sizes
+  start = group_start[e] + local * rows
+  valid = jnp.clip(sizes[e] - local * rows, 0, rows)
+  return end[-1].astype(jnp.int32), e, start.astype(jnp.int32), valid.astype(jnp.int32)
 
 
 def capacity(num_tokens: int, top_k: int, num_experts: int, factor: float) -> int:
@@ -185,8 +206,7 @@ class MoE(nnx.Module):
     pend = jnp.cumsum(padded)
     pos = (pend - padded)[sorted_e] + rank_in_group(sorted_e, sizes)  # padded row of each assignment (< nb * rows)
     xs = jnp.zeros((nb * rows, d), dt).at[pos].set(flat[order // k].astype(dt)).reshape(nb, rows, d)
-    # expert of block j = expert of the grouped path's chunk j (unused tail blocks: zeros through the
-    # last expert, never read back)
+    # expert of each block (unused tail blocks: zeros through the last expert, never read back)
     _, block_e, _, _ = chunk_table(sizes, rows, nb)
     wg, wu, wd = (self.w_gate[...][block_e].astype(dt), self.w_up[...][block_e].astype(dt),
                   self.w_down[...][block_e].astype(dt))

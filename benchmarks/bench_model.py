@@ -1,13 +1,18 @@
-"""The shared reference model of the issue-#3 benchmarks (`decode.py`, `train_step.py`): a ~24M-parameter
-random-init transformers `Qwen3VLMoeForConditionalGeneration` built offline, and its image processor."""
+"""The shared parts of the issue-#3 benchmarks (`decode.py`, `train_step.py`, `train_step_gpu.py`): a
+~24M-parameter random-init transformers `Qwen3VLMoeForConditionalGeneration` built offline, its image
+processor, the train-step batch layout and LM loss."""
 
 from __future__ import annotations
 
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import torch
+from flax import nnx
 
-from tars_jax.agent.tokenizer import IMAGE, VISION_END, VISION_START
+from tars_jax.agent.tokenizer import BOS, IMAGE, VISION_END, VISION_START
 
 
 def hf_model():
@@ -28,10 +33,10 @@ def hf_model():
   return Qwen3VLMoeForConditionalGeneration(cfg).eval()
 
 
-def image_processor():
+def image_processor(patch_size: int = 14):
   """transformers' Qwen2-VL image processor without resizing, mean / std 0.5 (our `pixel_norm`)."""
   from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-  return Qwen2VLImageProcessorPil(do_resize=False, patch_size=14, temporal_patch_size=2, merge_size=2,
+  return Qwen2VLImageProcessorPil(do_resize=False, patch_size=patch_size, temporal_patch_size=2, merge_size=2,
                                   image_mean=[0.5] * 3, image_std=[0.5] * 3)
 
 
@@ -79,3 +84,29 @@ def best_time(fn, repeats: int, warmup: int = 0):
     out = fn()
     best = min(best, time.perf_counter() - t0)
   return out, best
+
+
+IMAGE_HW = 112
+N_IMG = 16  # (112 / 14 / 2)^2 merged tokens
+
+
+def make_batch(rng: np.random.Generator, batch: int, seq: int, n_img: int = N_IMG, image_hw: int = IMAGE_HW):
+  """Fixed-shape rows `BOS text <vs> IMAGE*n_img <ve> text` -> (ids [B, T] int64, images [B, H, W, 3]
+  uint8), one `image_hw` x `image_hw` image per row whose merged tokens are the `n_img` IMAGE slots.
+  Raises ValueError when `seq` leaves no room for text after the image."""
+  head = 1 + 8
+  tail = seq - head - n_img - 2
+  if tail < 1:
+    raise ValueError(f"seq={seq} too short for one image ({n_img} tokens) and some text; need >= {head + n_img + 3}")
+  rows = [[BOS] + list(rng.integers(0, 256, head - 1)) + [VISION_START] + [IMAGE] * n_img + [VISION_END]
+          + list(rng.integers(0, 256, tail)) for _ in range(batch)]
+  images = rng.integers(0, 256, (batch, image_hw, image_hw, 3), dtype=np.uint8)
+  return np.asarray(rows, np.int64), images
+
+
+def lm_loss(params, graphdef, tokens, positions, mask, pixels):
+  """Mean next-token cross-entropy (float32 scalar) over positions 1..T-1 of every row."""
+  policy = nnx.merge(graphdef, params)
+  logits, _ = policy(tokens, positions, mask, pixels)
+  logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+  return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))

@@ -35,8 +35,9 @@ import numpy as np
 import torch
 from flax import nnx
 
-from benchmarks.bench_model import allocator, hf_model, image_processor, moe_impl_name, overrides, torch_kernels
-from tars_jax.agent.tokenizer import BOS, IMAGE, VISION_END, VISION_START
+from benchmarks.bench_model import (IMAGE_HW, allocator, hf_model, image_processor, lm_loss, make_batch, moe_impl_name,
+                                    overrides, torch_kernels)
+from tars_jax.agent.tokenizer import IMAGE
 from tars_jax.models import hf_io
 from tars_jax.models.rope import rope_positions
 
@@ -45,30 +46,6 @@ _SEQ = flags.DEFINE_integer("seq", 64, "Tokens per row (including the 16 image t
 _MOE = flags.DEFINE_string("moe_impl", None, "ModelConfig.moe_impl of our model (None: the config default).")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed steps per setting (the median is reported).")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed steps first (compilation, allocator warm-up).")
-
-IMAGE_HW = 112
-N_IMG = 16  # (112 / 14 / 2)^2 merged tokens
-
-
-def make_batch(rng: np.random.Generator, batch: int, seq: int):
-  """Fixed-shape rows `BOS text <vs> IMAGE*16 <ve> text` -> (ids [B, T] int64, images [B, H, W, 3] uint8)."""
-  head = 1 + 8
-  tail = seq - head - N_IMG - 2
-  if tail < 1:
-    raise ValueError(f"seq={seq} too short for one image ({N_IMG} tokens) and some text; need >= {head + N_IMG + 3}")
-  rows = [[BOS] + list(rng.integers(0, 256, head - 1)) + [VISION_START] + [IMAGE] * N_IMG + [VISION_END]
-          + list(rng.integers(0, 256, tail)) for _ in range(batch)]
-  images = rng.integers(0, 256, (batch, IMAGE_HW, IMAGE_HW, 3), dtype=np.uint8)
-  return np.asarray(rows, np.int64), images
-
-
-def lm_loss(params, graphdef, tokens, positions, mask, pixels):
-  """Mean next-token cross-entropy (float32 scalar) over positions 1..T-1 of every row."""
-  policy = nnx.merge(graphdef, params)
-  logits, _ = policy(tokens, positions, mask, pixels)
-  logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
-  return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
-
 
 _step = jax.jit(jax.value_and_grad(lm_loss), static_argnums=1)
 

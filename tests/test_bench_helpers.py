@@ -4,13 +4,14 @@ numpy cross-entropy of the same logits, and the `--moe_impl` pass-through."""
 import dataclasses
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from benchmarks import bench_model
-from benchmarks.train_step import N_IMG, lm_loss, make_batch
+from benchmarks.bench_model import N_IMG, lm_loss, make_batch
 from tars_jax.agent.tokenizer import BOS, IMAGE, VISION_END, VISION_START
 from tars_jax.models import ModelConfig, Policy, rope_positions
 from _shared import TINY_CFG, fwd
@@ -68,3 +69,17 @@ def test_reported_command_says_how_it_was_run():
   prefix = f"nice -n {base} " if base > 0 else ""
   assert plain.stdout.strip() == prefix + ".venv/bin/python -m benchmarks.soak --sessions 2"
   assert niced.stdout.strip() == f"nice -n {min(base + 7, 19)} .venv/bin/python -m benchmarks.soak --sessions 2"
+
+
+def test_gpu_benchmark_preset_and_peaks():
+  """The MFU benchmark's model is what its docstring says (3.44B parameters, 196 image tokens per
+  448x448 image) and its peak table finds the GPU by `device_kind`."""
+  from benchmarks.train_step_gpu import bench_config, datasheet_peak
+  from tars_jax.models.hf_model import HFModel
+  cfg = bench_config("a3b8")
+  model = nnx.eval_shape(lambda: HFModel(cfg, nnx.Rngs(0)))
+  assert round(sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))) / 1e9, 2) == 3.44
+  assert cfg.n_img_tokens == 196 and cfg.scan_layers
+  assert datasheet_peak("NVIDIA H100 80GB HBM3") == 989.4e12 and datasheet_peak("cpu") is None
+  with pytest.raises(KeyError, match="known"):
+    bench_config("nope")

@@ -12,11 +12,9 @@ ends, close it and open the next (resets are inside the measured time, not count
 Raw ceiling: in this process, one Chromium through Playwright with N contexts showing the same task
 pages (same viewport, virtual clock installed), taking PNG screenshots concurrently and nothing else:
 no actions, no HTTP, no clock, no JSON. A step can never be cheaper than its screenshot, so ours / raw
-is the fraction of the ceiling we reach. Three ceilings: `page.screenshot` (Playwright's API, the
-issue's definition); CDP `Page.captureScreenshot` on a CDPSession with the default PNG encoding
-(one protocol call instead of about six: stricter); and the same with `optimizeForSpeed` (the fast
-PNG encoding our step uses, `sessions.SCREENSHOT_PARAMS`: the strictest, and the honest comparison
-for the screenshot part of our step).
+is the fraction of the ceiling we reach. Two ceilings: `page.screenshot` (Playwright's API, the
+issue's definition) and CDP `Page.captureScreenshot` on a CDPSession (what our step uses since it
+makes one protocol call instead of about six: the stricter ceiling).
 
 BrowserGym: `benchmarks/browsergym_env.py` (its own venv under runs/bench_venvs/, made on first use;
 see there how it is pointed at /usr/bin/chromium and the miniwob wheel's HTML): N envs in N processes,
@@ -45,8 +43,7 @@ from playwright.async_api import async_playwright
 from benchmarks import browsergym_env
 from benchmarks.command import command_line
 from envs_bridge.browser import miniwob_tasks as mw
-from envs_bridge.browser.sessions import (CHROMIUM_ARGS, EPOCH_MS, HIDE_CARET_CSS, LEGACY_SCREENSHOT_PARAMS,
-                                          SCREENSHOT_PARAMS)
+from envs_bridge.browser.sessions import CHROMIUM_ARGS, EPOCH_MS, HIDE_CARET_CSS
 from envs_bridge.client import SandboxClient
 from envs_bridge.launch import launch_server, without_tcmalloc
 
@@ -92,11 +89,9 @@ async def ours(url: str, n: int, seconds: float, warmup_s: float) -> dict:
 async def raw(n: int, seconds: float, warmup_s: float, method: str = "playwright") -> dict:
   """Screenshots/s of n pages of the same tasks in one Chromium, taken concurrently (the ceiling).
 
-  method: "playwright" (page.screenshot), "cdp" (Page.captureScreenshot on a CDPSession, default PNG
-  encoding, caret hidden by a style as in the sandbox) or "cdp-fast" (the same with the sandbox's
-  `optimizeForSpeed` encoding).
+  method: "playwright" (page.screenshot) or "cdp" (Page.captureScreenshot on a CDPSession, caret
+  hidden by a style as in the sandbox).
   """
-  cdp_params = {"cdp": LEGACY_SCREENSHOT_PARAMS, "cdp-fast": SCREENSHOT_PARAMS}.get(method)
   pw = await async_playwright().start()
   # the system malloc, as the sandbox server's Chromium (`launch_server` takes tcmalloc out of its env)
   browser = await pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS,
@@ -111,9 +106,9 @@ async def raw(n: int, seconds: float, warmup_s: float, method: str = "playwright
       await page.goto(mw.task_url(TASKS[k % len(TASKS)]))
       await page.add_style_tag(content=mw.LOCK_VIEWPORT_CSS + HIDE_CARET_CSS)  # as the sandbox's pages
       await page.evaluate(mw.start_script(1000 * k))
-      if cdp_params is not None:
+      if method == "cdp":
         cdp = await ctx.new_cdp_session(page)
-        pages.append(lambda cdp=cdp: cdp.send("Page.captureScreenshot", cdp_params))
+        pages.append(lambda cdp=cdp: cdp.send("Page.captureScreenshot", {"format": "png"}))
       else:
         pages.append(lambda page=page: page.screenshot(type="png"))
     counts = [0] * n
@@ -162,13 +157,11 @@ def main(argv=None):
   profiles = [p for p in a.browsergym_profiles.split(",") if p]
   nan = float("nan")
   rows = []
-  load0 = os.getloadavg()[0]
   with launch_server(step_ms=1000, lease_s=600.0, max_sessions=max(64, max(ns)), n_browsers=a.browsers) as h:
     for n in ns:
       o = asyncio.run(ours(h.url, n, a.seconds, a.warmup_s))
       r = asyncio.run(raw(n, a.seconds, a.warmup_s, "playwright"))
       rc = asyncio.run(raw(n, a.seconds, a.warmup_s, "cdp"))
-      rf = asyncio.run(raw(n, a.seconds, a.warmup_s, "cdp-fast"))
       bg = {}
       for prof in profiles if n in bg_ns else ():
         if _mem_available() < n * BROWSERGYM_ENV_BYTES + 2 * 2**30:  # on a shared machine: no OOM kills
@@ -179,10 +172,9 @@ def main(argv=None):
                                           setup_concurrency=a.browsergym_setup_concurrency)
         if bg[prof]["env_errors"]:
           raise RuntimeError(f"BrowserGym envs failed: {bg[prof]['env_errors']}")
-      rows.append((n, o, r, rc, rf, bg))
+      rows.append((n, o, r, rc, bg))
       print(f"n={n}: ours {o['steps_per_s']:.1f} steps/s (p50 {o['p50_ms']:.0f} ms, {o['resets']} resets), "
-            f"raw {r['shots_per_s']:.1f} shots/s, raw cdp {rc['shots_per_s']:.1f} shots/s, "
-            f"raw cdp fast {rf['shots_per_s']:.1f} shots/s, load average {os.getloadavg()[0]:.1f}"
+            f"raw {r['shots_per_s']:.1f} shots/s, raw cdp {rc['shots_per_s']:.1f} shots/s"
             + "".join(f", BrowserGym {p} {b['steps_per_s']:.2f} steps/s (p50 {b['p50_ms']:.0f} ms, "
                       f"{b['resets']} resets, {b['failures']} failures, start-up {b['startup_s']:.0f} s"
                       + (f", first failure: {b['first_failure']}" if b.get("first_failure") else "") + ")"
@@ -195,20 +187,18 @@ def main(argv=None):
                      f"--browsergym-setup-concurrency {a.browsergym_setup_concurrency}")
   print(f"Command: `{cmd}`. "
         f"Date: {datetime.date.today()}. Machine: {platform.machine()}, {os.cpu_count()} CPU cores, "
-        f"{platform.platform()}, load average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end.")
+        f"{platform.platform()}, load average {os.getloadavg()[0]:.1f} at the end.")
   print()
   head = ["sessions", "ours steps/s", "step p50 (ms)", "resets", "raw page.screenshot/s", "ours / raw",
-          "raw CDP shots/s", "ours / raw CDP", "raw CDP fast shots/s", "ours / raw CDP fast"]
+          "raw CDP shots/s", "ours / raw CDP"]
   for p in profiles:
     head += [f"BrowserGym {p} steps/s", f"BrowserGym {p} failures", f"ours / BrowserGym {p}"]
   print("| " + " | ".join(head) + " |")
   print("|" + "---|" * len(head))
-  ratio = lambda x, y: _fmt(x / y if y else nan, ".2f")
-  for n, o, r, rc, rf, bg in rows:
+  for n, o, r, rc, bg in rows:
     cells = [str(n), _fmt(o["steps_per_s"]), _fmt(o["p50_ms"], ".0f"), str(o["resets"]), _fmt(r["shots_per_s"]),
-             ratio(o["steps_per_s"], r["shots_per_s"]), _fmt(rc["shots_per_s"]),
-             ratio(o["steps_per_s"], rc["shots_per_s"]), _fmt(rf["shots_per_s"]),
-             ratio(o["steps_per_s"], rf["shots_per_s"])]
+             _fmt(o["steps_per_s"] / r["shots_per_s"] if r["shots_per_s"] else nan, ".2f"),
+             _fmt(rc["shots_per_s"]), _fmt(o["steps_per_s"] / rc["shots_per_s"] if rc["shots_per_s"] else nan, ".2f")]
     for p in profiles:
       b = bg.get(p, {}).get("steps_per_s", nan)
       cells += [_fmt(b, ".2f"), str(bg[p]["failures"]) if p in bg else "",

@@ -4,7 +4,6 @@ GC, and virtual time (same seed + same actions -> byte-equal screenshots, across
 and wall-clock pauses)."""
 
 import asyncio
-import hashlib
 import time
 
 import httpx
@@ -12,7 +11,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from envs_bridge import protocol as P
-from envs_bridge.browser import sessions as S
 from envs_bridge.browser.sessions import BrowserSandbox
 from envs_bridge.client import SandboxClient
 from envs_bridge.launch import launch_server
@@ -217,27 +215,3 @@ def test_lease_expiry_closes_the_page():
       await sb.stop()
   pages, after, h = run(go())
   assert pages == 1 and after == 0 and h["expired"] == 1 and h["sessions"] == 0 and h["idle_pages"] == 0
-
-
-def test_restore_accepts_a_snapshot_hashed_with_the_legacy_png_encoding():
-  # snapshots taken before the fast PNG encoding (sessions.SCREENSHOT_PARAMS) hashed the default
-  # encoding's bytes of the same pixels; restore must still verify them, and still refuse others
-  async def go():
-    sb = BrowserSandbox(gc_interval_s=3600)
-    await sb.start()
-    try:
-      sid, _ = await sb.open("miniwob/click-checkboxes", 5)
-      for a in ["click(start_box='(200,400)')", "wait()"]:
-        await sb.step(sid, a)
-      snap = await sb.snapshot(sid)
-      legacy = hashlib.sha256(await sb._screenshot(sb.sessions[sid], S.LEGACY_SCREENSHOT_PARAMS)).hexdigest()
-      sid2, _ = await sb.open("miniwob/click-checkboxes", 9)
-      ok = await sb.restore(sid2, dict(snap, screenshot_sha256=legacy))
-      with pytest.raises(P.TaskError, match="differs"):
-        await sb.restore(sid2, dict(snap, screenshot_sha256="0" * 64))
-      return snap, legacy, ok, (await sb.observe(sid)).png()
-    finally:
-      await sb.stop()
-  snap, legacy, ok, at_snap = run(go())
-  assert legacy != snap["screenshot_sha256"]  # two encodings of one picture: the fallback is exercised
-  assert ok.png() == at_snap and ok.info["step"] == 2

@@ -7,8 +7,8 @@ the same screenshots and rewards, and MiniWoB's 10 s episode time-out takes 10 s
 
 A step is three page calls: the action (mouse/keyboard), one `page.evaluate` that advances the clock
 (Playwright's own clock controller, `_advance_and_read`) and reads the task state, and one CDP
-`Page.captureScreenshot` with `optimizeForSpeed` (pixel-equal to `page.screenshot`, `_capture_png_b64`);
-`page.clock.run_for` + state read + `page.screenshot` took about ten protocol round trips.
+`Page.captureScreenshot` (byte-equal to `page.screenshot`, `_capture_png_b64`); `page.clock.run_for`
++ state read + `page.screenshot` took about ten protocol round trips.
 
 Pages are reused across episodes of the same task, as MiniWoB itself does: a closed session's page
 goes back to an idle pool and the next `open` only cleans it (focus, scroll, pointer, wall-clock
@@ -91,14 +91,6 @@ MAX_PAGE_STEPS = 20_000  # a page is retired after this many steps (each page.cl
 # already. Same pixels as page.screenshot (bytes compared in tests/test_step_path.py). Added to every
 # page when it is created (`_new_page`).
 HIDE_CARET_CSS = "* { caret-color: transparent !important; }"
-# CDP Page.captureScreenshot parameters of every screenshot. `optimizeForSpeed`: Chromium's fast PNG
-# encoding (lighter zlib compression: ~1.4x the bytes at 160 x 210, same pixels since PNG is lossless;
-# tests/test_step_path.py decodes both). Deterministic like the default encoding (same pixels -> same
-# bytes), so replays stay byte-equal. Measured at 16 pages (2026-11-24): +9-30 % raw CDP screenshots/s,
-# no difference in the sandbox's steps/s (the PNG encoding is a small part of a step).
-SCREENSHOT_PARAMS = {"format": "png", "optimizeForSpeed": True}
-# What snapshots taken before SCREENSHOT_PARAMS (2026-11-24) hashed: `restore` also accepts that hash.
-LEGACY_SCREENSHOT_PARAMS = {"format": "png"}
 SNAPSHOT_VERSION = 1
 # Tasks whose own reset leaves the previous episode on screen (a price, an open tab or dialog, a
 # cube's rotation): their first screenshot on a reused page differs from a fresh page's, so they
@@ -799,9 +791,7 @@ class BrowserSandbox:
       except (PlaywrightError, TimeoutError) as e:
         await self._page_failed(s, e, "restore")
       png = await self._screenshot(s)
-      if (hashlib.sha256(png).hexdigest() != snap["screenshot_sha256"]
-          and hashlib.sha256(await self._screenshot(s, LEGACY_SCREENSHOT_PARAMS)).hexdigest()
-          != snap["screenshot_sha256"]):  # a snapshot from a server that encoded PNGs the old way
+      if hashlib.sha256(png).hexdigest() != snap["screenshot_sha256"]:
         raise P.TaskError(f"restore of {s.task} seed {s.seed} replayed {len(snap['actions'])} actions but the "
                           "screenshot differs from the snapshot's")
       obs = self._make_obs(s, png, 0.0, {})
@@ -891,19 +881,18 @@ class BrowserSandbox:
         except ProcessLookupError:
           pass
 
-  async def _screenshot_b64(self, s: Session, params: dict = SCREENSHOT_PARAMS) -> str:
-    """PNG of the viewport (exactly MiniWoB's #wrap), base64; `params` of Page.captureScreenshot.
-    Raises: SessionLost."""
+  async def _screenshot_b64(self, s: Session) -> str:
+    """PNG of the viewport (exactly MiniWoB's #wrap), base64. Raises: SessionLost."""
     try:
       async with asyncio.timeout(self.page_timeout_s):
         if s.pg.crashed:
           raise PlaywrightError(s.pg.crashed)
-        return await _capture_png_b64(s.pg, params)
+        return await _capture_png_b64(s.pg)
     except (PlaywrightError, TimeoutError) as e:
       await self._page_failed(s, e, "screenshot")
 
-  async def _screenshot(self, s: Session, params: dict = SCREENSHOT_PARAMS) -> bytes:
-    return base64.b64decode(await self._screenshot_b64(s, params))
+  async def _screenshot(self, s: Session) -> bytes:
+    return base64.b64decode(await self._screenshot_b64(s))
 
   async def _observation(self, s: Session, reward: float, info: dict) -> P.Observation:
     return self._make_obs(s, await self._screenshot_b64(s), reward, info)
@@ -951,17 +940,16 @@ async def _advance_and_read(page, step_ms: int, state_script: str) -> dict:
   return await page.evaluate(_advance_and_read_script(state_script), step_ms)
 
 
-async def _capture_png_b64(pg: _Page, params: dict = SCREENSHOT_PARAMS) -> str:
-  """Viewport PNG (base64) by CDP `Page.captureScreenshot` (`params`) on the page's own CDP session.
+async def _capture_png_b64(pg: _Page) -> str:
+  """Viewport PNG (base64) by CDP `Page.captureScreenshot` on the page's own CDP session.
 
   One protocol call where `page.screenshot` makes about six (viewport size, hide caret and fonts.ready
   in every frame, layout metrics, capture, restore); with the caret hidden for good (HIDE_CARET_CSS,
-  put in by `_new_page`) the pixels are the same (and with LEGACY_SCREENSHOT_PARAMS the bytes too).
-  Raises: PlaywrightError if the page is gone.
+  put in by `_new_page`) the bytes are the same. Raises: PlaywrightError if the page is gone.
   """
   if pg.cdp is None:
     pg.cdp = await pg.context.new_cdp_session(pg.page)
-  return (await pg.cdp.send("Page.captureScreenshot", params))["data"]
+  return (await pg.cdp.send("Page.captureScreenshot", {"format": "png"}))["data"]
 
 
 async def _browser_pid(browser) -> int | None:

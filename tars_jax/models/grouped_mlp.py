@@ -7,8 +7,10 @@ its group is covered by floor(g_e / R) chunks of R rows, then at most one chunk 
 down to `MIN_ROWS` (`chunk_sizes`, `chunk_counts`), so fewer than MIN_ROWS padded rows are computed
 per expert instead of up to R - 1 (not the static bound `moe.num_blocks` a batched matmul computes,
 and no [blocks, D, I] weight gather or scatter-add of its gradient). Rows of a chunk past its group's
-end belong to the next expert: they are masked on input and not written. Gate and up run as one
-matmul with the expert's [D, 2I] concatenation (transformers' fused `gate_up_proj`). A while loop
+end belong to the next expert (see below). Gate and up run as one
+matmul with the expert's [D, 2I] concatenation (transformers' fused `gate_up_proj`). Outputs are written
+whole chunks at a time: the rows a chunk computes past its group's end are overwritten by the experts
+after it (only the weight gradients need the rows masked, in the backward). A while loop
 with a data-dependent trip count has no reverse-mode rule in JAX, hence the custom VJP; the forward
 of a differentiated call also keeps the gate|up pre-activations [G, 2I] (~12 MiB per layer at 2048
 assignments, width 384), and the backward accumulates each expert's weight gradients in a loop
@@ -49,10 +51,11 @@ def chunk_counts(size, sizes_: tuple[int, ...]) -> list:
   return counts + [-(-rem // sizes_[-1])]
 
 
-def _put(buf, val, start, keep):
-  """buf rows start .. start + R - 1 := val where keep, unchanged elsewhere."""
-  old = jax.lax.dynamic_slice_in_dim(buf, start, val.shape[0], axis=0)
-  return jax.lax.dynamic_update_slice_in_dim(buf, jnp.where(keep, val.astype(buf.dtype), old), start, axis=0)
+def _put(buf, val, start):
+  """buf rows start .. start + R - 1 := val, all of them. Rows of a chunk past its group's end belong to
+  later experts (or to the padding after row G), whose own chunks run later in the loop and overwrite
+  them, so no mask (and no read of the old rows) is needed."""
+  return jax.lax.dynamic_update_slice_in_dim(buf, val.astype(buf.dtype), start, axis=0)
 
 
 def _pad(a, rows):
@@ -120,13 +123,13 @@ def _forward(xs, sizes, wg, wu, wd, rows, min_rows, keep_parts: bool):
     return carry, (_index(wgu, e), _index(wd, e))
 
   def chunk(s, e, w, carry, start, keep):
+    del keep  # rows past the group give garbage that a later expert overwrites (`_put`)
     ys, parts = carry
-    x = _rows(xs_pad, start, s, keep)
-    ab = x @ w[0]
+    ab = _rows(xs_pad, start, s) @ w[0]
     y = (jax.nn.silu(ab[:, :i]) * ab[:, i:]) @ w[1]
     if keep_parts:
-      parts = _put(parts, ab, start, keep)
-    return (_put(ys, y, start, keep), parts), w
+      parts = _put(parts, ab, start)
+    return (_put(ys, y, start), parts), w
 
   parts = jnp.zeros((g + rows, 2 * i), xs.dtype) if keep_parts else None
   ys, parts = _for_each_chunk(sizes, chunk_sizes(rows, min_rows), chunk, init, lambda e, w, c: c,
@@ -153,7 +156,7 @@ def _bwd(rows, min_rows, res, dys):
 
   def chunk(s, e, local, carry, start, keep):
     (w_gu, w_d), (dw_gu, dw_d) = local
-    x = _rows(xs_pad, start, s, keep)
+    x = _rows(xs_pad, start, s, keep)  # masked: rows past the group must not enter e's weight gradients
     dy = _rows(dys_pad, start, s, keep)
     ab = _rows(ab_all, start, s)  # rows past the group: masked through x and dy
     a, b = ab[:, :i], ab[:, i:]
@@ -164,7 +167,7 @@ def _bwd(rows, min_rows, res, dys):
     dab = jnp.concatenate([dh * b * sig * (1 + a * (1 - sig)), dh * silu_a], axis=-1)  # d/da (silu'), d/db
     dx = dab @ w_gu.T
     grads = (dw_gu + x.T @ dab, dw_d + h.T @ dy)
-    return (_put(carry[0], dx, start, keep),) + carry[1:], ((w_gu, w_d), grads)
+    return (_put(carry[0], dx, start),) + carry[1:], ((w_gu, w_d), grads)
 
   def done(e, local, carry):
     dxs, dwgu, dwd = carry

@@ -83,3 +83,29 @@ def test_gpu_benchmark_preset_and_peaks():
   assert datasheet_peak("NVIDIA H100 80GB HBM3") == 989.4e12 and datasheet_peak("cpu") is None
   with pytest.raises(KeyError, match="known"):
     bench_config("nope")
+
+
+@pytest.mark.slow
+def test_gpu_benchmark_runs_end_to_end_on_the_smoke_preset(tmp_path):
+  """`benchmarks/train_step_gpu.py --preset smoke` on the CPU: transformers builds and saves the
+  weights, both sides train on them, and the JSON it writes says the two sides computed the same loss
+  (bfloat16 compute: within 1e-2) with the model FLOPs of `tars_jax.models.flops`."""
+  import json
+  import subprocess
+  import sys
+  from benchmarks.train_step_gpu import bench_config
+  from tars_jax.models import flops
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = tmp_path / "mfu.json"
+  subprocess.run([sys.executable, "-m", "benchmarks.train_step_gpu", "--preset", "smoke", "--batch", "2", "--seq", "64",
+                  "--repeats", "1", "--warmup", "1", "--moe_impls", "ragged,grouped", "--json", str(out)],
+                 cwd=root, env={**os.environ, "PYTHONPATH": root}, check=True, capture_output=True, text=True)
+  res = json.loads(out.read_text())
+  rows = {r["name"]: r for r in res["rows"]}
+  assert set(rows) == {"torch (transformers)", "ours ragged", "ours grouped"}
+  assert all("error" not in r for r in rows.values()), rows
+  torch_loss = rows["torch (transformers)"]["loss"]
+  for name in ("ours ragged", "ours grouped"):
+    assert abs(rows[name]["loss"] - torch_loss) < 1e-2, (name, rows[name]["loss"], torch_loss)
+    assert rows[name]["mfu_measured_peak"] > 0 and rows[name]["xla_flops"] > 0
+  assert res["model_flops_per_step"] == flops.forward_flops(bench_config("smoke"), 2, 64, images_per_row=1).train_step

@@ -25,7 +25,11 @@ see there how it is pointed at /usr/bin/chromium and the miniwob wheel's HTML): 
 or steps that raise inside the window are counted (column "failures") and the env reset again.
 
 All of a point's runs are made one after the other, on the same machine, so the ratios are comparable
-even when the machine is loaded.
+even when the machine is loaded. With `--rounds R` (default 3) ours and the two raw ceilings are
+measured R times in turn (ours, raw, raw CDP, ours, ...) and each round's ratio is taken from the runs
+of that round, seconds apart: the table gives the median of each column and, for the ratios, the
+median and the range over the rounds. (On this 2-core VM the ceiling alone moved between 119 and 203
+shots/s within an hour, so a single pair of runs gave ratios from 0.42 to 0.68 for the same code.)
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import datetime
 import os
 import platform
 import random
+import statistics
 import time
 
 from playwright.async_api import async_playwright
@@ -128,6 +133,29 @@ async def raw(n: int, seconds: float, warmup_s: float, method: str = "playwright
     await pw.stop()
 
 
+def combine_rounds(rounds: list[tuple[dict, dict, dict]]) -> tuple[dict, dict, dict]:
+  """[(ours, raw, raw CDP) per round] -> (ours, raw, raw CDP) with each number the median over the
+  rounds (resets: the sum), and ours["ratio_raw"] / ours["ratio_cdp"]: the per-round ratios of ours
+  to the round's own ceiling, sorted. Raises ValueError for no rounds."""
+  if not rounds:
+    raise ValueError("no rounds to combine")
+  med = lambda xs: statistics.median(xs) if xs else float("nan")
+  o = {"steps_per_s": med([x[0]["steps_per_s"] for x in rounds]), "steps": sum(x[0]["steps"] for x in rounds),
+       "resets": sum(x[0]["resets"] for x in rounds), "p50_ms": med([x[0]["p50_ms"] for x in rounds])}
+  for key, j in (("ratio_raw", 1), ("ratio_cdp", 2)):
+    o[key] = sorted(x[0]["steps_per_s"] / x[j]["shots_per_s"] for x in rounds if x[j]["shots_per_s"])
+  return (o, {"shots_per_s": med([x[1]["shots_per_s"] for x in rounds])},
+          {"shots_per_s": med([x[2]["shots_per_s"] for x in rounds])})
+
+
+def _ratio_cell(ratios: list[float]) -> str:
+  """'0.55' for one round, '0.55 (0.50-0.61)' = median (min-max) for several, '-' for none."""
+  if not ratios:
+    return "-"
+  m = f"{statistics.median(ratios):.2f}"
+  return m if len(ratios) == 1 else f"{m} ({ratios[0]:.2f}-{ratios[-1]:.2f})"
+
+
 def _mem_available() -> int:
   """MemAvailable of /proc/meminfo in bytes (Linux)."""
   with open("/proc/meminfo") as f:
@@ -144,6 +172,8 @@ def main(argv=None):
   ap.add_argument("--seconds", type=float, default=8.0, help="measured seconds per point")
   ap.add_argument("--warmup-s", type=float, default=2.0, help="unmeasured seconds before each point")
   ap.add_argument("--browsers", type=int, default=1, help="Chromium processes of the sandbox server")
+  ap.add_argument("--rounds", type=int, default=3,
+                  help="alternating rounds of ours / raw / raw CDP per point (ratios: median and range)")
   ap.add_argument("--browsergym", default="1,4,16",
                   help="session counts at which BrowserGym is measured ('' = none; it runs 2 Chromium per env)")
   ap.add_argument("--browsergym-profiles", default="default,no-delay", help="BrowserGym profiles to run")
@@ -159,9 +189,12 @@ def main(argv=None):
   rows = []
   with launch_server(step_ms=1000, lease_s=600.0, max_sessions=max(64, max(ns)), n_browsers=a.browsers) as h:
     for n in ns:
-      o = asyncio.run(ours(h.url, n, a.seconds, a.warmup_s))
-      r = asyncio.run(raw(n, a.seconds, a.warmup_s, "playwright"))
-      rc = asyncio.run(raw(n, a.seconds, a.warmup_s, "cdp"))
+      rounds = []
+      for _ in range(a.rounds):  # alternating: each round's ratio compares runs seconds apart
+        rounds.append((asyncio.run(ours(h.url, n, a.seconds, a.warmup_s)),
+                       asyncio.run(raw(n, a.seconds, a.warmup_s, "playwright")),
+                       asyncio.run(raw(n, a.seconds, a.warmup_s, "cdp"))))
+      o, r, rc = combine_rounds(rounds)
       bg = {}
       for prof in profiles if n in bg_ns else ():
         if _mem_available() < n * BROWSERGYM_ENV_BYTES + 2 * 2**30:  # on a shared machine: no OOM kills
@@ -174,14 +207,15 @@ def main(argv=None):
           raise RuntimeError(f"BrowserGym envs failed: {bg[prof]['env_errors']}")
       rows.append((n, o, r, rc, bg))
       print(f"n={n}: ours {o['steps_per_s']:.1f} steps/s (p50 {o['p50_ms']:.0f} ms, {o['resets']} resets), "
-            f"raw {r['shots_per_s']:.1f} shots/s, raw cdp {rc['shots_per_s']:.1f} shots/s"
+            f"raw {r['shots_per_s']:.1f} shots/s, raw cdp {rc['shots_per_s']:.1f} shots/s (medians of {a.rounds} "
+            f"rounds; ours / raw per round {[round(x, 2) for x in o['ratio_raw']]})"
             + "".join(f", BrowserGym {p} {b['steps_per_s']:.2f} steps/s (p50 {b['p50_ms']:.0f} ms, "
                       f"{b['resets']} resets, {b['failures']} failures, start-up {b['startup_s']:.0f} s"
                       + (f", first failure: {b['first_failure']}" if b.get("first_failure") else "") + ")"
                       for p, b in bg.items()), flush=True)
   print()
   cmd = command_line("benchmarks.env_throughput",
-                     f"--sessions {a.sessions} --seconds {a.seconds:g} --browsers {a.browsers} "
+                     f"--sessions {a.sessions} --seconds {a.seconds:g} --rounds {a.rounds} --browsers {a.browsers} "
                      f"--browsergym '{a.browsergym}' --browsergym-profiles '{a.browsergym_profiles}' "
                      f"--browsergym-seconds {a.browsergym_seconds:g} "
                      f"--browsergym-setup-concurrency {a.browsergym_setup_concurrency}")
@@ -197,8 +231,7 @@ def main(argv=None):
   print("|" + "---|" * len(head))
   for n, o, r, rc, bg in rows:
     cells = [str(n), _fmt(o["steps_per_s"]), _fmt(o["p50_ms"], ".0f"), str(o["resets"]), _fmt(r["shots_per_s"]),
-             _fmt(o["steps_per_s"] / r["shots_per_s"] if r["shots_per_s"] else nan, ".2f"),
-             _fmt(rc["shots_per_s"]), _fmt(o["steps_per_s"] / rc["shots_per_s"] if rc["shots_per_s"] else nan, ".2f")]
+             _ratio_cell(o["ratio_raw"]), _fmt(rc["shots_per_s"]), _ratio_cell(o["ratio_cdp"])]
     for p in profiles:
       b = bg.get(p, {}).get("steps_per_s", nan)
       cells += [_fmt(b, ".2f"), str(bg[p]["failures"]) if p in bg else "",

@@ -109,3 +109,23 @@ def test_gpu_benchmark_runs_end_to_end_on_the_smoke_preset(tmp_path):
     assert abs(rows[name]["loss"] - torch_loss) < 1e-2, (name, rows[name]["loss"], torch_loss)
     assert rows[name]["mfu_measured_peak"] > 0 and rows[name]["xla_flops"] > 0
   assert res["model_flops_per_step"] == flops.forward_flops(bench_config("smoke"), 2, 64, images_per_row=1).train_step
+
+
+def test_env_throughput_combines_rounds_by_median_and_per_round_ratios():
+  """Each round's ratio is ours over that round's own ceiling (not median over median), medians per
+  column, resets summed; the table cell shows median (min-max)."""
+  from benchmarks.env_throughput import _ratio_cell, combine_rounds
+  rounds = [({"steps_per_s": 60.0, "steps": 480, "resets": 10, "p50_ms": 200.0}, {"shots_per_s": 100.0},
+             {"shots_per_s": 200.0}),
+            ({"steps_per_s": 80.0, "steps": 640, "resets": 12, "p50_ms": 150.0}, {"shots_per_s": 200.0},
+             {"shots_per_s": 320.0}),
+            ({"steps_per_s": 70.0, "steps": 560, "resets": 11, "p50_ms": 170.0}, {"shots_per_s": 125.0},
+             {"shots_per_s": 0.0})]  # a failed CDP ceiling gives no ratio
+  o, r, rc = combine_rounds(rounds)
+  assert o["steps_per_s"] == 70.0 and o["p50_ms"] == 170.0 and o["resets"] == 33 and o["steps"] == 1680
+  assert r["shots_per_s"] == 125.0 and rc["shots_per_s"] == 200.0
+  assert o["ratio_raw"] == [0.4, 0.56, 0.6]  # 80/200, 70/125, 60/100
+  assert o["ratio_cdp"] == [0.25, 0.3]
+  assert _ratio_cell(o["ratio_raw"]) == "0.56 (0.40-0.60)" and _ratio_cell([0.5]) == "0.50" and _ratio_cell([]) == "-"
+  with pytest.raises(ValueError):
+    combine_rounds([])

@@ -228,10 +228,18 @@ def test_lease_expiry_reclaims_session():
     async def go():
       async with SandboxClient(h.url) as c:
         sid, _ = await c.open("miniwob/click-test", 0)
-        assert (await c.health())["sessions"] == 1
         return sid
     sid = run(go())
     assert _poll(lambda: httpx.get(h.url + "/health").json()["sessions"] == 0)
+
+    async def history():
+      async with SandboxClient(h.url) as c:
+        return [(e["kind"], e.get("session")) for e in await c.events()]
+    # the session was live, then the reaper (not a close) ended it; read from the event log, not a
+    # /health poll that a 1 s lease on busy cores could outrun
+    mine = [k for k, s in run(history()) if s == sid]
+    assert mine == ["session_opened", "session_expired"], mine
+    assert httpx.get(h.url + "/health").json()["opened"] == 1
 
     async def late():
       async with SandboxClient(h.url) as c:

@@ -3,6 +3,7 @@ protocol; every task solved with grammar actions and checked by its OSWorld-styl
 errors, invalid actions and leases as in the browser sandbox."""
 
 import asyncio
+import os
 import re
 import time
 
@@ -80,13 +81,35 @@ def word_of(obs, before: str) -> str:
   return obs.info["instruction"].split(before)[1].split()[0].rstrip(".")
 
 
+def wait_for_file(url: str, sid: str, rel: str, timeout_s: float = 60.0) -> str:
+  """Polls `rel` in the session directory (spending no episode step) until it is non-empty: X programs
+  run in real time, so on a slow machine a command typed into the shell may write it steps later (and
+  `>` creates it empty first). Returns the text; AssertionError with the last text seen at the deadline."""
+  path = os.path.join(state(url, sid)["work"], rel)
+  deadline, text = time.monotonic() + timeout_s, None
+  while time.monotonic() < deadline:
+    try:
+      with open(path, encoding="utf-8") as f:
+        text = f.read()
+    except FileNotFoundError:
+      text = None
+    if text:
+      return text
+    time.sleep(0.1)
+  raise AssertionError(f"{rel} after {timeout_s:g} s: {text!r}")
+
+
 def test_terminal_write_file_wrong_then_right(desk):
+  def typed_nope(sid, o):  # once the shell has written the wrong answer, a step's check must see it
+    wait_for_file(desk.url, sid, "answer.txt")
+    return "Action: wait()"
   obs = asyncio.run(_episode(desk.url, "desktop/terminal-write-file", 3, [
       f"Action: click(start_box={pt(200, 150)})",
-      "Action: type(content='echo nope > answer.txt\\n')",
+      "Action: type(content='echo nope > answer.txt\\n')", typed_nope,
       lambda sid, o: f"Thought: now the word\nAction: type(content='echo {word_of(o, 'word ')} > answer.txt\\n')"],
       until_done=True))
-  first, click, wrong, right = obs
+  first, click, typed, wrong, right = obs
+  assert (typed.reward, typed.done) == (0.0, False)
   assert first.image().shape == (H, W, 3) and not first.done
   assert (wrong.reward, wrong.done) == (0.0, False)
   w = word_of(first, "word ")

@@ -4,13 +4,14 @@ the GUI-only variant refusing SDK calls."""
 
 import asyncio
 import re
+import time
 
 import pytest
 
 from envs_bridge.client import SandboxClient
 from envs_bridge.desktop import tasks
 from envs_bridge.launch import launch_server
-from tests.test_desktop import buttons, centre, pt, settle, state, xedit_save_button
+from tests.test_desktop import buttons, centre, pt, settle, state, wait_for_file, xedit_save_button
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +80,7 @@ def test_code_from_the_dialog_written_with_the_sdk_and_read_back_in_the_terminal
       # the same file through the GUI terminal: the shell sees what the SDK wrote
       await c.step(sid, f"click(start_box={pt(200, 150)})")
       await c.step(sid, "type(content='cat code.txt > seen_by_shell.txt\\n')")
+      wait_for_file(desk.url, sid, "seen_by_shell.txt")  # the shell runs it in real time, maybe steps later
       seen = await c.step(sid, "read_file(path='seen_by_shell.txt')")
       right = await settle(c, sid, await c.step(sid, f"write_file(path='code.txt', content='{code}')"))
       await c.close(sid)
@@ -144,17 +146,21 @@ def test_browser_download_lands_in_the_shared_directory(desk):
     async with SandboxClient(desk.url) as c:
       sid, _ = await c.open(task, seed)
       browser = [w for w in state(desk.url, sid)["windows"] if w["class"].lower().startswith("chromium")][0]
-      for _ in range(100):  # the window maps before the page paints: wait for the link's blue (#36c)
+      # The window maps before the page paints: wait for the link's blue (#36c) before clicking it.
+      deadline = time.monotonic() + 60
+      while True:
         img = (await c.observe(sid)).image()
-        if tuple(img[browser["y"] + 40, browser["x"] + 150]) == (0x33, 0x66, 0xcc):
+        seen = tuple(int(v) for v in img[browser["y"] + 40, browser["x"] + 150])
+        if seen == (0x33, 0x66, 0xcc):
           break
+        if time.monotonic() > deadline:
+          raise AssertionError(f"the link never painted: pixel {seen} after 60 s")
         await asyncio.sleep(0.1)
       await c.step(sid, f"click(start_box={pt(browser['x'] + 150, browser['y'] + 40)})")  # the big link
-      listing = None
-      for _ in range(40):
-        listing = await c.step(sid, "list_files()")
-        if "sales.csv  " in listing.info["tool_output"]:
-          break
+      # Chromium names the file sales.csv only once the download is complete (.crdownload before);
+      # polled on disk, not with steps, so a slow download does not use up the episode's steps.
+      wait_for_file(desk.url, sid, "sales.csv")
+      listing = await c.step(sid, "list_files()")
       shell = await c.step(sid, "run_command(command='awk -F, \"NR>1 {s+=\\$2} END {print s}\" sales.csv')")
       total = shell.info["tool_output"].split("\n")[0]
       end = await settle(c, sid, await c.step(sid, f"write_file(path='answer.txt', content='{total}')"))

@@ -1,8 +1,10 @@
 """GUI-SDK: SDK actions in the grammar, path confinement of file ops, terminal time-outs, output caps,
 rlimits and network isolation (real bash subprocesses)."""
 
+import dataclasses
 import os
 import subprocess
+import time
 from asyncio import run
 
 import pytest
@@ -95,11 +97,21 @@ def test_command_runs_in_the_session_directory(tmp_path):
 
 
 def test_timeout_is_marked_and_kills_the_group(tmp_path):
-  lim = terminal.Limits(timeout_s=0.5)
-  r = run(terminal.run_command("echo started; sleep 30 & sleep 30", str(tmp_path), lim))
+  # 3 s: room for prlimit, bubblewrap's namespaces and bash to start on a slow machine before the
+  # echo; still a time-out, as the command would take 30 s.
+  lim = terminal.Limits(timeout_s=3)
+  # an odd duration: pgrep sees the whole machine, where other `sleep 30`s may run
+  r = run(terminal.run_command("echo started; sleep 30.0123 & sleep 30.0123", str(tmp_path), lim))
   assert r.timed_out and r.exit_code is None and r.output == "started\n"
   assert r.text().endswith("[timed out; command killed]")
-  assert subprocess.run(["pgrep", "-f", "^sleep 30$"], capture_output=True).stdout == b""
+  # SIGKILLed processes leave /proc only once scheduled; a survivor of 30 s sleeps would still be
+  # there after this bounded wait.
+  def sleepers():
+    return subprocess.run(["pgrep", "-f", r"^sleep 30\.0123$"], capture_output=True).stdout
+  deadline = time.monotonic() + 5
+  while sleepers() and time.monotonic() < deadline:
+    time.sleep(0.1)
+  assert sleepers() == b""
 
 
 def test_runaway_output_is_capped_killed_and_marked(tmp_path):
@@ -158,18 +170,23 @@ def test_no_network(tmp_path):
 
 
 def test_session_survives_refusals_and_floods(tmp_path):
-  s = SdkSession(str(tmp_path), terminal.Limits(timeout_s=0.5, max_output=100))
+  lim = terminal.Limits(timeout_s=0.5, max_output=100)
+  s = SdkSession(str(tmp_path), lim)
 
   async def go():
-    outs = [await s.execute(A.ReadFile("../../etc/passwd")), await s.execute(A.RunCommand("sleep 5")),
-            await s.execute(A.RunCommand("yes | head -c 100000")), await s.execute(A.WriteFile("ok.txt", "fine")),
-            await s.execute(A.McpCall("nope", "t", "{}"))]
+    outs = [await s.execute(A.ReadFile("../../etc/passwd")), await s.execute(A.RunCommand("sleep 5"))]
+    # The flood ends by itself (head): a generous limit so that a slow sandbox start cannot cut it
+    # short; the same session goes on.
+    s.limits = dataclasses.replace(lim, timeout_s=60)
+    outs += [await s.execute(A.RunCommand("yes | head -c 100000")), await s.execute(A.WriteFile("ok.txt", "fine")),
+             await s.execute(A.McpCall("nope", "t", "{}"))]
     await s.aclose()
     return outs
   refused, slow, flood, ok, mcp = run(go())
   assert refused.error == "PathRefused: path '../../etc/passwd' is outside the session directory"
   assert "[timed out; command killed]" in slow.text and slow.error is None
   assert flood.text.startswith("y\n" * 50) and "[output truncated]" in flood.text
+  assert flood.text.endswith("[exit code 0]")  # it ended by itself, not by the time-out
   assert ok.text == "wrote 4 bytes to ok.txt" and (tmp_path / "ok.txt").read_text() == "fine"
   assert mcp.error.startswith("UnknownMcpServer: no MCP server 'nope'")
 

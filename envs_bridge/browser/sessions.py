@@ -85,6 +85,7 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networki
 # look the same on fresh and reused pages. Timers run on the clock's ticks, which this does not move.
 EPOCH_MS = 1_704_067_200_000
 MAX_PAGE_STEPS = 20_000  # a page is retired after this many steps (each page.clock call adds an init script)
+CLOSE_TIMEOUT_S = 10.0  # least time a page's context gets to close before its Chromium is killed
 # Caret hidden on every page for good: a caret blinks on real time, so it would make screenshots
 # depend on the wall clock. Playwright's page.screenshot hides it only while it shoots (an injected
 # `caret-color: transparent` style); the direct CDP screenshot of the step path needs it hidden
@@ -518,8 +519,12 @@ class BrowserSandbox:
     spec = A.CoordSpec(coords, ts.width, ts.height) if coords == "absolute" else A.CoordSpec()
     while True:
       pg = self._take_idle(task)
+      if pg is None:
+        slot = await self._pick_slot()
+        # waiting for a relaunch may have promoted the standby, whose pages joined the idle pool
+        pg = self._take_idle(task)
       reused = pg is not None
-      slot = pg.slot if reused else await self._pick_slot()
+      slot = pg.slot if reused else slot
       slot.opening += 1  # until registered: concurrent opens must see each other, or all pick one browser
       try:
         if pg is None:
@@ -868,7 +873,9 @@ class BrowserSandbox:
       return  # its browser is gone already
     self._transit.add(pg.context)  # being closed here: not the GC's (it would count it as leaked)
     try:
-      closed = await _close_context(pg.context, self.page_timeout_s)
+      # killing the Chromium loses all its sessions: give the close at least CLOSE_TIMEOUT_S, even
+      # under a short page timeout (a hung renderer's context may close slowly on busy cores)
+      closed = await _close_context(pg.context, max(self.page_timeout_s, CLOSE_TIMEOUT_S))
     finally:
       self._transit.discard(pg.context)
     if not closed:

@@ -254,8 +254,10 @@ class DesktopSandbox:
       await asyncio.sleep(self.step_ms / 1000)
       if not s.display.alive():
         await self._lost(s, "the X display died")
-      score, reason = self._check(s)
+      # Exit first, then the check: a dialog that exits in between is then both collected by the
+      # check and seen as exited (the other order scores it 0 without its output).
       exited = s.spec.end_on_exit is not None and s.procs[s.spec.end_on_exit].poll() is not None
+      score, reason = self._check(s)
       reward = 0.0
       if score >= 1.0 or end or exited:
         s.done, reward = True, score

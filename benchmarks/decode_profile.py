@@ -37,11 +37,9 @@ def _topk_call(self, x):
   b, t, d = x.shape
   flat = x.reshape(b * t, d)
   probs, w, idx = moe_lib.route(self.router(flat), self.top_k, self.norm_topk_prob)
-  dt = self.dtype
-  wg, wu, wd = (self.w_gate[...][idx].astype(dt), self.w_up[...][idx].astype(dt),
-                self.w_down[...][idx].astype(dt))  # [N, k, D, I], [N, k, D, I], [N, k, I, D]
-  h = jax.nn.silu(jnp.einsum("nd,nkdi->nki", flat, wg)) * jnp.einsum("nd,nkdi->nki", flat, wu)
-  y = jnp.einsum("nki,nkid,nk->nd", h, wd, w.astype(dt))
+  wgu, wd = (a[idx] for a in self._weights())  # [N, k, D, 2, I], [N, k, I, D]
+  h = moe_lib.swiglu(jnp.einsum("nd,nkdgi->nkgi", flat, wgu), axis=2)
+  y = jnp.einsum("nki,nkid,nk->nd", h, wd, w.astype(self.dtype))
   return y.reshape(b, t, d), (probs, idx)
 
 

@@ -37,8 +37,9 @@ def test_layouts_by_name(saved):
   layer = model.policy.trunk.decoder.layers[0]
   gu = t["model.language_model.layers.0.mlp.experts.gate_up_proj"]
   assert gu.shape == (4, 32, 32)  # [E, 2I, D]
-  np.testing.assert_array_equal(gu[:, :16].transpose(0, 2, 1), layer.mlp.w_gate[...])
-  np.testing.assert_array_equal(gu[:, 16:].transpose(0, 2, 1), layer.mlp.w_up[...])
+  wgu = np.asarray(layer.mlp.w_gate_up[...])  # [E, D, 2, I]: gate, up
+  np.testing.assert_array_equal(gu[:, :16].transpose(0, 2, 1), wgu[:, :, 0])
+  np.testing.assert_array_equal(gu[:, 16:].transpose(0, 2, 1), wgu[:, :, 1])
   np.testing.assert_array_equal(t["model.language_model.layers.0.self_attn.k_proj.weight"],
                                 np.asarray(layer.self_attn.k_proj.kernel[...]).T)
   pe = t["model.visual.patch_embed.proj.weight"]

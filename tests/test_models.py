@@ -118,7 +118,8 @@ def test_moe_equals_naive_loop():
   y, (probs, idx) = moe(x)
   flat = np.asarray(x).reshape(-1, CFG.hidden)
   lg = np.asarray(moe.router(jnp.asarray(flat)))
-  wg, wu, wd = (np.asarray(p[...]) for p in (moe.w_gate, moe.w_up, moe.w_down))
+  wgu, wd = (np.asarray(p[...]) for p in (moe.w_gate_up, moe.w_down))
+  wg, wu = wgu[:, :, 0], wgu[:, :, 1]
   want = np.zeros_like(flat)
   for n in range(flat.shape[0]):
     p = np.exp(lg[n] - lg[n].max())

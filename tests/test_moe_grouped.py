@@ -48,13 +48,14 @@ def test_values_and_gradients_equal_per_row_reference(sizes, rows, min_rows):
   sz = jnp.asarray(sizes, jnp.int32)
   probe = jax.random.normal(jax.random.PRNGKey(2), (g, d))  # a non-uniform cotangent
 
-  def ours(xs, wg, wu, wd):
-    return jnp.sum(probe * grouped_swiglu(xs, sz, wg, wu, wd, rows, min_rows))
+  def ours(xs, wg, wu, wd):  # the [E, D, 2, I] parameter layout (`moe.MoE.w_gate_up`)
+    return jnp.sum(probe * grouped_swiglu(xs, sz, jnp.stack([wg, wu], axis=2), wd, rows, min_rows))
 
   def ref(xs, wg, wu, wd):
     return jnp.sum(probe * _reference(xs, expert, wg, wu, wd))
 
-  y = jax.jit(lambda *a: grouped_swiglu(a[0], sz, *a[1:], rows, min_rows))(xs, wg, wu, wd)
+  y = jax.jit(lambda xs, wg, wu, wd: grouped_swiglu(xs, sz, jnp.stack([wg, wu], axis=2), wd, rows,
+                                                    min_rows))(xs, wg, wu, wd)
   np.testing.assert_allclose(y, _reference(xs, expert, wg, wu, wd), atol=TOL)
   got = jax.jit(jax.grad(ours, argnums=(0, 1, 2, 3)))(xs, wg, wu, wd)
   want = jax.grad(ref, argnums=(0, 1, 2, 3))(xs, wg, wu, wd)

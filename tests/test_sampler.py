@@ -31,7 +31,8 @@ def _np_log_softmax(z):
 
 @pytest.fixture(scope="module")
 def policy():
-  return Policy(CFG, nnx.Rngs(3))
+  # a seed whose greedy tokens below include no vision placeholder (see the precondition there)
+  return Policy(CFG, nnx.Rngs(4))
 
 
 def test_greedy_kv_cache_matches_full_recompute(policy):
@@ -55,6 +56,10 @@ def test_greedy_kv_cache_matches_full_recompute(policy):
     want_lp[:, i] = np.where(done, 0.0, lp[np.arange(b), tok])
     buf[:, p + i], bmask[:, p + i] = tok, True
     done |= tok == EOS
+  # precondition: a random-init model may emit the IMAGE / VISION_START ids, which the reference's
+  # full forward would read as an image block (M-RoPE positions, vision features) while the cache
+  # step embeds them as text: no common ground to compare on (the model seed is picked to avoid them)
+  assert not np.isin(want_t, [IMAGE, VISION_START, VISION_END]).any(), want_t
   np.testing.assert_array_equal(out.tokens, want_t)
   np.testing.assert_allclose(out.logprobs, want_lp, atol=1e-4)
   assert len(set(map(tuple, want_t.tolist()))) > 1  # rows differ: the test sees per-row prompts

@@ -172,8 +172,8 @@ def test_stacked_parameters_carry_the_layers_axis():
   assert qkv.get_value().shape == (cfg.vision_depth, 32, 96)
   assert dict(sharding.make_rules())["layers"] == ()  # the stacked axis is never sharded
   moe = dict((tuple(p[3:]), v) for p, v in nnx.to_flat_state(state) if tuple(p[:3]) == LAYERS)
-  assert moe[("mlp", "w_gate")].get_metadata()["out_sharding"] == ("layers", "expert", "embed", "mlp")
-  assert moe[("mlp", "w_gate")].get_value().shape == (3, 4, 64, 32)
+  assert moe[("mlp", "w_gate_up")].get_metadata()["out_sharding"] == ("layers", "expert", "embed", None, "mlp")
+  assert moe[("mlp", "w_gate_up")].get_value().shape == (3, 4, 64, 2, 32)
 
 
 def test_mixed_dense_and_moe_layers_cannot_scan():
@@ -340,9 +340,9 @@ def test_scanned_loss_and_grads_on_mesh_equal_single_device(tmp_path):
   assert r["n_devices"] == 8
   assert r["loss_diff"] <= TOL and r["grad_max_diff"] <= TOL, r
   assert r["grad_max_abs"] > 1e-3
-  # stacked expert weights [layers, E, D, I]: layer axis replicated, experts over "expert", D over
-  # fsdp (size 1 here), I over "tensor" -> device 0 holds [3, 2, 32, 8]
-  assert r["w_gate"] == {"spec": [None, "expert", "fsdp", "tensor"], "shard": [3, 2, 32, 8]}, r["w_gate"]
+  # stacked expert weights [layers, E, D, 2, I]: layer axis replicated, experts over "expert", D over
+  # fsdp (size 1 here), gate|up replicated, I over "tensor" -> device 0 holds [3, 2, 32, 2, 8]
+  assert r["w_gate_up"] == {"spec": [None, "expert", "fsdp", None, "tensor"], "shard": [3, 2, 32, 2, 8]}, r["w_gate_up"]
 
 
 def _worker(out_path):
@@ -364,12 +364,12 @@ def _worker(out_path):
   with sharding.activate(mesh, rules):
     l, g = jax.jit(vg)(sparams, *batch)
   diffs = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), ref_g, g)
-  w = sparams["trunk"]["decoder"]["layers"]["mlp"]["w_gate"].get_value()
+  w = sparams["trunk"]["decoder"]["layers"]["mlp"]["w_gate_up"].get_value()
   spec = [list(a) if isinstance(a, tuple) else a for a in w.sharding.spec]
   res = dict(n_devices=jax.device_count(), loss_diff=abs(float(ref_l) - float(l)),
              grad_max_diff=max(jax.tree.leaves(diffs)),
              grad_max_abs=max(float(jnp.abs(x).max()) for x in jax.tree.leaves(ref_g)),
-             w_gate=dict(spec=spec + [None] * (4 - len(spec)), shard=list(w.addressable_shards[0].data.shape)))
+             w_gate_up=dict(spec=spec + [None] * (5 - len(spec)), shard=list(w.addressable_shards[0].data.shape)))
   with open(out_path, "w") as f:
     json.dump(res, f)
 

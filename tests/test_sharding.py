@@ -66,7 +66,7 @@ def test_every_parameter_has_logical_axes(kw):
       assert not any(n in ("data", "fsdp", "tensor") for n in names), (path, names)
   moe = nnx.eval_shape(lambda: Policy(cfg, nnx.Rngs(0))).trunk.decoder.layers[1].mlp
   if cfg.experts:
-    assert moe.w_gate.get_metadata()["out_sharding"] == ("expert", "embed", "mlp")
+    assert moe.w_gate_up.get_metadata()["out_sharding"] == ("expert", "embed", None, "mlp")
 
 
 def _moe_loss_and_grads(cfg, x):
@@ -157,7 +157,8 @@ def test_capacity_factor_drops_like_numpy_reference():
   assert c == 5  # ceil(0.5 * 18 * 2 / 4)
   _, w, idx_ref = jax.jit(route, static_argnums=(1, 2))(jnp.asarray(x.reshape(n, -1)) @ m.router.kernel[...], k, True)
   w, idx_ref = np.asarray(w), np.asarray(idx_ref)
-  wg, wu, wd = (np.asarray(m.w_gate[...]), np.asarray(m.w_up[...]), np.asarray(m.w_down[...]))
+  wgu, wd = (np.asarray(m.w_gate_up[...]), np.asarray(m.w_down[...]))
+  wg, wu = wgu[:, :, 0], wgu[:, :, 1]
   flat = x.reshape(n, -1)
   want = np.zeros_like(flat)
   used = np.zeros(e, int)
@@ -292,7 +293,7 @@ def _check_params(got, mesh):
   m = tuple(int(x) for x in mesh.split(","))
   # path -> (global shape, logical axes -> default rules by hand)
   want = {
-      "['trunk']['decoder']['layers'][1]['mlp']['w_gate']": ([4, 32, 16], ["expert", "fsdp", "tensor"]),
+      "['trunk']['decoder']['layers'][1]['mlp']['w_gate_up']": ([4, 32, 2, 16], ["expert", "fsdp", None, "tensor"]),
       "['trunk']['decoder']['layers'][1]['mlp']['w_down']": ([4, 16, 32], ["expert", "tensor", "fsdp"]),
       "['trunk']['decoder']['layers'][0]['mlp']['gate_proj']['kernel']": ([32, 32], ["fsdp", "tensor"]),
       "['trunk']['decoder']['layers'][0]['self_attn']['k_proj']['kernel']": ([32, 16], ["fsdp", "tensor"]),
@@ -307,7 +308,7 @@ def _check_params(got, mesh):
     assert g_shape == shape and g_spec == spec, (path, got[path])
     assert g_shard == _shard(shape, m, spec), (path, got[path])
   if m == (2, 1, 2, 2):  # experts really split: each device holds 2 of the 4 experts, half their width
-    assert got["['trunk']['decoder']['layers'][1]['mlp']['w_gate']"][2] == [2, 32, 8]
+    assert got["['trunk']['decoder']['layers'][1]['mlp']['w_gate_up']"][2] == [2, 32, 2, 8]
 
 
 def test_indivisible_dimension_is_a_typed_error(mesh_results):
@@ -320,7 +321,7 @@ def test_indivisible_dimension_is_a_typed_error(mesh_results):
 def test_load_pretrained_places_tensors_by_rules(mesh_results):
   r = mesh_results["hf_io"]
   assert r["values_equal"] and r["logits_diff"] <= TOL
-  assert r["w_gate"] == [[4, 32, 16], ["expert", "fsdp", "tensor"], [2, 32, 8]]
+  assert r["w_gate_up"] == [[4, 32, 2, 16], ["expert", "fsdp", None, "tensor"], [2, 32, 2, 8]]
   assert r["embed"] == [[264, 32], ["tensor", "fsdp"], [132, 32]]
 
 
@@ -328,9 +329,10 @@ def test_trainer_state_on_mesh_from_config(mesh_results):
   r = mesh_results["state"]
   assert r["mesh"] == [2, 1, 2, 2] and r["default_mesh"]
   # smoke model: 4 experts, hidden 64, moe_intermediate 64; embed -> None by the config override
-  assert r["policy_w_gate"] == [[4, 64, 64], ["expert", None, "tensor"], [2, 64, 32]]
+  assert r["policy_w_gate_up"] == [[4, 64, 2, 64], ["expert", None, None, "tensor"], [2, 64, 2, 32]]
   assert r["critic_embed"] == [[264, 64], ["tensor", None], [132, 64]]
-  assert r["opt_mu_w_gate"] and all(s == ["expert", None, "tensor"] for s in r["opt_mu_w_gate"])  # Adam mu, nu
+  assert r["opt_mu_w_gate_up"] and all(s == ["expert", None, None, "tensor"]
+                                       for s in r["opt_mu_w_gate_up"])  # Adam mu, nu
   assert r["init_max_diff"] <= 1e-6  # same initial values as the one-device init
 
 
@@ -445,7 +447,7 @@ def _worker(out_path, full: bool):
   results["hf_io"] = dict(
       values_equal=all(np.array_equal(np.asarray(a[k]), np.asarray(b[k])) for k in b),
       logits_diff=float(np.max(np.abs(np.asarray(loaded(ids)) - np.asarray(plain(ids))))),
-      w_gate=pick("['policy']['trunk']['decoder']['layers'][1]['mlp']['w_gate']"),
+      w_gate_up=pick("['policy']['trunk']['decoder']['layers'][1]['mlp']['w_gate_up']"),
       embed=pick("['policy']['trunk']['embed_tokens']['embedding']"))
   # trainer state creation behind config.mesh
   import ml_collections as mlc
@@ -460,13 +462,13 @@ def _worker(out_path, full: bool):
   d = {**{"policy" + k: v for k, v in sharding.describe(st["policy"]).items()},
        **{"opt" + k: v for k, v in sharding.describe(st["policy_opt"]).items()},
        **{"critic" + k: v for k, v in sharding.describe(st["critic"]).items()}}
-  w = "['trunk']['decoder']['layers'][0]['mlp']['w_gate']"
+  w = "['trunk']['decoder']['layers'][0]['mlp']['w_gate_up']"
   results["state"] = dict(
       mesh=list(sharding.mesh_shape(parts.mesh)), default_mesh=parts0.mesh is None,
-      policy_w_gate=[list(d["policy" + w][0]), spec_json(d["policy" + w][1]), list(d["policy" + w][2])],
+      policy_w_gate_up=[list(d["policy" + w][0]), spec_json(d["policy" + w][1]), list(d["policy" + w][2])],
       critic_embed=[list(x) if isinstance(x, tuple) else spec_json(x)
                     for x in d["critic['trunk']['embed_tokens']['embedding']"]],
-      opt_mu_w_gate=[spec_json(v[1]) for k, v in d.items() if k.startswith("opt") and k.endswith(w)],
+      opt_mu_w_gate_up=[spec_json(v[1]) for k, v in d.items() if k.startswith("opt") and k.endswith(w)],
       init_max_diff=_maxdiff(st["policy"], st0["policy"]) if jax.tree.structure(st["policy"]) ==
       jax.tree.structure(st0["policy"]) else "structure differs")
   with open(out_path, "w") as f:

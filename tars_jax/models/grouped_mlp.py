@@ -8,7 +8,7 @@ down to `MIN_ROWS` (`chunk_sizes`, `chunk_counts`), so fewer than MIN_ROWS padde
 per expert instead of up to R - 1 (not the static bound `moe.num_blocks` a batched matmul computes,
 and no [blocks, D, I] weight gather or scatter-add of its gradient). Rows of a chunk past its group's
 end belong to the next expert (see below). Gate and up run as one
-matmul with the expert's [D, 2I] concatenation (transformers' fused `gate_up_proj`). Outputs are written
+matmul with the expert's [D, 2I] gate|up weights (the [E, D, 2, I] parameter reshaped: no copy). Outputs are written
 whole chunks at a time: the rows a chunk computes past its group's end are overwritten by the experts
 after it (only the weight gradients need the rows masked, in the backward). A while loop
 with a data-dependent trip count has no reverse-mode rule in JAX, hence the custom VJP; the forward
@@ -95,29 +95,29 @@ def _index(w, e):
   return jax.lax.dynamic_index_in_dim(w, e, keepdims=False)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def grouped_swiglu(xs, sizes, wg, wu, wd, rows: int, min_rows: int = MIN_ROWS):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def grouped_swiglu(xs, sizes, wgu, wd, rows: int, min_rows: int = MIN_ROWS):
   """ys [G, D] = down(silu(x W_gate[e]) * (x W_up[e])) for each row x of expert e's group.
 
   Args:
     xs: [G, D] assignments sorted by expert; sizes: [E] int32 group sizes (sum G);
-    wg, wu: [E, D, I]; wd: [E, I, D] (all in the compute dtype);
+    wgu: [E, D, 2, I] (gate at [:, :, 0], up at [:, :, 1]: `moe.MoE.w_gate_up`); wd: [E, I, D] (all
+      in the compute dtype);
     rows: R, the largest chunk (static); a group's tail is covered by chunks of R/2, R/4, ... down to
       `min_rows` (`chunk_sizes`), so each expert computes fewer than min_rows padded rows.
-  Returns: ys [G, D] in xs's dtype. Differentiable (reverse mode) in xs, wg, wu, wd; exact (no
-  padding enters a result, no assignment is dropped).
+  Returns: ys [G, D] in xs's dtype. Differentiable (reverse mode) in xs, wgu, wd; exact (no padding
+  enters a result, no assignment is dropped).
   """
-  return _forward(xs, sizes, wg, wu, wd, rows, min_rows, keep_parts=False)[0]
+  return _forward(xs, sizes, wgu, wd, rows, min_rows, keep_parts=False)[0]
 
 
-def _forward(xs, sizes, wg, wu, wd, rows, min_rows, keep_parts: bool):
+def _forward(xs, sizes, wgu, wd, rows, min_rows, keep_parts: bool):
   """(ys [G, D], gate|up pre-activations [G + R, 2I] or None). Gate and up run as one matmul with the
-  expert's [D, 2I] concatenation (as transformers' fused `gate_up_proj`): one larger dot per chunk
-  instead of two."""
+  expert's [D, 2I] weights: one larger dot per chunk instead of two."""
   g, d = xs.shape
-  i = wg.shape[-1]
+  e, _, _, i = wgu.shape
   xs_pad = _pad(xs, rows)
-  wgu = jnp.concatenate([wg, wu], axis=-1)  # [E, D, 2I]
+  wgu = wgu.reshape(e, d, 2 * i)  # [gate | up] columns; row-major, so no copy
 
   def init(e, carry):
     return carry, (_index(wgu, e), _index(wd, e))
@@ -137,17 +137,17 @@ def _forward(xs, sizes, wg, wu, wd, rows, min_rows, keep_parts: bool):
   return ys[:g], parts
 
 
-def _fwd(xs, sizes, wg, wu, wd, rows, min_rows):
-  ys, parts = _forward(xs, sizes, wg, wu, wd, rows, min_rows, keep_parts=True)
-  return ys, (xs, sizes, wg, wu, wd, parts)
+def _fwd(xs, sizes, wgu, wd, rows, min_rows):
+  ys, parts = _forward(xs, sizes, wgu, wd, rows, min_rows, keep_parts=True)
+  return ys, (xs, sizes, wgu, wd, parts)
 
 
 def _bwd(rows, min_rows, res, dys):
-  xs, sizes, wg, wu, wd, ab_all = res
+  xs, sizes, wgu4, wd, ab_all = res
   g, d = xs.shape
-  i = wg.shape[-1]
+  e, _, _, i = wgu4.shape
   xs_pad, dys_pad = _pad(xs, rows), _pad(dys.astype(xs.dtype), rows)
-  wgu = jnp.concatenate([wg, wu], axis=-1)  # [E, D, 2I], as in the forward
+  wgu = wgu4.reshape(e, d, 2 * i)  # as in the forward
 
   def init(e, carry):
     # e's weights, and its weight gradients accumulated over its chunks (written once, in done)
@@ -176,7 +176,7 @@ def _bwd(rows, min_rows, res, dys):
 
   init_carry = (jnp.zeros((g + rows, d), xs.dtype), jnp.zeros_like(wgu), jnp.zeros_like(wd))
   dxs, dwgu, dwd = _for_each_chunk(sizes, chunk_sizes(rows, min_rows), chunk, init, done, init_carry)
-  return dxs[:g], None, dwgu[..., :i], dwgu[..., i:], dwd
+  return dxs[:g], None, dwgu.reshape(wgu4.shape), dwd
 
 
 grouped_swiglu.defvjp(_fwd, _bwd)

@@ -6,7 +6,7 @@ Layouts (transformers `Qwen3VLMoeForConditionalGeneration` state dict <-> ours):
   Linear `weight [out, in]` <-> `kernel [in, out]`; norms' `weight` <-> `scale`; embeddings as is;
   `patch_embed.proj.weight [d, 3, t, p, p]` (Conv3d) <-> Linear kernel [3*t*p*p, d];
   `mlp.gate.weight [E, D]` <-> `mlp.router.kernel [D, E]`;
-  `mlp.experts.gate_up_proj [E, 2I, D]` <-> `w_gate`, `w_up [E, D, I]` (gate first);
+  `mlp.experts.gate_up_proj [E, 2I, D]` <-> `w_gate_up [E, D, 2, I]` (gate first);
   `mlp.experts.down_proj [E, D, I]` <-> `w_down [E, I, D]`. The expert tensors are also accepted
   in the released checkpoints' transposed layout ([E, D, 2I] / [E, I, D]) as transformers does
   (`conversion_mapping.py`, `Transpose(check_dims=True)`: the in-memory layout wins when both fit).
@@ -178,22 +178,17 @@ def _hf_stem(path: tuple, family: str = "qwen3_vl_moe") -> str:
 def tensor_map(state, temporal_patch_size: int, family: str = "qwen3_vl_moe") -> list[_Tensor]:
   """The checkpoint tensors of an `HFModel` state (abstract or concrete), in a stable order."""
   flat = {tuple(p): v for p, v in nnx.to_flat_state(state)}
-  out, done = [], set()
+  out = []
   t2 = lambda a: np.swapaxes(a, -1, -2)
   for path, var in flat.items():
-    if path in done:
-      continue
     shape = tuple(var.value.shape)
     stem, leaf = _hf_stem(path, family), path[-1]
-    if leaf in ("w_gate", "w_up"):
-      g, u = path[:-1] + ("w_gate",), path[:-1] + ("w_up",)
-      e, d, i = shape
+    if leaf == "w_gate_up":
+      e, d, _, i = shape
       hf = stem.replace(".mlp", ".mlp.experts") + ".gate_up_proj"
-      out.append(_Tensor(hf, (g, u), (e, 2 * i, d),
-                         lambda a, i=i: (t2(a[:, :i]), t2(a[:, i:])),
-                         lambda g_, u_: t2(np.concatenate([g_, u_], axis=-1)),
-                         (e, d, 2 * i), lambda a, i=i: (a[..., :i], a[..., i:])))
-      done.update((g, u))
+      out.append(_Tensor(hf, (path,), (e, 2 * i, d),
+                         lambda a, s=shape: (t2(a).reshape(s),), lambda a, s=(e, d, 2 * i): t2(a.reshape(s)),
+                         (e, d, 2 * i), lambda a, s=shape: (a.reshape(s),)))
     elif leaf == "w_down":
       e, i, d = shape
       out.append(_Tensor(stem.replace(".mlp", ".mlp.experts") + ".down_proj", (path,), (e, d, i),
@@ -217,7 +212,6 @@ def tensor_map(state, temporal_patch_size: int, family: str = "qwen3_vl_moe") ->
       out.append(_Tensor(stem + ".bias", (path,), shape, lambda a: (a,), lambda a: a))
     else:
       raise KeyError(f"no checkpoint mapping for parameter {path}")
-    done.add(path)
   return out
 
 

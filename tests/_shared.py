@@ -1,6 +1,7 @@
 """Helpers shared by several test modules (tiny model config, jitted forward, grid coordinates)."""
 
 import asyncio
+import time
 
 from flax import nnx
 
@@ -22,6 +23,15 @@ def grid(box) -> tuple[int, int]:
   """Centre of a MiniWoB pixel box {x, y, width, height} -> 0-1000 grid coordinates."""
   return (round((box["x"] + box["width"] / 2) / mw.WIDTH * 1000),
           round((box["y"] + box["height"] / 2) / mw.HEIGHT * 1000))
+
+
+def poll(fn, timeout_s: float = 30.0, interval_s: float = 0.1):
+  """Calls fn() every `interval_s` until it returns something truthy or `timeout_s` passed (no timing
+  asserted: the deadline only keeps a broken test from hanging); returns its last value."""
+  deadline = time.monotonic() + timeout_s
+  while not (v := fn()) and time.monotonic() < deadline:
+    time.sleep(interval_s)
+  return v
 
 
 def run(coro):

@@ -7,7 +7,6 @@ clicked through the action grammar, so rewards are the page's own, not ours.
 import os
 import re
 import signal
-import time
 
 import httpx
 import numpy as np
@@ -16,7 +15,7 @@ import pytest
 from envs_bridge import protocol as P
 from envs_bridge.client import SandboxClient
 from envs_bridge.launch import launch_server
-from _shared import grid, run
+from _shared import grid, poll, run
 
 pytestmark = pytest.mark.browser
 W, H = 160, 210
@@ -215,14 +214,6 @@ def test_errors_are_typed(server):
   assert "/sessions/{sid}/step" in httpx.get(server.url + "/openapi.json").json()["paths"]
 
 
-def _poll(fn, timeout_s=30.0):
-  """Waits (without asserting on time) until fn() is true; returns its last value."""
-  deadline = time.monotonic() + timeout_s
-  while not (v := fn()) and time.monotonic() < deadline:
-    time.sleep(0.1)
-  return v
-
-
 def test_lease_expiry_reclaims_session():
   with launch_server(lease_s=1.0) as h:
     async def go():
@@ -230,7 +221,7 @@ def test_lease_expiry_reclaims_session():
         sid, _ = await c.open("miniwob/click-test", 0)
         return sid
     sid = run(go())
-    assert _poll(lambda: httpx.get(h.url + "/health").json()["sessions"] == 0)
+    assert poll(lambda: httpx.get(h.url + "/health").json()["sessions"] == 0)
 
     async def history():
       async with SandboxClient(h.url) as c:

@@ -11,6 +11,7 @@ import httpx
 import numpy as np
 import pytest
 
+from _shared import poll
 from envs_bridge import protocol as P
 from envs_bridge.client import SandboxClient
 from envs_bridge.desktop import checks, tasks
@@ -86,17 +87,17 @@ def wait_for_file(url: str, sid: str, rel: str, timeout_s: float = 60.0) -> str:
   run in real time, so on a slow machine a command typed into the shell may write it steps later (and
   `>` creates it empty first). Returns the text; AssertionError with the last text seen at the deadline."""
   path = os.path.join(state(url, sid)["work"], rel)
-  deadline, text = time.monotonic() + timeout_s, None
-  while time.monotonic() < deadline:
+
+  def read():
     try:
       with open(path, encoding="utf-8") as f:
-        text = f.read()
+        return f.read()
     except FileNotFoundError:
-      text = None
-    if text:
-      return text
-    time.sleep(0.1)
-  raise AssertionError(f"{rel} after {timeout_s:g} s: {text!r}")
+      return None
+  text = poll(read, timeout_s)
+  if not text:
+    raise AssertionError(f"{rel} after {timeout_s:g} s: {text!r}")
+  return text
 
 
 def test_terminal_write_file_wrong_then_right(desk):

@@ -4,12 +4,12 @@ rlimits and network isolation (real bash subprocesses)."""
 import dataclasses
 import os
 import subprocess
-import time
 from asyncio import run
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from _shared import poll
 from envs_bridge.sdk import SdkSession, files, terminal
 from tars_jax.agent import actions as A
 
@@ -108,10 +108,7 @@ def test_timeout_is_marked_and_kills_the_group(tmp_path):
   # there after this bounded wait.
   def sleepers():
     return subprocess.run(["pgrep", "-f", r"^sleep 30\.0123$"], capture_output=True).stdout
-  deadline = time.monotonic() + 5
-  while sleepers() and time.monotonic() < deadline:
-    time.sleep(0.1)
-  assert sleepers() == b""
+  assert poll(lambda: sleepers() == b"", 5.0), sleepers()
 
 
 def test_runaway_output_is_capped_killed_and_marked(tmp_path):

@@ -524,7 +524,8 @@ class BrowserSandbox:
         # waiting for a relaunch may have promoted the standby, whose pages joined the idle pool
         pg = self._take_idle(task)
       reused = pg is not None
-      slot = pg.slot if reused else slot
+      if reused:
+        slot = pg.slot
       slot.opening += 1  # until registered: concurrent opens must see each other, or all pick one browser
       try:
         if pg is None:

@@ -145,10 +145,10 @@ def config_to_hf(cfg: ModelConfig, **extra):
 
 @dataclasses.dataclass(frozen=True)
 class _Tensor:
-  """One checkpoint tensor: its our-side parameter paths, its shape in the checkpoint and the
-  conversions (checkpoint array -> our arrays; our arrays -> checkpoint array)."""
+  """One checkpoint tensor: its our-side parameter path, its shape in the checkpoint and the
+  conversions (checkpoint array -> our array; our array -> checkpoint array)."""
   hf_name: str
-  paths: tuple[tuple, ...]
+  path: tuple
   hf_shape: tuple[int, ...]
   to_ours: Callable
   to_hf: Callable
@@ -186,30 +186,29 @@ def tensor_map(state, temporal_patch_size: int, family: str = "qwen3_vl_moe") ->
     if leaf == "w_gate_up":
       e, d, _, i = shape
       hf = stem.replace(".mlp", ".mlp.experts") + ".gate_up_proj"
-      out.append(_Tensor(hf, (path,), (e, 2 * i, d),
-                         lambda a, s=shape: (t2(a).reshape(s),), lambda a, s=(e, d, 2 * i): t2(a.reshape(s)),
-                         (e, d, 2 * i), lambda a, s=shape: (a.reshape(s),)))
+      out.append(_Tensor(hf, path, (e, 2 * i, d), lambda a, s=shape: t2(a).reshape(s),
+                         lambda a, s=(e, d, 2 * i): t2(a.reshape(s)), (e, d, 2 * i), lambda a, s=shape: a.reshape(s)))
     elif leaf == "w_down":
       e, i, d = shape
-      out.append(_Tensor(stem.replace(".mlp", ".mlp.experts") + ".down_proj", (path,), (e, d, i),
-                         lambda a: (t2(a),), t2, (e, i, d), lambda a: (a,)))
+      out.append(_Tensor(stem.replace(".mlp", ".mlp.experts") + ".down_proj", path, (e, d, i), t2, t2, (e, i, d),
+                         lambda a: a))
     elif path[-2:] == ("router", "kernel"):
-      out.append(_Tensor(stem.replace(".router", ".gate") + ".weight", (path,), shape[::-1],
-                         lambda a: (a.T,), lambda a: a.T))
+      out.append(_Tensor(stem.replace(".router", ".gate") + ".weight", path, shape[::-1], lambda a: a.T,
+                         lambda a: a.T))
     elif path[-3:] == ("patch_embed", "proj", "kernel"):
       n_in, dv = shape
       p = int(round((n_in // 3 // temporal_patch_size) ** 0.5))
       hf_shape = (dv, 3, temporal_patch_size, p, p)
-      out.append(_Tensor(stem + ".weight", (path,), hf_shape, lambda a: (a.reshape(a.shape[0], -1).T,),
+      out.append(_Tensor(stem + ".weight", path, hf_shape, lambda a: a.reshape(a.shape[0], -1).T,
                          lambda a, s=hf_shape: a.T.reshape(s)))
     elif leaf == "kernel":
-      out.append(_Tensor(stem + ".weight", (path,), shape[::-1], lambda a: (a.T,), lambda a: a.T))
+      out.append(_Tensor(stem + ".weight", path, shape[::-1], lambda a: a.T, lambda a: a.T))
     elif leaf in ("scale", "embedding"):
-      out.append(_Tensor(stem + ".weight", (path,), shape, lambda a: (a,), lambda a: a))
+      out.append(_Tensor(stem + ".weight", path, shape, lambda a: a, lambda a: a))
     elif leaf == "pos_embed":
-      out.append(_Tensor(_hf_stem(path) + ".pos_embed.weight", (path,), shape, lambda a: (a,), lambda a: a))
+      out.append(_Tensor(_hf_stem(path) + ".pos_embed.weight", path, shape, lambda a: a, lambda a: a))
     elif leaf == "bias":
-      out.append(_Tensor(stem + ".bias", (path,), shape, lambda a: (a,), lambda a: a))
+      out.append(_Tensor(stem + ".bias", path, shape, lambda a: a, lambda a: a))
     else:
       raise KeyError(f"no checkpoint mapping for parameter {path}")
   return out
@@ -281,33 +280,33 @@ def load_pretrained(path: str, mesh: jax.sharding.Mesh | None = None, dtype=jnp.
         spec = specs[name]
         a = np.asarray(f.get_tensor(file_name), np.float32)
         if tuple(a.shape) == spec.hf_shape:
-          parts = spec.to_ours(a)
+          x = spec.to_ours(a)
         elif spec.alt_shape is not None and tuple(a.shape) == spec.alt_shape:
-          parts = spec.to_ours_alt(a)
+          x = spec.to_ours_alt(a)
         else:
           raise CheckpointMismatch(f"tensor {file_name!r}: checkpoint shape {tuple(a.shape)}, model expects "
                                    f"{spec.hf_shape}")
-        for p, x in zip(spec.paths, parts):
-          sp = split_layer_path(p) if cfg.scan_layers else None
-          if sp is not None:  # stack on the host, place once all layers are in
-            p = sp[0] + sp[2]
-            pending.setdefault(p, {})[sp[1]] = x
-            n = cfg.layers if sp[0][-1] == "layers" else cfg.vision_depth
-            if len(pending[p]) < n:
-              continue
-            by_layer = pending.pop(p)
-            x = np.stack([by_layer[i] for i in range(n)])
-          if mesh is None:
-            sharding = None
-          elif partition is not None:
-            spec_ = partition(name, x.shape[1:] if sp is not None else x.shape)
-            sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, *spec_) if sp is not None
-                                                  else spec_)
-          else:
-            sharding = targets[p]
-          x = jnp.asarray(x, dtype) if sharding is None else x.astype(jnp.dtype(dtype))
-          values[p] = jax.device_put(x, sharding) if sharding is not None else x
         seen.add(name)
+        p = spec.path
+        sp = split_layer_path(p) if cfg.scan_layers else None
+        if sp is not None:  # stack on the host, place once all layers are in
+          p = sp[0] + sp[2]
+          pending.setdefault(p, {})[sp[1]] = x
+          n = cfg.layers if sp[0][-1] == "layers" else cfg.vision_depth
+          if len(pending[p]) < n:
+            continue
+          by_layer = pending.pop(p)
+          x = np.stack([by_layer[i] for i in range(n)])
+        if mesh is None:
+          sharding = None
+        elif partition is not None:
+          spec_ = partition(name, x.shape[1:] if sp is not None else x.shape)
+          sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, *spec_) if sp is not None
+                                                else spec_)
+        else:
+          sharding = targets[p]
+        x = jnp.asarray(x, dtype) if sharding is None else x.astype(jnp.dtype(dtype))
+        values[p] = jax.device_put(x, sharding) if sharding is not None else x
   missing = sorted(set(specs) - seen)
   if missing:
     raise CheckpointMismatch(f"checkpoint lacks {len(missing)} tensors: {missing[:8]}")
@@ -343,7 +342,7 @@ def save_pretrained(model: HFModel, path: str) -> None:
     flat = unstack_layer_arrays(flat, {p for p in flat if p[:4] in _STACKED})
   tensors = {}
   for spec in tensor_map(_per_layer_state(cfg, state), cfg.temporal_patch_size, cfg.family):
-    a = spec.to_hf(*[flat[p] for p in spec.paths])
+    a = spec.to_hf(flat[spec.path])
     tensors[spec.hf_name] = np.ascontiguousarray(a)
   save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
 

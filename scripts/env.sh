@@ -6,7 +6,9 @@
 # "allocator"). TARS_MALLOC=system keeps glibc's malloc.
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [[ ${TARS_MALLOC:-tcmalloc} != system && ${LD_PRELOAD:-} != *tcmalloc* ]]; then
-  _tcmalloc=$(/sbin/ldconfig -p 2>/dev/null | awk '/libtcmalloc_minimal\.so\.4 /{print $NF; exit}')
+  # No early-exiting reader in a pipe (awk 'exit', grep -q): under `set -o pipefail` the writer's SIGPIPE
+  # (exit 141) would end the sourcing script.
+  _tcmalloc=$(/sbin/ldconfig -p 2>/dev/null | awk '/libtcmalloc_minimal\.so\.4 /{lib=$NF} END{print lib}' || true)
   if [[ -n $_tcmalloc ]]; then
     export LD_PRELOAD="$_tcmalloc${LD_PRELOAD:+:$LD_PRELOAD}"
     export TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD=${TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD:-1099511627776}  # no "large alloc" noise

@@ -11,7 +11,8 @@ command -v xedit >/dev/null 2>&1 || need_apt+=(x11-apps)
 command -v xmessage >/dev/null 2>&1 || need_apt+=(x11-utils)
 command -v bwrap >/dev/null 2>&1 || need_apt+=(bubblewrap)
 # tcmalloc, preloaded by scripts/env.sh (XLA:CPU's per-step buffers stay mapped: no page faults per step).
-/sbin/ldconfig -p 2>/dev/null | grep -q 'libtcmalloc_minimal\.so\.4 ' || need_apt+=(libtcmalloc-minimal4)
+# grep -c reads all of ldconfig's output (grep -q exits early: SIGPIPE, exit 141 under pipefail).
+[[ $(/sbin/ldconfig -p 2>/dev/null | grep -c 'libtcmalloc_minimal\.so\.4 ' || true) -gt 0 ]] || need_apt+=(libtcmalloc-minimal4)
 if ((${#need_apt[@]})); then
   echo "[setup] installing Debian packages: ${need_apt[*]}"
   SUDO=""; [[ $(id -u) -eq 0 ]] || SUDO="sudo"

@@ -227,6 +227,17 @@ def activate(mesh: Mesh | None, rules=None):
     _ACTIVE.reset(token)
 
 
+def active() -> tuple[Mesh, tuple] | None:
+  """(mesh, rules) of the enclosing `activate(mesh, ...)` context, or None (no mesh)."""
+  return _ACTIVE.get()
+
+
+def activation_spec(names: Sequence[str | None], shape: Sequence[int], mesh: Mesh, rules) -> PartitionSpec:
+  """Mesh PartitionSpec of an activation with logical `names` and `shape`: as `logical_spec`, but a
+  dimension keeps only the longest prefix of its rule's mesh axes that divides it (no error)."""
+  return _spec(names, shape, mesh, rules, strict=False, what="activation")
+
+
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
   """`jax.lax.with_sharding_constraint(x, <spec of names>)` under an `activate` context, else x
   unchanged. Mesh axes that do not divide a dimension are dropped for that dimension."""
@@ -234,8 +245,7 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
   if cur is None:
     return x
   mesh, rules = cur
-  spec = _spec(names, x.shape, mesh, rules, strict=False, what="activation")
-  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, activation_spec(names, x.shape, mesh, rules)))
 
 
 def describe(state: Any) -> dict[str, tuple]:
@@ -260,4 +270,4 @@ def mesh_shape(mesh: Mesh | None) -> tuple[int, ...]:
 
 __all__ = ["MESH_AXES", "DEFAULT_RULES", "ShardingError", "make_rules", "make_mesh", "mesh_from_config",
            "rules_from_config", "param_axes", "logical_spec", "logical_to_sharding", "shard", "sharded_init",
-           "activate", "constrain", "describe", "mesh_shape"]
+           "activate", "active", "activation_spec", "constrain", "describe", "mesh_shape"]

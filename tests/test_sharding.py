@@ -146,6 +146,35 @@ def test_block_bound_holds_for_any_routing(sizes, rows):
   assert chosen == 0 or chosen == 1 or chosen >= moe.MIN_BLOCK_ROWS // 2  # 0 = dense, 1 = gather
 
 
+def _capacity_reference(flat, w, idx, wgu, wd, c, shards=1):
+  """numpy MoE with capacity: tokens [N, D] cut into `shards` contiguous groups (a mesh's token
+  shards); within each group, assignments in (token, slot) order, each expert keeps its first `c`.
+  Returns (y [N, D], dropped count)."""
+  n, k = idx.shape
+  wg, wu = wgu[:, :, 0], wgu[:, :, 1]
+  want = np.zeros_like(flat)
+  n_drop = 0
+  for part in np.split(np.arange(n), shards):
+    used = np.zeros(wgu.shape[0], int)
+    for t in part:
+      for s in range(k):
+        ex = idx[t, s]
+        if used[ex] >= c:
+          n_drop += 1
+          continue
+        used[ex] += 1
+        a = flat[t] @ wg[ex]
+        h = a / (1 + np.exp(-a)) * (flat[t] @ wu[ex])
+        want[t] += w[t, s] * (h @ wd[ex])
+  return want, n_drop
+
+
+def _routed(m, flat):
+  """(w [N, k], idx [N, k], w_gate_up, w_down) of MoE `m` on tokens flat [N, D], as numpy."""
+  _, w, idx = jax.jit(route, static_argnums=(1, 2))(jnp.asarray(flat) @ m.router.kernel[...], m.top_k, True)
+  return np.asarray(w), np.asarray(idx), np.asarray(m.w_gate_up[...]), np.asarray(m.w_down[...])
+
+
 def test_capacity_factor_drops_like_numpy_reference():
   cfg = _small_cfg(moe_impl="ragged", moe_capacity_factor=0.5)
   x = np.asarray(jax.random.normal(jax.random.PRNGKey(2), (2, 9, 32)))
@@ -155,24 +184,8 @@ def test_capacity_factor_drops_like_numpy_reference():
   n, k, e = 18, cfg.top_k, cfg.experts
   c = capacity(n, k, e, 0.5)
   assert c == 5  # ceil(0.5 * 18 * 2 / 4)
-  _, w, idx_ref = jax.jit(route, static_argnums=(1, 2))(jnp.asarray(x.reshape(n, -1)) @ m.router.kernel[...], k, True)
-  w, idx_ref = np.asarray(w), np.asarray(idx_ref)
-  wgu, wd = (np.asarray(m.w_gate_up[...]), np.asarray(m.w_down[...]))
-  wg, wu = wgu[:, :, 0], wgu[:, :, 1]
   flat = x.reshape(n, -1)
-  want = np.zeros_like(flat)
-  used = np.zeros(e, int)
-  n_drop = 0
-  for t in range(n):
-    for s in range(k):
-      ex = idx_ref[t, s]
-      if used[ex] >= c:
-        n_drop += 1
-        continue
-      used[ex] += 1
-      a = flat[t] @ wg[ex]
-      h = a / (1 + np.exp(-a)) * (flat[t] @ wu[ex])
-      want[t] += w[t, s] * (h @ wd[ex])
+  want, n_drop = _capacity_reference(flat, *_routed(m, flat), c)
   assert n_drop > 0 and float(dropped) == n_drop
   np.testing.assert_allclose(np.asarray(y).reshape(n, -1), want, atol=1e-5)
   # through the policy: the dropped count of every MoE layer is reported
@@ -188,6 +201,10 @@ def test_config_and_rule_errors():
     _small_cfg(moe_impl="sparse")
   with pytest.raises(ValueError, match="ragged"):
     _small_cfg(moe_capacity_factor=1.0)
+  with pytest.raises(ValueError, match="moe_dispatch"):
+    _small_cfg(moe_impl="ragged", moe_dispatch="ring")
+  with pytest.raises(ValueError, match="needs moe_impl='ragged'"):
+    _small_cfg(moe_impl="grouped", moe_dispatch="all_to_all")
   with pytest.raises(sharding.ShardingError, match="unknown mesh axis 'model'"):
     sharding.make_rules({"embed": "model"})
   with pytest.raises(sharding.ShardingError, match="needs 16 devices"):
@@ -263,6 +280,40 @@ def test_train_step_on_expert_parallel_mesh_equals_single_device(mesh_results):
 @pytest.mark.parametrize("impl", ["dense", "ragged"])
 def test_train_step_on_every_mesh_equals_single_device(mesh_results_full, mesh, impl):
   _check_run(mesh_results_full["runs"][f"{impl}@{mesh}"], full=True)
+
+
+def test_all_to_all_dispatch_train_step_equals_single_device(mesh_results):
+  """moe_dispatch="all_to_all" on (2, 1, 2, 2): loss and gradients as one device, and the compiled
+  step really exchanges tokens: forward dispatch (rows, expert ids) and return, and their transposes."""
+  r = mesh_results["runs"]["a2a@2,1,2,2"]
+  _check_run(r, full=False)
+  assert r["collectives"]["all-to-all"] == 5, r["collectives"]
+  assert mesh_results["runs"]["ragged@2,1,2,2"]["collectives"]["all-to-all"] == 0
+
+
+def test_all_to_all_dispatch_only_where_tokens_split_over_experts(mesh_results):
+  r = mesh_results["a2a_shapes"]
+  assert all(diff <= TOL for diff, _ in r.values()), r
+  # 8 tokens split over (data, fsdp, expert): one forward dispatch (rows + ids) and return per MoE
+  # layer of the scanned body; 1 and 15 tokens do not split over `expert`: the single-shard path
+  assert r["2x4"][1] >= 2 and r["1x1"][1] == 0 and r["3x5"][1] == 0, r
+
+
+def test_all_to_all_capacity_drops_per_shard_like_numpy_reference(mesh_results):
+  r = mesh_results["a2a_capacity"]
+  assert r["cf0.5"]["c"] == 2 and r["cf0.5"]["want_dropped"] > 0  # ceil(0.5 * 6 * 2 / 4)
+  for name in ("cf0.5", "cf8"):
+    assert r[name]["dropped"] == r[name]["want_dropped"], r
+    assert r[name]["y_diff"] <= TOL and r[name]["y_max"] > 0.1, r
+  assert r["cf8"]["want_dropped"] == 0
+
+
+@pytest.mark.slow
+def test_all_to_all_dispatch_with_fsdp_and_four_expert_shards(mesh_results_full):
+  """(1, 2, 1, 4): one expert per shard, expert weights all-gathered over fsdp inside the shard_map."""
+  r = mesh_results_full["runs"]["a2a@1,2,1,4"]
+  _check_run(r, full=True)
+  assert r["collectives"]["all-to-all"] >= 5, r["collectives"]  # + the compiler's own reshards here
 
 
 @pytest.mark.slow
@@ -387,10 +438,11 @@ def _worker(out_path, full: bool):
   if full:
     ref_state = {"step": jnp.zeros((), jnp.int32), "policy": params, "policy_opt": popt.init(params)}
     _, ref_step_m = ppo.policy_step(jax.tree.map(jnp.copy, ref_state), batch, None, policy_gd=gd, popt=popt, hp=hp)
-  runs = ([(i, m) for i in ("dense", "ragged") for m in MESHES] + [("blocked", "2,1,2,2")] if full
-          else [("ragged", "2,1,2,2")])
+  runs = ([(i, m) for i in ("dense", "ragged") for m in MESHES] + [("blocked", "2,1,2,2"), ("a2a", "1,2,1,4")]
+          if full else [("ragged", "2,1,2,2"), ("a2a", "2,1,2,2")])
   for impl, mesh_s in runs:
-    gd_i = nnx.split(Policy(dataclasses.replace(cfg, moe_impl=impl), nnx.Rngs(0)))[0]
+    kw = dict(moe_impl="ragged", moe_dispatch="all_to_all") if impl == "a2a" else dict(moe_impl=impl)
+    gd_i = nnx.split(Policy(dataclasses.replace(cfg, **kw), nnx.Rngs(0)))[0]
     mesh = sharding.make_mesh(tuple(int(x) for x in mesh_s.split(",")))
     rules = sharding.make_rules()
     p_sh = sharding.shard(jax.tree.map(jnp.copy, params), mesh, rules)  # a copy: the step donates it
@@ -401,6 +453,8 @@ def _worker(out_path, full: bool):
     with sharding.activate(mesh, rules):
       (loss, _), g = loss_grad(gd_i)(p_sh, mb)
       t1 = time.time()
+      collectives = {op: loss_grad(gd_i).lower(p_sh, mb).compile().as_text().count(f" {op}(")
+                     for op in ("all-to-all",)}
       # the activation constraints as lowered (Shardy): logits [B, T, V] over (batch axes, -, tensor)
       hlo = jax.jit(lambda p, mb: nnx.merge(gd_i, p)(
           mb["tokens"], ppo._positions(mb["tokens"], mb["attn_mask"], hp), mb["attn_mask"], mb["pixel_values"],
@@ -421,7 +475,9 @@ def _worker(out_path, full: bool):
         step_params_sharded_like_rules=None if new is None else same_sh(new["policy"]),
         step_pg_loss_diff=None if step_m is None else abs(float(step_m["pg_loss"] - ref_step_m["pg_loss"])),
         constraints=[line.strip()[:300] for line in hlo.splitlines() if "sharding_constraint" in line],
-        params=described)
+        params=described, collectives=collectives)
+  results["a2a_capacity"] = _a2a_capacity_run(cfg)
+  results["a2a_shapes"] = _a2a_shapes_run(cfg)
   # a mesh axis that does not divide a dimension
   mesh8 = sharding.make_mesh((1, 1, 8, 1))
   try:
@@ -473,6 +529,52 @@ def _worker(out_path, full: bool):
       jax.tree.structure(st0["policy"]) else "structure differs")
   with open(out_path, "w") as f:
     json.dump(results, f)
+
+
+def _a2a_shapes_run(cfg):
+  """Logits of a scanned-layer policy with moe_dispatch="all_to_all" on (2, 1, 2, 2) minus one device's,
+  for token counts that split over the expert axis (2 x 4: all-to-all) and that do not (1 x 1, the
+  decode of one sequence; 3 x 5): {"BxT": [max abs diff, all-to-all ops in the compiled forward]}."""
+  from tars_jax import sharding
+  cfg = dataclasses.replace(cfg, moe_impl="ragged", scan_layers=True, decoder_sparse_step=1)
+  gd, st = nnx.split(Policy(cfg, nnx.Rngs(0)))
+  gd2 = nnx.split(Policy(dataclasses.replace(cfg, moe_dispatch="all_to_all"), nnx.Rngs(0)))[0]
+  mesh, rules = sharding.make_mesh((2, 1, 2, 2)), sharding.make_rules()
+  out = {}
+  for b, t in ((2, 4), (1, 1), (3, 5)):
+    toks = jax.random.randint(jax.random.PRNGKey(0), (b, t), 0, 256)
+    pos = jnp.broadcast_to(jnp.arange(t), (3, b, t))
+    f = jax.jit(lambda st, g: nnx.merge(g, st)(toks, pos, jnp.ones((b, t), bool))[0], static_argnums=1)
+    ref = f(st, gd)
+    with sharding.activate(mesh, rules):
+      st_sh = sharding.shard(st, mesh, rules)
+      got = f(st_sh, gd2)
+      n_a2a = f.lower(st_sh, gd2).compile().as_text().count(" all-to-all(")
+    out[f"{b}x{t}"] = [float(jnp.max(jnp.abs(got - ref))), n_a2a]
+  return out
+
+
+def _a2a_capacity_run(cfg):
+  """The all-to-all MoE with capacity factor 0.5 on the (2, 2, 1, 2) mesh (8 token shards of 6 tokens)
+  against `_capacity_reference` with per-shard capacity; and dropless with a capacity no shard can
+  exceed. Returns the differences and drop counts."""
+  from tars_jax import sharding
+  x = np.asarray(jax.random.normal(jax.random.PRNGKey(5), (8, 6, cfg.hidden)))
+  flat = x.reshape(48, -1)
+  mesh, rules = sharding.make_mesh((2, 2, 1, 2)), sharding.make_rules()
+  out = {}
+  for name, cf in (("cf0.5", 0.5), ("cf8", 8.0)):
+    m = MoE(dataclasses.replace(cfg, moe_impl="ragged", moe_dispatch="all_to_all", moe_capacity_factor=cf),
+            nnx.Rngs(3))
+    gd, st = nnx.split(m)
+    with sharding.activate(mesh, rules):
+      y, (_, _, dropped) = jax.jit(lambda st, x: nnx.merge(gd, st)(x))(sharding.shard(st, mesh, rules), jnp.asarray(x))
+    c = capacity(6, cfg.top_k, cfg.experts, cf)  # per (token shard, expert)
+    want, n_drop = _capacity_reference(flat, *_routed(m, flat), c, shards=8)
+    out[name] = dict(c=c, dropped=float(dropped), want_dropped=n_drop,
+                     y_diff=float(np.max(np.abs(np.asarray(y).reshape(48, -1) - want))),
+                     y_max=float(np.max(np.abs(want))))
+  return out
 
 
 if __name__ == "__main__":

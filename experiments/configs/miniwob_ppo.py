@@ -61,6 +61,9 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   # MoE compute (ModelConfig.moe_impl): "dense" exact reference; "grouped" exact and the fastest CPU
   # train step; "blocked" the fastest CPU decode; "ragged" for expert parallelism on a mesh.
   c.model.moe_impl = "dense"
+  # With "ragged" on a mesh with an expert axis: "gspmd" (the compiler partitions it) or "all_to_all"
+  # (explicit token dispatch in a shard_map, tars_jax/models/expert_parallel.py).
+  c.model.moe_dispatch = "gspmd"
 
   # --- Output grammar (tars_jax/agent/grammar.py) ----------------------------------------------------
   c.grammar = mlc.ConfigDict()

@@ -30,6 +30,10 @@ REMAT_POLICIES = ("none", "full", "dots")
 # over gathered expert weights: dropless, the fastest decode on CPU) or "grouped" (blocked's decode
 # paths; for many rows a while loop over exact per-expert chunks: the fastest CPU train step).
 MOE_IMPLS = ("dense", "ragged", "blocked", "grouped")
+# How routed tokens meet expert-sharded weights on a mesh with an `expert` axis: "gspmd" (the compiler
+# partitions the ragged computation) or "all_to_all" (explicit dispatch / return `all_to_all` in a
+# `shard_map`, `expert_parallel.py`).
+MOE_DISPATCHES = ("gspmd", "all_to_all")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +82,11 @@ class ModelConfig:
   `moe_capacity_factor` (ragged only; None = dropless): at most ceil(factor * tokens * top_k /
   experts) assignments per expert, the rest dropped and counted (`Policy(..., moe_stats=True)`;
   the trainer logs `train/moe_dropped_frac`).
+  `moe_dispatch` in `MOE_DISPATCHES` (needs moe_impl "ragged"; matters only under a mesh whose
+  `expert` axis has size > 1): "gspmd" leaves the expert parallelism to the compiler; "all_to_all"
+  sends each assignment to the shard owning its expert and back with explicit `all_to_all`s
+  (`expert_parallel.moe_all_to_all`: dropless with send buffers of N_l * k rows per destination, or
+  with the capacity factor counted per expert and source shard).
   The defaults are the `tiny()` preset (1.48M parameters: 0.42M vision, 1.05M text) for RL on CPU.
   """
 
@@ -120,6 +129,7 @@ class ModelConfig:
   remat: str = "none"
   moe_impl: str = "dense"
   moe_capacity_factor: float | None = None
+  moe_dispatch: str = "gspmd"
   scan_layers: bool = False
 
   def __post_init__(self):
@@ -127,6 +137,10 @@ class ModelConfig:
       raise ValueError(f"remat={self.remat!r}; known: {list(REMAT_POLICIES)}")
     if self.moe_impl not in MOE_IMPLS:
       raise ValueError(f"moe_impl={self.moe_impl!r}; known: {list(MOE_IMPLS)}")
+    if self.moe_dispatch not in MOE_DISPATCHES:
+      raise ValueError(f"moe_dispatch={self.moe_dispatch!r}; known: {list(MOE_DISPATCHES)}")
+    if self.moe_dispatch == "all_to_all" and self.moe_impl != "ragged":
+      raise ValueError("moe_dispatch='all_to_all' needs moe_impl='ragged' (its experts run as ragged_dot)")
     if self.moe_capacity_factor is not None:
       if self.moe_impl != "ragged":
         raise ValueError("moe_capacity_factor needs moe_impl='ragged' (the dense path computes every expert)")

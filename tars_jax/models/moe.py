@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tars_jax import sharding
+from tars_jax.models import expert_parallel
 from tars_jax.models.config import ModelConfig
 from tars_jax.models.grouped_mlp import grouped_swiglu
 from tars_jax.sharding import constrain, param_axes as ax
@@ -146,7 +148,9 @@ class MoE(nnx.Module):
       routing weights. With `cfg.moe_capacity_factor` set, the sorted tokens instead fill an
       [E, C, D] buffer (C = `capacity(...)`), assignments beyond an expert's C slots (later tokens
       first) are dropped (contribute 0) and counted; the buffer's expert
-      axis is sharded over the `expert` mesh axis (expert parallelism through GSPMD);
+      axis is sharded over the `expert` mesh axis (expert parallelism through GSPMD). With
+      `cfg.moe_dispatch = "all_to_all"` under a mesh with an `expert` axis the assignments are sent to
+      their experts' shards and back with explicit `all_to_all`s instead (`expert_parallel.py`);
     "blocked": the sorted assignments padded per expert to whole blocks of `block_rows` rows, so each
       block belongs to one expert; a batched matmul over the blocks with the block's expert weights
       gathered ([nb, D, I]). Dropless and exact like "ragged", but plain dot_generals, which XLA:CPU
@@ -169,7 +173,7 @@ class MoE(nnx.Module):
     d, i, e = cfg.hidden, cfg.moe_intermediate, cfg.experts
     self.top_k, self.norm_topk_prob, self.experts = cfg.top_k, cfg.norm_topk_prob, e
     self.dtype = cfg.jdtype
-    self.impl, self.capacity_factor = cfg.moe_impl, cfg.moe_capacity_factor
+    self.impl, self.capacity_factor, self.dispatch = cfg.moe_impl, cfg.moe_capacity_factor, cfg.moe_dispatch
     # fan-in = D for gate/up, I for down (the default lecun_normal would take the expert axis).
     init_in = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1,
                                                    batch_axis=(0,))
@@ -195,7 +199,13 @@ class MoE(nnx.Module):
       else:  # a buffer of C >= N rows per expert is no smaller than the dense path
         y = self._dense(flat, w, idx)
       return y.reshape(b, t, d), (probs, idx)
-    y, dropped = self._grouped(flat, w, idx)
+    mesh_rules = sharding.active() if self.dispatch == "all_to_all" else None
+    if mesh_rules and expert_parallel.applies(*mesh_rules, self.experts, b * t):
+      y, dropped = expert_parallel.moe_all_to_all(flat, w, idx, *self._weights(), *mesh_rules,
+                                                  capacity_factor=self.capacity_factor)
+      dropped = None if self.capacity_factor is None else dropped
+    else:
+      y, dropped = self._grouped(flat, w, idx)
     return y.reshape(b, t, d), ((probs, idx) if dropped is None else (probs, idx, dropped))
 
   def _dense(self, flat, w, idx):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tars_jax.agent.grammar import build_grammar
+from tars_jax.agent.grammar import build_grammar, free_grammar
 from tars_jax.agent.tokenizer import BOS, EOS, IMAGE, PAD, VISION_END, VISION_START
 from tars_jax.models import ModelConfig, Policy, rope_positions, token_logprobs
 from tars_jax.models import sampler
@@ -118,6 +118,35 @@ def test_constrained_logprobs_match_manual_masked_log_softmax(policy):
   allowed = jnp.asarray(tab)[out.states] >= 0
   rec = token_logprobs(logits[:, p - 1:p - 1 + n], out.tokens, allowed, temp)
   np.testing.assert_allclose(rec[:, :3], out.logprobs[:, :3], atol=1e-4)
+
+
+def test_free_grammar_never_samples_special_ids_and_trainer_logprobs_agree():
+  """`grammar.constrained = False` samples through `free_grammar`: bytes and EOS only. A fresh policy
+  (vision placeholders are likely under a uniform-ish random model) sampled hot for 64 tokens per row
+  emits none of the special ids a reply must not hold, and the trainer's recomputation of the
+  log-probs (full forward, allowed = table[states] >= 0) equals the sampler's."""
+  policy = Policy(CFG, nnx.Rngs(0))
+  g = free_grammar()
+  assert (g.table[0] >= 0).sum() == 257 and g.table[0, EOS] == g.done and g.table[g.done, PAD] == g.done
+  toks, mask, pix = _batch(np.random.default_rng(5), [2, 7, 4, 3])
+  b, p = toks.shape
+  n, temp = 64, 2.0
+  table = jnp.asarray(g.table)
+  free = sampler.generate(policy, toks, mask, pix, None, jax.random.PRNGKey(3), max_new_tokens=n,
+                          temperature=temp, eos_id=EOS, pad_id=PAD)
+  out = sampler.generate(policy, toks, mask, pix, None, jax.random.PRNGKey(3), max_new_tokens=n,
+                         temperature=temp, grammar_table=table, start_state=jnp.zeros((b,), jnp.int32),
+                         eos_id=EOS, pad_id=PAD)
+  special = [BOS, IMAGE, VISION_START, VISION_END, 262, 263]
+  assert np.isin(np.asarray(free.tokens), special).any()  # without the table this model emits them
+  body = np.asarray(out.tokens)[np.arange(n)[None] < np.asarray(out.lengths)[:, None]]
+  assert not np.isin(body, special + [PAD]).any(), out.tokens
+  full = jnp.concatenate([toks, out.tokens], 1)
+  fmask = jnp.concatenate([mask, out.tokens != PAD], 1)
+  logits, _ = fwd(policy, full, rope_positions(full, fmask, IMAGE, CFG.merged_grid), fmask, pix)
+  rec = token_logprobs(logits[:, p - 1:p - 1 + n], out.tokens, table[out.states] >= 0, temp)
+  valid = np.arange(n)[None] < np.asarray(out.lengths)[:, None]
+  np.testing.assert_allclose(np.where(valid, rec, 0), np.where(valid, out.logprobs, 0), atol=1e-4)
 
 
 @pytest.mark.parametrize("jump_forward", [1, 40])

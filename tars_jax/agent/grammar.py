@@ -311,6 +311,30 @@ def build_grammar(tokenizer: ByteTokenizer = ByteTokenizer(), actions=ALL_ACTION
                 thought_charset)
 
 
+@functools.lru_cache(maxsize=8)
+def free_grammar(tokenizer: ByteTokenizer = ByteTokenizer()) -> Grammar:
+  """The unconstrained reply language (`config.grammar.constrained = False`): any byte string, then
+  EOS. State 0 allows the 256 byte ids (-> 0) and EOS (-> done); done allows only PAD.
+
+  Why not "no table" at all: a free-running sampler also emits the special ids (19 of 32 replies of
+  a fresh smoke-config policy held IMAGE, VISION_START or VISION_END, 2026-11-24), and an IMAGE id in
+  a reply is read as an image placeholder by every later forward of the episode (`Policy`
+  splices image features into IMAGE positions in order), shifting the next screenshots onto the wrong
+  tokens and making the trainer's log-probs differ from the sampler's. With this table the sampler
+  and the PPO loss mask the same tokens, so the log-probs agree.
+  Returns: Grammar with table [2, V] int32 (read-only; cached).
+  """
+  v = tokenizer.vocab_size
+  table = np.full((2, v), -1, np.int32)
+  table[0, :256] = 0  # every byte id
+  table[0, tokenizer.eos_id] = 1
+  table[1, tokenizer.pad_id] = 1
+  accepting = np.array([True, False])
+  table.setflags(write=False)
+  accepting.setflags(write=False)
+  return Grammar(table=table, start=0, done=1, accepting=accepting, regex="[\\x00-\\xff]*")
+
+
 def walk(grammar: Grammar, ids) -> np.ndarray:
   """States before each token of `ids`: [len(ids)] int32; -1 after the first disallowed token.
 

@@ -18,7 +18,7 @@ from flax import nnx
 
 from tars_jax import sharding
 from tars_jax.agent import prompts
-from tars_jax.agent.grammar import Grammar, build_grammar
+from tars_jax.agent.grammar import Grammar, build_grammar, free_grammar
 from tars_jax.agent.tokenizer import ByteTokenizer
 from tars_jax.models import ModelConfig, Policy, ValueModel
 from tars_jax.rl.rewards import RewardConfig
@@ -32,7 +32,7 @@ class Parts:
   config: Any
   tokenizer: ByteTokenizer
   model_cfg: ModelConfig
-  grammar: Grammar | None
+  grammar: Grammar  # the action grammar, or `free_grammar` when config.grammar.constrained is False
   table: Any  # jnp [S, V] int32 or None
   policy_gd: Any
   critic_gd: Any
@@ -128,10 +128,11 @@ def build(config) -> Parts:
   tok = ByteTokenizer()
   mcfg = ModelConfig.from_dict({**config.model.to_dict(), "vocab_size": tok.vocab_size})
   g = config.grammar
-  grammar = None
   if g.constrained:
     grammar = build_grammar(tok, actions=tuple(g.actions), max_thought_bytes=g.max_thought_bytes,
                             max_content_bytes=g.max_content_bytes, coord_format=g.coord_format)
+  else:  # free text, but never an image placeholder or other special id (`free_grammar`)
+    grammar = free_grammar(tok)
   # Graph definitions only: abstract init, no parameter memory.
   policy_gd, _ = nnx.split(nnx.eval_shape(lambda: Policy(mcfg, rngs=nnx.Rngs(0))))
   critic_gd, _ = nnx.split(nnx.eval_shape(lambda: ValueModel(mcfg, rngs=nnx.Rngs(0))))
@@ -146,8 +147,8 @@ def build(config) -> Parts:
                         n_img_tokens=grid_hw[0] * grid_hw[1],
                         system=prompts.system_prompt(actions, compact=True),
                         rewards=reward_config(r))
-  max_new = max_reply_tokens(grammar) if grammar is not None else 64
-  table = None if grammar is None else jnp.asarray(grammar.table)
+  max_new = max_reply_tokens(grammar) if g.constrained else 64
+  table = jnp.asarray(grammar.table)
   mesh_cfg = config.get("mesh")  # absent / shape () = one device, today's behaviour
   mesh = sharding.mesh_from_config(mesh_cfg)
   rules = sharding.rules_from_config(mesh_cfg) if mesh is not None else None

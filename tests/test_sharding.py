@@ -306,6 +306,7 @@ def test_all_to_all_capacity_drops_per_shard_like_numpy_reference(mesh_results):
     assert r[name]["dropped"] == r[name]["want_dropped"], r
     assert r[name]["y_diff"] <= TOL and r[name]["y_max"] > 0.1, r
   assert r["cf8"]["want_dropped"] == 0
+  assert r["mlp_error"].startswith("ShardingError") and "'mlp' rule's mesh axes ('data',)" in r["mlp_error"], r
 
 
 @pytest.mark.slow
@@ -574,6 +575,14 @@ def _a2a_capacity_run(cfg):
     out[name] = dict(c=c, dropped=float(dropped), want_dropped=n_drop,
                      y_diff=float(np.max(np.abs(np.asarray(y).reshape(48, -1) - want))),
                      y_max=float(np.max(np.abs(want))))
+  # the expert width ("mlp") split over a token axis: partial sums would mix tokens -> typed error
+  bad = sharding.make_rules({"mlp": "data"})
+  try:
+    with sharding.activate(mesh, bad):
+      jax.jit(lambda st, x: nnx.merge(gd, st)(x))(sharding.shard(st, mesh, bad), jnp.asarray(x))
+    out["mlp_error"] = "no error"
+  except sharding.ShardingError as e:
+    out["mlp_error"] = f"ShardingError: {e}"
   return out
 
 

@@ -80,9 +80,8 @@ def moe_all_to_all(flat: jax.Array, w: jax.Array, idx: jax.Array, wgu: jax.Array
   n, d = flat.shape
   k = idx.shape[1]
   e = wgu.shape[0]
-  names = {"gu": ("expert", "embed", None, "mlp"), "down": ("expert", "mlp", "embed")}
-  gu_spec = sharding.logical_spec(names["gu"], wgu.shape, mesh, rules, what="MoE w_gate_up")
-  down_spec = sharding.logical_spec(names["down"], wd.shape, mesh, rules, what="MoE w_down")
+  gu_spec = sharding.logical_spec(("expert", "embed", None, "mlp"), wgu.shape, mesh, rules, what="MoE w_gate_up")
+  down_spec = sharding.logical_spec(("expert", "mlp", "embed"), wd.shape, mesh, rules, what="MoE w_down")
   tok = token_axes(n, mesh, rules)  # a mesh axis outside: the tokens replicated over it
   embed_axes, mlp_axes = _axes(gu_spec[1]), _axes(gu_spec[3])  # size-1 axes too: shard_map types them
   if set(mlp_axes) & set(tok):

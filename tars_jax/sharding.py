@@ -67,6 +67,11 @@ class ShardingError(ValueError):
   mesh axis and the dimension), an unknown logical name or mesh axis, or a wrong device count."""
 
 
+def axes_of(entry) -> tuple[str, ...]:
+  """Mesh axes of a rule value or PartitionSpec entry: None -> (), "a" -> ("a",), ("a", "b") -> itself."""
+  return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+
+
 def make_rules(overrides: Mapping[str, Any] | Iterable[tuple[str, Any]] | None = None,
                base: Sequence[tuple[str, Any]] = DEFAULT_RULES) -> tuple[tuple[str, tuple[str, ...]], ...]:
   """`base` rules with some names re-mapped: overrides {logical: None | axis | (axes...)} (a dict,
@@ -81,7 +86,7 @@ def make_rules(overrides: Mapping[str, Any] | Iterable[tuple[str, Any]] | None =
   table.update(over)
   out = []
   for name, axes in table.items():
-    axes = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
+    axes = axes_of(axes)
     for a in axes:
       if a not in MESH_AXES:
         raise ShardingError(f"rule {name!r} -> {axes}: unknown mesh axis {a!r}; mesh axes are {MESH_AXES}")
@@ -270,4 +275,4 @@ def mesh_shape(mesh: Mesh | None) -> tuple[int, ...]:
 
 __all__ = ["MESH_AXES", "DEFAULT_RULES", "ShardingError", "make_rules", "make_mesh", "mesh_from_config",
            "rules_from_config", "param_axes", "logical_spec", "logical_to_sharding", "shard", "sharded_init",
-           "activate", "active", "activation_spec", "constrain", "describe", "mesh_shape"]
+           "activate", "active", "activation_spec", "axes_of", "constrain", "describe", "mesh_shape"]

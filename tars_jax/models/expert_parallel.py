@@ -31,13 +31,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from tars_jax import sharding
+from tars_jax.models.moe import combine, ragged_swiglu, rank_in_group, sort_by_expert
+from tars_jax.sharding import axes_of as _axes
 
 EXPERT_AXIS = "expert"
-
-
-def _axes(entry) -> tuple[str, ...]:
-  """Mesh axes of one PartitionSpec entry (None, "a" or ("a", "b"))."""
-  return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
 
 
 def token_axes(num_tokens: int, mesh: Mesh, rules) -> tuple[str, ...]:
@@ -101,17 +98,13 @@ def moe_all_to_all(flat: jax.Array, w: jax.Array, idx: jax.Array, wgu: jax.Array
       wgu = jax.lax.all_gather(wgu, embed_axes, axis=1, tiled=True)
       wd = jax.lax.all_gather(wd, embed_axes, axis=2, tiled=True)
     dt = wgu.dtype
-    flat_e = idx.reshape(-1).astype(jnp.int32)  # [g] global expert of each assignment
-    order = jnp.argsort(flat_e, stable=True).astype(jnp.int32)
-    sorted_e = flat_e[order]
-    sizes = jnp.bincount(flat_e, length=e).astype(jnp.int32)
+    order, sorted_e, sizes = sort_by_expert(idx, e)  # [g] assignments by global expert
     owner = sorted_e // e_l
     if c_e is None:  # dropless: packed per owner
-      per_owner = sizes.reshape(p, e_l).sum(1)
-      pos = jnp.arange(g, dtype=jnp.int32) - (jnp.cumsum(per_owner) - per_owner)[owner]
+      pos = rank_in_group(owner, sizes.reshape(p, e_l).sum(1))
       keep = jnp.ones((g,), bool)
     else:  # c_e rows per expert: row (local expert, rank) of the owner's block
-      rank = jnp.arange(g, dtype=jnp.int32) - (jnp.cumsum(sizes) - sizes)[sorted_e]
+      rank = rank_in_group(sorted_e, sizes)
       keep = rank < c_e
       pos = (sorted_e % e_l) * c_e + rank
     slot = jnp.where(keep, owner * c + pos, p * c)  # dropped -> a spare row, cut off below
@@ -125,8 +118,7 @@ def moe_all_to_all(flat: jax.Array, w: jax.Array, idx: jax.Array, wgu: jax.Array
       y = jax.lax.psum(y, mlp_axes)
     back = jax.lax.all_to_all(y.reshape(p, c, d), EXPERT_AXIS, 0, 0, tiled=True).reshape(p * c, d)
     ys = jnp.where(keep[:, None], back[jnp.minimum(slot, p * c - 1)], 0)  # [g, D] in sorted order
-    inv = jnp.zeros_like(order).at[order].set(jnp.arange(g, dtype=jnp.int32))
-    out = jnp.einsum("nkd,nk->nd", ys[inv].reshape(n_l, k, d), w.astype(dt))
+    out = combine(ys, order, w, dt)
     dropped = jnp.sum(~keep).astype(jnp.float32)
     return out, (jax.lax.psum(dropped, tok) if tok else dropped)
 
@@ -139,10 +131,7 @@ def _local_experts(x: jax.Array, ids: jax.Array, wgu: jax.Array, wd: jax.Array, 
   """SwiGLU experts on rows: x [R, D], ids [R] int32 local expert of each row (e_l = empty row),
   wgu [e_l, D, 2, I], wd [e_l, I, D] -> [R, D] (0 for empty rows), via `jax.lax.ragged_dot` over the
   rows sorted by expert."""
-  order = jnp.argsort(ids, stable=True)
-  sizes = jnp.bincount(ids, length=e_l).astype(jnp.int32)  # empty rows (id e_l) fall outside
-  xs = x[order]
-  h = jax.nn.silu(jax.lax.ragged_dot(xs, wgu[:, :, 0], sizes)) * jax.lax.ragged_dot(xs, wgu[:, :, 1], sizes)
-  ys = jax.lax.ragged_dot(h, wd, sizes)
-  ys = jnp.where((ids[order] < e_l)[:, None], ys, 0)  # rows outside every group: zero, whatever ragged_dot left
+  order, sorted_ids, sizes = sort_by_expert(ids[:, None], e_l)  # empty rows (id e_l): last, in no group
+  ys = ragged_swiglu(x[order], sizes, wgu, wd)
+  ys = jnp.where((sorted_ids < e_l)[:, None], ys, 0)  # rows outside every group: zero, whatever ragged_dot left
   return jnp.zeros_like(ys).at[order].set(ys)

@@ -10,7 +10,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tars_jax import sharding
-from tars_jax.models import expert_parallel
 from tars_jax.models.config import ModelConfig
 from tars_jax.models.grouped_mlp import grouped_swiglu
 from tars_jax.sharding import constrain, param_axes as ax
@@ -131,6 +130,22 @@ def swiglu(gate_up: jax.Array, axis: int) -> jax.Array:
   return jax.nn.silu(gate) * up
 
 
+def ragged_swiglu(xs: jax.Array, sizes: jax.Array, wgu: jax.Array, wd: jax.Array) -> jax.Array:
+  """SwiGLU experts on contiguous groups (`jax.lax.ragged_dot`): xs [G, D] sorted by expert, sizes [E]
+  int32 group sizes, wgu [E, D, 2, I], wd [E, I, D] -> [G, D] (rows past sum(sizes) belong to no group)."""
+  h = jax.nn.silu(jax.lax.ragged_dot(xs, wgu[:, :, 0], sizes)) * jax.lax.ragged_dot(xs, wgu[:, :, 1], sizes)
+  return jax.lax.ragged_dot(h, wd, sizes)
+
+
+def combine(ys: jax.Array, order: jax.Array, w: jax.Array, dtype) -> jax.Array:
+  """ys [N*k, D] in expert-sorted order (`sort_by_expert`'s order [N*k]) -> [N, D]: unsorted and
+  summed over each token's k experts, weighted by the routing weights w [N, k] cast to `dtype`."""
+  g, d = ys.shape
+  n, k = w.shape
+  inv = jnp.zeros_like(order).at[order].set(jnp.arange(g, dtype=jnp.int32))  # unsort
+  return jnp.einsum("nkd,nk->nd", ys[inv].reshape(n, k, d), w.astype(dtype))
+
+
 class MoE(nnx.Module):
   """x [B, T, D] -> (y [B, T, D], (probs [B*T, E], indices [B*T, k])) for the aux loss; with a
   capacity factor the tuple has a third entry, the float32 count of dropped assignments.
@@ -199,6 +214,7 @@ class MoE(nnx.Module):
       else:  # a buffer of C >= N rows per expert is no smaller than the dense path
         y = self._dense(flat, w, idx)
       return y.reshape(b, t, d), (probs, idx)
+    from tars_jax.models import expert_parallel  # here, not at the top: it imports this module's helpers
     mesh_rules = sharding.active() if self.dispatch == "all_to_all" else None
     if mesh_rules and expert_parallel.applies(*mesh_rules, self.experts, b * t):
       y, dropped = expert_parallel.moe_all_to_all(flat, w, idx, *self._weights(), *mesh_rules,
@@ -249,8 +265,7 @@ class MoE(nnx.Module):
     dropped = None
     if self.capacity_factor is None:
       xs = constrain(xs, ("act_exp_tokens", "act_embed"))
-      h = jax.nn.silu(jax.lax.ragged_dot(xs, wgu[:, :, 0], sizes)) * jax.lax.ragged_dot(xs, wgu[:, :, 1], sizes)
-      ys = jax.lax.ragged_dot(h, wd, sizes)  # [N*k, D]
+      ys = ragged_swiglu(xs, sizes, wgu, wd)  # [N*k, D]
     else:
       ys, keep = self._capacity_mlp(xs, sorted_e, sizes, capacity(n, k, e, self.capacity_factor))
       dropped = jnp.sum(~keep).astype(jnp.float32)
@@ -276,11 +291,7 @@ class MoE(nnx.Module):
     return self.w_gate_up[...].astype(self.dtype), self.w_down[...].astype(self.dtype)
 
   def _combine(self, ys, order, w):
-    """ys [N*k, D] in expert-sorted order -> [N, D]: unsorted, weighted by the routing weights w [N, k]."""
-    g, d = ys.shape
-    n, k = w.shape
-    inv = jnp.zeros_like(order).at[order].set(jnp.arange(g, dtype=jnp.int32))  # unsort
-    return jnp.einsum("nkd,nk->nd", ys[inv].reshape(n, k, d), w.astype(self.dtype))
+    return combine(ys, order, w, self.dtype)
 
   def _bounded(self, flat, w, idx):
     """Exact and dropless: the [E, C, D] capacity path with C = `capacity(N, k, E, DECODE_CAPACITY)`

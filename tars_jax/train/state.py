@@ -33,7 +33,7 @@ class Parts:
   tokenizer: ByteTokenizer
   model_cfg: ModelConfig
   grammar: Grammar  # the action grammar, or `free_grammar` when config.grammar.constrained is False
-  table: Any  # jnp [S, V] int32 or None
+  table: Any  # jnp [S, V] int32: grammar.table
   policy_gd: Any
   critic_gd: Any
   popt: Any

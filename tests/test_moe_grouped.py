@@ -100,3 +100,38 @@ def test_grouped_in_bfloat16_stays_close_to_float32():
   assert y16.dtype == jnp.bfloat16
   rel = float(jnp.linalg.norm(y16.astype(jnp.float32) - y32) / jnp.linalg.norm(y32))
   assert 0 < rel < 2e-2
+
+
+@pytest.mark.parametrize("groups", [1, 2, 8])
+def test_capacity_swiglu_groups_equal_numpy_reference(groups):
+  """The [E, C, D] expert products (the bounded decode path) equal a float64 numpy SwiGLU per expert,
+  whether computed as one batched einsum or split into independent per-group einsums (XLA:CPU runs
+  those on separate cores); gradients of the split form equal the unsplit one's."""
+  e, c, d, i = 8, 3, 16, 12
+  k = jax.random.split(jax.random.PRNGKey(5), 3)
+  buf = jax.random.normal(k[0], (e, c, d))
+  wgu, wd = jax.random.normal(k[1], (e, d, 2, i)) * 0.3, jax.random.normal(k[2], (e, i, d)) * 0.3
+  b64, g64, d64 = (np.asarray(a, np.float64) for a in (buf, wgu, wd))
+  want = np.empty((e, c, d))
+  for x in range(e):
+    gate, up = b64[x] @ g64[x, :, 0], b64[x] @ g64[x, :, 1]
+    want[x] = (gate / (1 + np.exp(-gate)) * up) @ d64[x]
+  got = moe.capacity_swiglu(buf, wgu, wd, groups)
+  np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
+  loss = lambda g: lambda *a: jnp.sum(jnp.sin(moe.capacity_swiglu(*a, groups=g)))
+  grads = [jax.grad(loss(g), argnums=(0, 1, 2))(buf, wgu, wd) for g in (1, groups)]
+  for a, b in zip(*grads):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+  with pytest.raises(ValueError, match="does not divide"):
+    moe.capacity_swiglu(buf, wgu, wd, groups=3)
+
+
+def test_decode_expert_groups_only_split_without_a_mesh():
+  """One einsum per expert on XLA:CPU without a mesh; one batched einsum under a mesh (GSPMD shards
+  the buffer's expert axis)."""
+  from tars_jax import sharding
+  assert jax.default_backend() == "cpu"
+  assert moe.decode_expert_groups(8) == 8
+  mesh = jax.make_mesh((1, 1, 1, 1), ("data", "fsdp", "tensor", "expert"))
+  with sharding.activate(mesh, sharding.make_rules()):
+    assert moe.decode_expert_groups(8) == 1

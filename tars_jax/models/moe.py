@@ -137,6 +137,34 @@ def ragged_swiglu(xs: jax.Array, sizes: jax.Array, wgu: jax.Array, wd: jax.Array
   return jax.lax.ragged_dot(h, wd, sizes)
 
 
+def capacity_swiglu(buf: jax.Array, wgu: jax.Array, wd: jax.Array, groups: int = 1) -> jax.Array:
+  """SwiGLU of each expert on its rows of an [E, C, D] buffer: buf [E, C, D], wgu [E, D, 2, I],
+  wd [E, I, D] -> [E, C, D] (row c of expert e through expert e's weights).
+
+  groups > 1 (a divisor of E): the same products as `groups` independent einsums over contiguous
+  expert ranges, concatenated. XLA:CPU runs independent ops on separate cores but a batched matmul of
+  a few rows per expert on one; with few rows (decode) the products are bound by streaming the
+  weights from memory, which one core does at about half the machine's rate (decode at batch 16:
+  one einsum 11-12 GB/s, two halves 17-21 GB/s each; `benchmarks/RESULTS.md`).
+  """
+  e = buf.shape[0]
+  if e % groups:
+    raise ValueError(f"groups={groups} does not divide the {e} experts")
+  outs = []
+  for j in range(groups):
+    s = slice(j * e // groups, (j + 1) * e // groups)
+    h = swiglu(jnp.einsum("ecd,edgi->ecgi", buf[s], wgu[s]), axis=2)
+    outs.append(jnp.einsum("eci,eid->ecd", h, wd[s]))
+  return outs[0] if groups == 1 else jnp.concatenate(outs, axis=0)
+
+
+def decode_expert_groups(num_experts: int) -> int:
+  """How many independent einsums `MoE`'s bounded decode path splits its experts into: E (one per
+  expert) on XLA:CPU with no mesh active, else 1 (one batched einsum: what an accelerator, and
+  GSPMD's expert sharding of the buffer, want). See `capacity_swiglu`."""
+  return num_experts if jax.default_backend() == "cpu" and sharding.active() is None else 1
+
+
 def combine(ys: jax.Array, order: jax.Array, w: jax.Array, dtype) -> jax.Array:
   """ys [N*k, D] in expert-sorted order (`sort_by_expert`'s order [N*k]) -> [N, D]: unsorted and
   summed over each token's k experts, weighted by the routing weights w [N, k] cast to `dtype`."""
@@ -271,9 +299,10 @@ class MoE(nnx.Module):
       dropped = jnp.sum(~keep).astype(jnp.float32)
     return self._combine(ys, order, w), dropped
 
-  def _capacity_mlp(self, xs, sorted_e, sizes, c: int):
+  def _capacity_mlp(self, xs, sorted_e, sizes, c: int, groups: int = 1):
     """Experts over an [E, C, D] buffer: xs [N*k, D] sorted by expert -> (ys [N*k, D] in the same
-    order, 0 for dropped assignments; keep [N*k] bool: within its expert's first C)."""
+    order, 0 for dropped assignments; keep [N*k] bool: within its expert's first C). `groups`: see
+    `capacity_swiglu`."""
     g, d = xs.shape
     e, dt = self.experts, self.dtype
     wgu, wd = self._weights()
@@ -282,8 +311,7 @@ class MoE(nnx.Module):
     slot = jnp.where(keep, sorted_e * c + rank, e * c)  # dropped -> a spare row, cut off below
     buf = jnp.zeros((e * c + 1, d), dt).at[slot].set(xs.astype(dt))[:-1].reshape(e, c, d)
     buf = constrain(buf, ("act_expert", None, "act_embed"))  # the dispatch: [E, C, D] over experts
-    h = swiglu(jnp.einsum("ecd,edgi->ecgi", buf, wgu), axis=2)
-    yb = constrain(jnp.einsum("eci,eid->ecd", h, wd), ("act_expert", None, "act_embed")).reshape(e * c, d)
+    yb = constrain(capacity_swiglu(buf, wgu, wd, groups), ("act_expert", None, "act_embed")).reshape(e * c, d)
     return jnp.where(keep[:, None], yb[jnp.minimum(slot, e * c - 1)], 0), keep
 
   def _weights(self):
@@ -303,7 +331,7 @@ class MoE(nnx.Module):
     order, sorted_e, sizes = sort_by_expert(idx, e)
 
     def capped(_):
-      ys, _ = self._capacity_mlp(flat[order // k], sorted_e, sizes, c)
+      ys, _ = self._capacity_mlp(flat[order // k], sorted_e, sizes, c, decode_expert_groups(e))
       return self._combine(ys, order, w)
 
     return jax.lax.cond(jnp.max(sizes) <= c, capped, lambda _: self._dense(flat, w, idx), None)

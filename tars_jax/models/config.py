@@ -27,8 +27,9 @@ REMAT_POLICIES = ("none", "full", "dots")
 # MoE computation: "dense" (every expert on every token, weighted: exact reference), "ragged"
 # (tokens sorted by expert, `jax.lax.ragged_dot`; with a capacity factor an [E, C, D] buffer) or
 # "blocked" (tokens sorted by expert into fixed-size blocks, one expert per block, batched matmuls
-# over gathered expert weights: dropless, the fastest decode on CPU) or "grouped" (blocked's decode
-# paths; for many rows a while loop over exact per-expert chunks: the fastest CPU train step).
+# over gathered expert weights: dropless; its decode paths are the fast CPU ones) or "grouped"
+# (blocked's decode paths; for many rows a while loop over exact per-expert chunks: the fastest CPU
+# train step, and with its faster prefill the fastest CPU decode).
 MOE_IMPLS = ("dense", "ragged", "blocked", "grouped")
 # How routed tokens meet expert-sharded weights on a mesh with an `expert` axis: "gspmd" (the compiler
 # partitions the ragged computation) or "all_to_all" (explicit dispatch / return `all_to_all` in a
@@ -74,11 +75,11 @@ class ModelConfig:
   "ragged": dropless grouped matmuls over tokens sorted by expert, same outputs and gradients;
   "blocked": the same grouping padded to blocks of rows with one expert each, as batched matmuls:
   at decode (N * k <= E) each token's k expert matrices only, for few rows per expert a bounded
-  [E, C, D] buffer with the dense path as exact fallback; the fastest decode on CPU; "grouped":
-  blocked's paths for few rows, else a `lax.while_loop` over the chunks each expert's group really
-  needs, with a hand-written backward (`grouped_mlp.py`): no padding to a static bound, no weight
-  gathers; the fastest train step on CPU; a single-device / data-parallel path: under expert
-  parallelism every chunk's dynamic weight index gathers the expert, use "ragged" there);
+  [E, C, D] buffer with the dense path as exact fallback; "grouped": blocked's paths for few rows,
+  else a `lax.while_loop` over the chunks each expert's group really needs, with a hand-written
+  backward (`grouped_mlp.py`): no padding to a static bound, no weight gathers; the fastest train
+  step and (by its prefill) the fastest decode on CPU; a single-device / data-parallel path: under
+  expert parallelism every chunk's dynamic weight index gathers the expert, use "ragged" there);
   `moe_capacity_factor` (ragged only; None = dropless): at most ceil(factor * tokens * top_k /
   experts) assignments per expert, the rest dropped and counted (`Policy(..., moe_stats=True)`;
   the trainer logs `train/moe_dropped_frac`).

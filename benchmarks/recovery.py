@@ -7,8 +7,8 @@
 then waits until the standby holds one page per session (or 120 s), and the row says its memory (PSS).
 
 One round: `sessions` workers each open a MiniWoB session and step it (`wait()`, episodes reopened as
-they end) over HTTP; once every worker has stepped, the benchmark kill -9s browser 0 (its pid from
-/health). Each worker whose session is lost (SessionLost, as the client pool would see it) reopens
+they end) over HTTP; once every worker has stepped, the benchmark kill -9s the browser holding the most
+sessions (its pid from /health). Each worker whose session is lost (SessionLost, as the client pool would see it) reopens
 and steps until that works, which it can only do on the relaunched Chromium when it was on browser 0.
 Times, all from the server's event log (unix `t` of `browser_crashed`, `browser_recovered`) and the
 workers' clocks on the same machine:
@@ -96,7 +96,9 @@ async def one_round(url: str, n: int, seed0: int) -> dict:
           break
         await asyncio.sleep(0.1)
       spare_at_kill[0] = h.get("spare")
-      victim = h["browsers"][0]
+      # the browser holding the most sessions (with --browsers > 1, reused idle pages may have put
+      # every session on the one that survived the last round)
+      victim = max((b for b in h["browsers"] if b["up"]), key=lambda b: b["sessions"])
       t_kill = time.time()
       os.kill(victim["pid"], signal.SIGKILL)
       killed.set()
@@ -128,7 +130,7 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--kills", type=int, default=5, help="rounds (one kill -9 each)")
   ap.add_argument("--sessions", type=int, default=16, help="concurrent sessions of the rollout")
-  ap.add_argument("--browsers", type=int, default=1, help="Chromium processes of the server (browser 0 is killed)")
+  ap.add_argument("--browsers", type=int, default=1, help="Chromium processes of the server (the one with the most sessions is killed)")
   ap.add_argument("--spare-pages", type=int, default=0,
                   help="server's standby browser with up to this many pre-made pages (0: none)")
   a = ap.parse_args(argv)

@@ -186,17 +186,18 @@ def launch_server(module: str = "envs_bridge.browser.server", port: int | None =
 @contextlib.contextmanager
 def env_fleet(env, urls=None):
   """`sandbox_fleet` of a training / eval config's `env` block: its `servers` (or `urls` when given;
-  empty = launch one), `step_ms`, `lease_s` and `spare_pages` (0 when absent: configs saved before
-  the field existed)."""
+  empty = launch one), `step_ms`, `lease_s`, `spare_pages` and `browsers` (0 and 1 when absent:
+  configs saved before the fields existed)."""
   return sandbox_fleet(env.servers if urls is None else urls, env.step_ms, env.lease_s,
-                       spare_pages=env.get("spare_pages", 0))
+                       spare_pages=env.get("spare_pages", 0), n_browsers=env.get("browsers", 1))
 
 
 def sandbox_fleet(urls, step_ms: int = 1000, lease_s: float = 300.0, token: str | None = None,
-                  spare_pages: int = 0):
+                  spare_pages: int = 0, n_browsers: int = 1):
   """(event loop, [SandboxClient]) over the servers at `urls`, or over one browser server launched
-  here (`launch_server(step_ms=, lease_s=, spare_pages=)`) when `urls` is empty. On exit the clients, the loop and
-  the launched server are closed — also when the body raises (a trainer's SIGTERM unwinds through here).
+  here (`launch_server(step_ms=, lease_s=, spare_pages=, n_browsers=)`) when `urls` is empty. On exit
+  the clients, the loop and the launched server are closed — also when the body raises (a trainer's
+  SIGTERM unwinds through here).
 
   token: bearer token of the servers (and of the one launched here); None: the env var
   `protocol.TOKEN_ENV` (kept out of configs on purpose: configs are logged and checkpointed).
@@ -205,7 +206,8 @@ def sandbox_fleet(urls, step_ms: int = 1000, lease_s: float = 300.0, token: str 
   server = None
   urls = list(urls or ())
   if not urls:
-    server = launch_server(step_ms=step_ms, lease_s=lease_s, token=token, spare_pages=spare_pages)
+    server = launch_server(step_ms=step_ms, lease_s=lease_s, token=token, spare_pages=spare_pages,
+                           n_browsers=n_browsers)
     urls = [server.url]
   loop = asyncio.new_event_loop()
   clients = [SandboxClient(u, token=token) for u in urls]

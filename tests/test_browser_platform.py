@@ -215,3 +215,32 @@ def test_lease_expiry_closes_the_page():
       await sb.stop()
   pages, after, h = run(go())
   assert pages == 1 and after == 0 and h["expired"] == 1 and h["sessions"] == 0 and h["idle_pages"] == 0
+
+
+def test_idle_pages_reused_only_while_browsers_stay_balanced():
+  """An open reuses an idle page only on a browser within `REUSE_IMBALANCE` sessions of the
+  least-loaded one; otherwise it makes a fresh page on the least-loaded browser. (Plain reuse put every
+  new session on the browser that held the idle pages, e.g. the survivor of a crash.)"""
+  async def go():
+    sb = BrowserSandbox(n_browsers=2, max_idle_pages=2, gc_interval_s=3600)
+    await sb.start()
+    try:
+      sids = [(await sb.open("miniwob/click-test", i))[0] for i in range(8)]
+      on = lambda sid: sb.sessions[sid].pg.slot.index
+      placed = [on(s) for s in sids]
+      for sid in [s for s in sids if on(s) == 1][:2]:  # browser 1: 2 sessions left, 2 idle pages (pool full)
+        await sb.close(sid)
+      for sid in [s for s in sids if s in sb.sessions and on(s) == 0]:  # browser 0: none left, pages closed
+        await sb.close(sid)
+      before = dict(sb.counters), [b["sessions"] for b in sb.health()["browsers"]], sb.health()["idle_pages"]
+      a, _ = await sb.open("miniwob/click-test", 100)  # browser 1 is 2 above browser 0: fresh page on 0
+      after_a = dict(sb.counters)
+      b, _ = await sb.open("miniwob/click-test", 101)  # 2 vs 1: within the slack, browser 1's idle page
+      return placed, before, (on(a), after_a), (on(b), dict(sb.counters))
+    finally:
+      await sb.stop()
+  placed, (c0, loads, idle), (a_on, c1), (b_on, c2) = run(go())
+  assert sorted(placed) == [0] * 4 + [1] * 4  # fresh pages go to the least-loaded browser
+  assert loads == [0, 2] and idle == 2  # the test's premise: 2 above the least-loaded, slack 1
+  assert a_on == 0 and c1["pages_created"] == c0["pages_created"] + 1 and c1["pages_reused"] == c0["pages_reused"]
+  assert b_on == 1 and c2["pages_reused"] == c1["pages_reused"] + 1 and c2["pages_created"] == c1["pages_created"]

@@ -57,8 +57,9 @@ def test_server_dies_with_a_killed_parent():
 
 
 def test_config_spare_pages_reaches_the_server():
-  """`env.spare_pages` of a training config goes through `env_fleet` to the server's standby browser: a
-  page opened makes the standby build one for its task (read back from /health)."""
+  """`env.spare_pages` and `env.browsers` of a training config go through `env_fleet` to the server:
+  a page opened makes the standby build one for its task, and the server runs that many Chromiums
+  (read back from /health)."""
   import httpx
 
   from envs_bridge.launch import env_fleet
@@ -75,6 +76,7 @@ def test_config_spare_pages_reaches_the_server():
         break
       time.sleep(0.2)
     assert h["spare_pages"] == 2 and h["spare"]["up"] and h["spare"]["pages"] == 1, h
+    assert config.env.browsers == 2 and h["n_browsers"] == 2 and all(b["up"] for b in h["browsers"]), h
     loop.run_until_complete(c.close(sid))
 
 

@@ -79,12 +79,20 @@ from envs_bridge.browser import tasks
 from envs_bridge.browser.telemetry import EventLog, SandboxMetrics
 from tars_jax.agent import actions as A
 
+# SpareRendererForSitePerProcess off: Chromium keeps one renderer process pre-started for the next
+# page and starts another each time it is used; with 16 pages made at once (crash recovery) that churn
+# cost ~25 % more CPU (benchmarks/RESULTS.md, "Crash recovery with two browsers").
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+                 "--disable-component-update", "--disable-sync", "--no-first-run",
+                 "--disable-features=SpareRendererForSitePerProcess"]
 # Wall-clock date every episode starts at (2024-01-01T00:00:00Z): tasks that print dates (terminal)
 # look the same on fresh and reused pages. Timers run on the clock's ticks, which this does not move.
 EPOCH_MS = 1_704_067_200_000
 MAX_PAGE_STEPS = 20_000  # a page is retired after this many steps (each page.clock call adds an init script)
+# An idle page is reused only on a browser with at most this many more sessions than the least-loaded
+# connected one; else the open makes a fresh page there. Pure reuse piled every session onto the
+# browser that survived a crash (its idle pages), so the next kill -9 lost all of them.
+REUSE_IMBALANCE = 1
 CLOSE_TIMEOUT_S = 10.0  # least time a page's context gets to close before its Chromium is killed
 # Caret hidden on every page for good: a caret blinks on real time, so it would make screenshots
 # depend on the wall clock. Playwright's page.screenshot hides it only while it shoots (an injected
@@ -571,14 +579,20 @@ class BrowserSandbox:
     return sid, obs
 
   def _take_idle(self, task: str) -> _Page | None:
-    """An idle page of `task` on the least-loaded browser that has one (removed from the pool)."""
+    """An idle page of `task` on the least-loaded browser that has one (removed from the pool); None
+    when there is none, or when that browser has more than `REUSE_IMBALANCE` sessions above the
+    least-loaded connected browser (a fresh page there keeps sessions spread over the browsers)."""
     pool = self.idle.get(task)
     if not pool:
       return None
     pool[:] = [pg for pg in pool if pg.usable()]
     if not pool:
       return None
-    best = min(range(len(pool)), key=lambda i: pool[i].slot.sessions + pool[i].slot.opening)
+    load = lambda slot: slot.sessions + slot.opening
+    best = min(range(len(pool)), key=lambda i: load(pool[i].slot))
+    floor = min((load(s) for s in self.slots if s.up()), default=0)
+    if load(pool[best].slot) > floor + REUSE_IMBALANCE:
+      return None
     pg = pool.pop(best)
     self._transit.add(pg.context)  # the calling open owns it until the session is registered
     return pg

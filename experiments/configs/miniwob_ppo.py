@@ -33,6 +33,9 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   # standby Chromium holding up to this many pre-made pages, promoted when the browser dies: all
   # sessions back ~1 s after a kill -9 instead of ~7-15 s (costs ~65 MiB PSS per page); 0 = none
   c.env.spare_pages = 0
+  # Chromium processes of the launched server, sessions spread over them: a kill -9 of one loses only
+  # its share (16 sessions over 2: 7-9 lost, all back in 3.1-5.3 s; over 1: 16 lost, 6-7 s)
+  c.env.browsers = 2
   c.env.max_turns = 2  # step budget per episode
   c.env.train_seed_offset = 0  # training seeds: offset + k, k = 0, 1, 2, ...
   c.env.eval_seed_offset = 10_000_000  # held-out seeds never reached by training

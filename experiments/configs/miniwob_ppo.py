@@ -61,8 +61,9 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.model.decoder_sparse_step = 1
   c.model.rope_theta = 10000.0
   c.model.scan_layers = False  # True: decoder layers stacked and run by lax.scan (ModelConfig docstring)
-  # MoE compute (ModelConfig.moe_impl): "dense" exact reference; "grouped" exact and the fastest CPU
-  # train step; "blocked" the fastest CPU decode; "ragged" for expert parallelism on a mesh.
+  # MoE compute (ModelConfig.moe_impl): "dense" exact reference; "grouped" exact, the fastest CPU train
+  # step and decode (on the 24M benchmark model); "blocked" its decode paths; "ragged" for expert
+  # parallelism on a mesh.
   c.model.moe_impl = "dense"
   # With "ragged" on a mesh with an expert axis: "gspmd" (the compiler partitions it) or "all_to_all"
   # (explicit token dispatch in a shard_map, tars_jax/models/expert_parallel.py).

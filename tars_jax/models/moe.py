@@ -324,7 +324,8 @@ class MoE(nnx.Module):
   def _bounded(self, flat, w, idx):
     """Exact and dropless: the [E, C, D] capacity path with C = `capacity(N, k, E, DECODE_CAPACITY)`
     when no expert got more than C assignments, else (`lax.cond`, one branch runs) the dense path.
-    E * C rows instead of the dense path's N * E."""
+    E * C rows instead of the dense path's N * E; on XLA:CPU without a mesh one einsum per expert
+    (`decode_expert_groups`), so both cores stream expert weights."""
     n, _ = flat.shape
     k, e = self.top_k, self.experts
     c = capacity(n, k, e, DECODE_CAPACITY)

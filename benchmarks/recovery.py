@@ -7,9 +7,10 @@
 then waits until the standby holds one page per session (or 120 s), and the row says its memory (PSS).
 
 One round: `sessions` workers each open a MiniWoB session and step it (`wait()`, episodes reopened as
-they end) over HTTP; once every worker has stepped, the benchmark kill -9s the browser holding the most
-sessions (its pid from /health). Each worker whose session is lost (SessionLost, as the client pool would see it) reopens
-and steps until that works, which it can only do on the relaunched Chromium when it was on browser 0.
+they end) over HTTP; once every worker has stepped, the benchmark kill -9s the browser holding the
+most sessions (its pid from /health). Each worker whose session is lost (SessionLost, as the client
+pool would see it) reopens and steps until that works: on the relaunched Chromium, or (--browsers > 1)
+on another one.
 Times, all from the server's event log (unix `t` of `browser_crashed`, `browser_recovered`) and the
 workers' clocks on the same machine:
 
@@ -130,7 +131,8 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--kills", type=int, default=5, help="rounds (one kill -9 each)")
   ap.add_argument("--sessions", type=int, default=16, help="concurrent sessions of the rollout")
-  ap.add_argument("--browsers", type=int, default=1, help="Chromium processes of the server (the one with the most sessions is killed)")
+  ap.add_argument("--browsers", type=int, default=1,
+                  help="Chromium processes of the server (the one with the most sessions is killed)")
   ap.add_argument("--spare-pages", type=int, default=0,
                   help="server's standby browser with up to this many pre-made pages (0: none)")
   a = ap.parse_args(argv)

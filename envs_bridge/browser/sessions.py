@@ -128,6 +128,10 @@ class _Slot:
   died_at: float | None = None  # monotonic time the crash was noticed, until relaunched
   dead_generation: int = 0  # last generation whose death was handled
 
+  def load(self) -> int:
+    """Sessions on it plus pages being made for new ones: what placement balances."""
+    return self.sessions + self.opening
+
   def up(self) -> bool:
     """Connected, and not already known to be dead (the death may be noticed before Playwright's)."""
     return (self.browser is not None and self.browser.is_connected()
@@ -588,10 +592,9 @@ class BrowserSandbox:
     pool[:] = [pg for pg in pool if pg.usable()]
     if not pool:
       return None
-    load = lambda slot: slot.sessions + slot.opening
-    best = min(range(len(pool)), key=lambda i: load(pool[i].slot))
-    floor = min((load(s) for s in self.slots if s.up()), default=0)
-    if load(pool[best].slot) > floor + REUSE_IMBALANCE:
+    best = min(range(len(pool)), key=lambda i: pool[i].slot.load())
+    floor = min((s.load() for s in self.slots if s.up()), default=0)
+    if pool[best].slot.load() > floor + REUSE_IMBALANCE:
       return None
     pg = pool.pop(best)
     self._transit.add(pg.context)  # the calling open owns it until the session is registered
@@ -600,7 +603,7 @@ class BrowserSandbox:
   async def _pick_slot(self) -> _Slot:
     """The connected browser with the fewest sessions (waits for a relaunch if none is up)."""
     up = [s for s in self.slots if s.up()]
-    slot = min(up or self.slots, key=lambda s: (s.sessions + s.opening, s.index))
+    slot = min(up or self.slots, key=lambda s: (s.load(), s.index))
     if not up:
       await self._ensure(slot)
     return slot

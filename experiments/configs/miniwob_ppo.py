@@ -34,7 +34,8 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   # sessions back ~1 s after a kill -9 instead of ~7-15 s (costs ~65 MiB PSS per page); 0 = none
   c.env.spare_pages = 0
   # Chromium processes of the launched server, sessions spread over them: a kill -9 of one loses only
-  # its share (16 sessions over 2: 7-9 lost, all back in 3.1-5.3 s; over 1: 16 lost, 6-7 s)
+  # its share (16 sessions over 2: 7-9 lost, all back in 0.4-5.4 s, < 5 s in 9 of 11 kills; over 1:
+  # 16 lost, 6.1-7.2 s; benchmarks/RESULTS.md, "Crash recovery with two browsers")
   c.env.browsers = 2
   c.env.max_turns = 2  # step budget per episode
   c.env.train_seed_offset = 0  # training seeds: offset + k, k = 0, 1, 2, ...

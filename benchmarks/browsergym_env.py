@@ -22,7 +22,7 @@ Worker side (`python benchmarks/browsergym_env.py --n 16 ...` inside the Browser
 Chromium: Playwright cannot download its browsers here, and BrowserGym launches two Chromium per env
 (the task browser, and its chat window in `browsergym.core.chat.Chat`, which takes no launch
 arguments), so `_use_system_chromium` wraps `playwright.sync_api.BrowserType.launch` in each worker
-process before BrowserGym is imported: `executable_path=/usr/bin/chromium` unless given, plus the
+process before BrowserGym is imported: `executable_path` (the caller's Chromium) unless given, plus the
 project's Chromium flags (`--no-sandbox --disable-gpu ...`) after BrowserGym's own. Nothing in the
 venv's files is changed.
 

@@ -2,7 +2,10 @@
 beside the raw Playwright ceiling on the same pages and BrowserGym's MiniWoB env (issue #5 item 5).
 
   .venv/bin/python -m benchmarks.env_throughput [--sessions 1,4,16,32] [--seconds 8] [--browsers 1]
-      [--browsergym 1,4,16] [--browsergym-profiles default,no-delay]
+      [--browsergym 1,4,16] [--browsergym-profiles default,no-delay] [--chromium PATH]
+
+All three run the same Chromium executable (--chromium, default the sandbox's DEFAULT_CHROMIUM: Debian's
+headless shell where installed).
 
 Ours: a sandbox server subprocess (`launch_server`) driven over HTTP by the async client; every
 session loops: step with a click at a random point of the task (a seeded RNG), and when the episode
@@ -17,7 +20,7 @@ issue's definition) and CDP `Page.captureScreenshot` on a CDPSession (what our s
 makes one protocol call instead of about six: the stricter ceiling).
 
 BrowserGym: `benchmarks/browsergym_env.py` (its own venv under runs/bench_venvs/, made on first use;
-see there how it is pointed at /usr/bin/chromium and the miniwob wheel's HTML): N envs in N processes,
+see there how it is pointed at the same Chromium executable and the miniwob wheel's HTML): N envs in N processes,
 `env.step("mouse_click(x, y)")`, resets inside the measured time, profiles "default" (as shipped) and
 "no-delay" (its 0.5 s pre-observation sleep and 100 ms slow_mo set to 0). Its window is longer
 (--browsergym-seconds, 30 s) because one of its resets takes seconds. Its envs start
@@ -48,7 +51,7 @@ from playwright.async_api import async_playwright
 from benchmarks import browsergym_env
 from benchmarks.command import command_line
 from envs_bridge.browser import miniwob_tasks as mw
-from envs_bridge.browser.sessions import CHROMIUM_ARGS, EPOCH_MS, HIDE_CARET_CSS
+from envs_bridge.browser.sessions import CHROMIUM_ARGS, DEFAULT_CHROMIUM, EPOCH_MS, HIDE_CARET_CSS
 from envs_bridge.client import SandboxClient
 from envs_bridge.launch import launch_server, without_tcmalloc
 
@@ -91,7 +94,8 @@ async def ours(url: str, n: int, seconds: float, warmup_s: float) -> dict:
             "p50_ms": 1000 * lat[len(lat) // 2] if lat else float("nan")}
 
 
-async def raw(n: int, seconds: float, warmup_s: float, method: str = "playwright") -> dict:
+async def raw(n: int, seconds: float, warmup_s: float, method: str = "playwright",
+              chromium: str = DEFAULT_CHROMIUM) -> dict:
   """Screenshots/s of n pages of the same tasks in one Chromium, taken concurrently (the ceiling).
 
   method: "playwright" (page.screenshot) or "cdp" (Page.captureScreenshot on a CDPSession, caret
@@ -99,7 +103,7 @@ async def raw(n: int, seconds: float, warmup_s: float, method: str = "playwright
   """
   pw = await async_playwright().start()
   # the system malloc, as the sandbox server's Chromium (`launch_server` takes tcmalloc out of its env)
-  browser = await pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS,
+  browser = await pw.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS,
                                      env=without_tcmalloc(os.environ))
   try:
     pages = []
@@ -172,6 +176,7 @@ def main(argv=None):
   ap.add_argument("--seconds", type=float, default=8.0, help="measured seconds per point")
   ap.add_argument("--warmup-s", type=float, default=2.0, help="unmeasured seconds before each point")
   ap.add_argument("--browsers", type=int, default=1, help="Chromium processes of the sandbox server")
+  ap.add_argument("--chromium", default=DEFAULT_CHROMIUM, help="Chromium executable (server and raw ceilings)")
   ap.add_argument("--rounds", type=int, default=3,
                   help="alternating rounds of ours / raw / raw CDP per point (ratios: median and range)")
   ap.add_argument("--browsergym", default="1,4,16",
@@ -187,13 +192,14 @@ def main(argv=None):
   profiles = [p for p in a.browsergym_profiles.split(",") if p]
   nan = float("nan")
   rows = []
-  with launch_server(step_ms=1000, lease_s=600.0, max_sessions=max(64, max(ns)), n_browsers=a.browsers) as h:
+  with launch_server(step_ms=1000, lease_s=600.0, max_sessions=max(64, max(ns)), n_browsers=a.browsers,
+                     chromium=a.chromium) as h:
     for n in ns:
       rounds = []
       for _ in range(a.rounds):  # alternating: each round's ratio compares runs seconds apart
         rounds.append((asyncio.run(ours(h.url, n, a.seconds, a.warmup_s)),
-                       asyncio.run(raw(n, a.seconds, a.warmup_s, "playwright")),
-                       asyncio.run(raw(n, a.seconds, a.warmup_s, "cdp"))))
+                       asyncio.run(raw(n, a.seconds, a.warmup_s, "playwright", a.chromium)),
+                       asyncio.run(raw(n, a.seconds, a.warmup_s, "cdp", a.chromium))))
       o, r, rc = combine_rounds(rounds)
       bg = {}
       for prof in profiles if n in bg_ns else ():
@@ -202,7 +208,7 @@ def main(argv=None):
                 f"{n} envs need about {n * BROWSERGYM_ENV_BYTES / 2**30:.1f} GiB", flush=True)
           continue
         bg[prof] = browsergym_env.measure(n, a.browsergym_seconds, a.warmup_s, TASKS, mw.HTML_DIR, CHROMIUM_ARGS, prof,
-                                          setup_concurrency=a.browsergym_setup_concurrency)
+                                          executable=a.chromium, setup_concurrency=a.browsergym_setup_concurrency)
         if bg[prof]["env_errors"]:
           raise RuntimeError(f"BrowserGym envs failed: {bg[prof]['env_errors']}")
       rows.append((n, o, r, rc, bg))
@@ -216,6 +222,7 @@ def main(argv=None):
   print()
   cmd = command_line("benchmarks.env_throughput",
                      f"--sessions {a.sessions} --seconds {a.seconds:g} --rounds {a.rounds} --browsers {a.browsers} "
+                     f"--chromium {a.chromium} "
                      f"--browsergym '{a.browsergym}' --browsergym-profiles '{a.browsergym_profiles}' "
                      f"--browsergym-seconds {a.browsergym_seconds:g} "
                      f"--browsergym-setup-concurrency {a.browsergym_setup_concurrency}")

@@ -2,6 +2,7 @@
 16-session rollout, N times; how long until every session's replacement works again.
 
   nice -n 10 .venv/bin/python -m benchmarks.recovery [--kills 5] [--sessions 16] [--browsers 1] [--spare-pages 16]
+      [--chromium /usr/lib/chromium/chromium-headless-shell]
 
 --spare-pages N starts the server with a standby browser (envs_bridge/browser/sessions.py): the kill
 then waits until the standby holds one page per session (or 120 s), and the row says its memory (PSS).
@@ -39,6 +40,7 @@ import time
 
 from benchmarks.command import command_line
 from envs_bridge import protocol as P
+from envs_bridge.browser.sessions import DEFAULT_CHROMIUM
 from envs_bridge.client import SandboxClient
 from envs_bridge.launch import launch_server
 
@@ -135,11 +137,12 @@ def main(argv=None):
                   help="Chromium processes of the server (the one with the most sessions is killed)")
   ap.add_argument("--spare-pages", type=int, default=0,
                   help="server's standby browser with up to this many pre-made pages (0: none)")
+  ap.add_argument("--chromium", default=DEFAULT_CHROMIUM, help="Chromium executable of the server")
   a = ap.parse_args(argv)
   rows = []
   load0 = os.getloadavg()[0]
   with launch_server(step_ms=1000, lease_s=600.0, max_sessions=max(64, 2 * a.sessions), n_browsers=a.browsers,
-                     spare_pages=a.spare_pages) as h:
+                     spare_pages=a.spare_pages, chromium=a.chromium) as h:
     for k in range(a.kills):
       r = asyncio.run(one_round(h.url, a.sessions, seed0=1000 * k))
       rows.append(r)
@@ -147,7 +150,7 @@ def main(argv=None):
   load1 = os.getloadavg()[0]
   print()
   cmd = command_line("benchmarks.recovery", f"--kills {a.kills} --sessions {a.sessions} --browsers {a.browsers} "
-                                            f"--spare-pages {a.spare_pages}")
+                                            f"--spare-pages {a.spare_pages} --chromium {a.chromium}")
   print(f"Command: `{cmd}`. Date: {datetime.date.today()}. Machine: {platform.machine()}, "
         f"{os.cpu_count()} CPU cores, load average {load0:.1f} before / {load1:.1f} after.")
   print()

@@ -129,7 +129,8 @@ def launch_server(module: str = "envs_bridge.browser.server", port: int | None =
                   host: str = "127.0.0.1", step_ms: int = 1000, lease_s: float = 300.0,
                   max_sessions: int = 64, wait_s: float = 30.0, log_path: str | None = None,
                   extra_args: tuple[str, ...] = (), n_browsers: int = 1, page_timeout_s: float = 60.0,
-                  gc_interval_s: float = 30.0, token: str | None = None, spare_pages: int = 0) -> ServerHandle:
+                  gc_interval_s: float = 30.0, token: str | None = None, spare_pages: int = 0,
+                  chromium: str | None = None) -> ServerHandle:
   """Runs `python -m <module> --host H --port N --step-ms .. --lease-s .. --max-sessions ..` and waits
   until GET /health answers 200.
 
@@ -158,7 +159,8 @@ def launch_server(module: str = "envs_bridge.browser.server", port: int | None =
   cmd = [sys.executable, "-m", module, "--host", host, "--port", str(port), "--step-ms", str(int(step_ms)),
          "--lease-s", str(lease_s), "--max-sessions", str(max_sessions)]
   for flag, value, default in (("--browsers", n_browsers, 1), ("--page-timeout-s", page_timeout_s, 60.0),
-                               ("--gc-interval-s", gc_interval_s, 30.0), ("--spare-pages", spare_pages, 0)):
+                               ("--gc-interval-s", gc_interval_s, 30.0), ("--spare-pages", spare_pages, 0),
+                               ("--chromium", chromium, None)):
     if value != default:
       cmd += [flag, str(value)]
   cmd += list(extra_args)

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Idempotent set-up on a fresh machine: Debian chromium + xvfb + X programs, then .venv with pinned requirements.
+# Idempotent set-up on a fresh machine: Debian chromium (+ its headless shell) + xvfb + X programs, then .venv with pinned requirements.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 need_apt=()
 [[ -x /usr/bin/chromium ]] || need_apt+=(chromium)
+# The browser sandbox's Chromium (envs_bridge/browser/sessions.py DEFAULT_CHROMIUM): faster launch and steps.
+[[ -x /usr/lib/chromium/chromium-headless-shell ]] || need_apt+=(chromium-headless-shell)
 command -v Xvfb >/dev/null 2>&1 || need_apt+=(xvfb)
 # Desktop sandbox programs (envs_bridge/desktop): terminal, text editor, dialogs.
 command -v xterm >/dev/null 2>&1 || need_apt+=(xterm)

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from envs_bridge import protocol as P
-from envs_bridge.browser.sessions import BrowserSandbox
+from envs_bridge.browser.sessions import DEFAULT_CHROMIUM, BrowserSandbox
 from envs_bridge.client import SandboxClient
 from envs_bridge.launch import launch_server
 from _shared import grid, run
@@ -62,9 +62,10 @@ def test_sessions_spread_over_browsers_health_events_metrics(server2):
   assert [b["sessions"] for b in h["browsers"]] == [2, 2]  # fewest-sessions-first placement
   pids = [b["pid"] for b in h["browsers"]]
   assert len(set(pids)) == 2
-  for pid in pids:  # real Chromium browser processes (not renderers)
+  assert h["chromium"] == DEFAULT_CHROMIUM
+  for pid in pids:  # real Chromium browser processes (not renderers) of the executable /health names
     argv = _cmdline(pid)
-    assert b"chromium" in argv[0] and not any(a.startswith(b"--type=") for a in argv)
+    assert argv[0] == DEFAULT_CHROMIUM.encode() and not any(a.startswith(b"--type=") for a in argv)
   assert all(b["pages"] >= 2 for b in h["browsers"])
   # events: one session_opened per session, on the browser /health reported
   opened = [e for e in evs if e["kind"] == "session_opened"]

@@ -114,3 +114,24 @@ def test_sandbox_server_runs_with_the_system_malloc():
     parent.wait()
     if server_pid is not None:
       _wait_gone(server_pid)
+
+
+def test_chromium_flag_picks_the_servers_browser():
+  """`launch_server(chromium=)` reaches the server: with the full Debian browser instead of the default
+  headless shell, /health names it and the server's Chromium browser process runs its binary (the
+  /usr/bin/chromium wrapper starts /usr/lib/chromium/chromium). A path that is not an executable is
+  refused before any Chromium starts, with the reason in the error."""
+  import httpx
+
+  from envs_bridge.browser.sessions import DEFAULT_CHROMIUM
+  from envs_bridge.launch import launch_server
+  if not os.access("/usr/bin/chromium", os.X_OK):
+    pytest.skip("Debian chromium not installed (scripts/setup.sh installs it)")
+  assert DEFAULT_CHROMIUM != "/usr/bin/chromium"  # setup.sh installs the headless shell: it is the default
+  with launch_server(step_ms=1000, lease_s=60.0, chromium="/usr/bin/chromium") as h:
+    health = httpx.get(h.url + "/health", timeout=5).json()
+    assert health["chromium"] == "/usr/bin/chromium" and health["ok"], health
+    with open(f"/proc/{health['browsers'][0]['pid']}/cmdline", "rb") as f:
+      assert f.read().split(b"\0")[0] == b"/usr/lib/chromium/chromium"
+  with pytest.raises(RuntimeError, match="not an executable file"):
+    launch_server(step_ms=1000, lease_s=60.0, chromium="/nonexistent/chromium")

@@ -34,7 +34,7 @@ async def _twin_episodes(task: str, seed: int, keys: list[str | None]):
   (reference), one with the sandbox's fast path -> (reference, fast): lists of (state, png)."""
   ts = tasks.get(task)
   pw = await async_playwright().start()
-  browser = await pw.chromium.launch(executable_path="/usr/bin/chromium", args=S.CHROMIUM_ARGS)
+  browser = await pw.chromium.launch(executable_path=S.DEFAULT_CHROMIUM, args=S.CHROMIUM_ARGS)
   try:
     ref, fast = await _page(browser, task, seed), await _page(browser, task, seed)
     out_ref, out_fast = [], []
@@ -74,7 +74,7 @@ def test_fast_clock_matches_playwright_clock_on_miniwob_timeout():
 def test_cdp_screenshot_equals_page_screenshot_with_focused_text_input():
   async def go():
     pw = await async_playwright().start()
-    browser = await pw.chromium.launch(executable_path="/usr/bin/chromium", args=S.CHROMIUM_ARGS)
+    browser = await pw.chromium.launch(executable_path=S.DEFAULT_CHROMIUM, args=S.CHROMIUM_ARGS)
     try:
       pg = await _page(browser, "miniwob/enter-text", 3)
       box = await (await pg.page.query_selector("#tt")).bounding_box()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 import uvicorn
 from fastapi import FastAPI
@@ -26,7 +27,7 @@ from envs_bridge import protocol as P
 from envs_bridge.app import SERVER_KEEPALIVE_S, access_from_args, add_access_args, protocol_app
 from envs_bridge.browser import tasks as task_registry
 from envs_bridge.browser import telemetry
-from envs_bridge.browser.sessions import BrowserSandbox
+from envs_bridge.browser.sessions import DEFAULT_CHROMIUM, BrowserSandbox
 from envs_bridge.launch import die_with_parent
 
 log = logging.getLogger("envs_bridge.browser")
@@ -34,11 +35,13 @@ log = logging.getLogger("envs_bridge.browser")
 
 def create_app(step_ms: int = 1000, lease_s: float = 300.0, max_sessions: int = 64, n_browsers: int = 1,
                page_timeout_s: float = 60.0, gc_interval_s: float = 30.0, token: str | None = None,
-               max_body_bytes: int = P.MAX_BODY_BYTES, spare_pages: int = 0) -> FastAPI:
+               max_body_bytes: int = P.MAX_BODY_BYTES, spare_pages: int = 0,
+               chromium: str = DEFAULT_CHROMIUM) -> FastAPI:
   """The FastAPI app; the sandbox (Chromium) starts and stops with the app's lifespan.
   Arguments: see `BrowserSandbox`; token, max_body_bytes: see `envs_bridge.app.protocol_app`."""
   sandbox = BrowserSandbox(step_ms=step_ms, lease_s=lease_s, max_sessions=max_sessions, n_browsers=n_browsers,
-                           page_timeout_s=page_timeout_s, gc_interval_s=gc_interval_s, spare_pages=spare_pages)
+                           page_timeout_s=page_timeout_s, gc_interval_s=gc_interval_s, spare_pages=spare_pages,
+                           executable=chromium)
 
   app = protocol_app("tars_jax browser sandbox", sandbox, task_registry.task_names, log, token=token,
                      max_body_bytes=max_body_bytes)
@@ -91,13 +94,17 @@ def main(argv=None):
   ap.add_argument("--spare-pages", type=int, default=0,
                   help="0: no standby browser; N: a standby Chromium with up to N pre-made pages, promoted "
                        "when a browser dies (fast crash recovery; costs its memory, see /health spare.pss_mb)")
+  ap.add_argument("--chromium", default=DEFAULT_CHROMIUM, help="Chromium executable")
   ap.add_argument("--log-level", default="warning")
   a = ap.parse_args(argv)
+  if not os.access(a.chromium, os.X_OK):
+    ap.error(f"--chromium {a.chromium}: not an executable file")
   token = access_from_args(ap, a)  # exit code 2 before any Chromium starts
   die_with_parent()  # started by launch_server: never outlive the trainer
   logging.basicConfig(level=a.log_level.upper())
   uvicorn.run(create_app(a.step_ms, a.lease_s, a.max_sessions, a.browsers, a.page_timeout_s, a.gc_interval_s,
-                         token=token, max_body_bytes=a.max_body_bytes, spare_pages=a.spare_pages),
+                         token=token, max_body_bytes=a.max_body_bytes, spare_pages=a.spare_pages,
+                         chromium=a.chromium),
               host=a.host, port=a.port, timeout_keep_alive=SERVER_KEEPALIVE_S,
               log_level=a.log_level)
 

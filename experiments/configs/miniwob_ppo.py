@@ -31,11 +31,12 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.env.step_ms = 1000  # virtual milliseconds advanced per step (Playwright page.clock)
   c.env.lease_s = 600.0
   # standby Chromium holding up to this many pre-made pages, promoted when the browser dies: all
-  # sessions back ~1 s after a kill -9 instead of ~7-15 s (costs ~65 MiB PSS per page); 0 = none
+  # sessions back ~1 s after a kill -9 instead of ~2 s with the headless shell (~7-15 s with the full
+  # browser); costs ~65 MiB PSS per page; 0 = none
   c.env.spare_pages = 0
   # Chromium processes of the launched server, sessions spread over them: a kill -9 of one loses only
-  # its share (16 sessions over 2: 7-9 lost, all back in 0.4-5.4 s, < 5 s in 9 of 11 kills; over 1:
-  # 16 lost, 6.1-7.2 s; benchmarks/RESULTS.md, "Crash recovery with two browsers")
+  # its share (headless shell, 16 sessions over 2: 6-9 lost, all back in 1.0-1.2 s; over 1: 16 lost,
+  # 1.7-2.0 s; benchmarks/RESULTS.md, "Headless shell")
   c.env.browsers = 2
   c.env.max_turns = 2  # step budget per episode
   c.env.train_seed_offset = 0  # training seeds: offset + k, k = 0, 1, 2, ...

@@ -80,9 +80,10 @@ from envs_bridge.browser.telemetry import EventLog, SandboxMetrics
 from tars_jax.agent import actions as A
 
 # Debian's chromium-headless-shell (same source and version as /usr/bin/chromium, without the
-# desktop browser layer; what Playwright itself runs for headless Chromium): it launches in 0.08 s
-# instead of 0.24 s, makes pages faster, so a kill -9 of a browser with 16 sessions is recovered in
-# ~1.9 s instead of ~6.3 s, and steps 14-29 % faster (benchmarks/RESULTS.md, "Headless shell").
+# desktop browser layer; what Playwright itself runs for headless Chromium): a crashed one is
+# relaunched in ~0.1 s instead of ~0.26 s and makes pages faster, so a kill -9 of a browser with 16
+# sessions is recovered in ~1.9 s instead of ~6.3 s; steps are 8-29 % faster and a page takes ~26 MiB
+# PSS instead of ~60 (benchmarks/RESULTS.md, "Headless shell").
 # The full browser is the fallback where the package is missing (scripts/setup.sh installs it).
 HEADLESS_SHELL = "/usr/lib/chromium/chromium-headless-shell"
 DEFAULT_CHROMIUM = HEADLESS_SHELL if os.access(HEADLESS_SHELL, os.X_OK) else "/usr/bin/chromium"
@@ -195,7 +196,7 @@ class BrowserSandbox:
     step_ms: virtual milliseconds advanced after every step.
     lease_s: a session untouched this long is reclaimed (its page closed) -> LeaseExpired.
     max_sessions: concurrent sessions allowed (ServerBusy beyond).
-    executable: Chromium binary.
+    executable: Chromium binary; None: `DEFAULT_CHROMIUM` (the headless shell where installed).
     max_idle_pages: pages kept for reuse after their session closed (over all tasks).
     max_page_launches: new pages created at once. Unbounded, 64 simultaneous opens on 2 cores each
       take longer than a client's timeout, and the client retries while the server still finishes
@@ -851,9 +852,9 @@ class BrowserSandbox:
         raise P.InvalidAction(f"selector {selector!r}: {e}") from e
 
   def health(self) -> dict:
-    """{ok, sessions, config (step_ms, ..., chromium: the executable), browsers: [{index, pid, up, generation, sessions, pages}], idle_pages,
-    spare_pages, spare ({pid, up, pages, pss_mb} of the standby browser or None), **counters}; ok is
-    False when no browser is connected."""
+    """{ok, sessions, config (step_ms, ..., chromium: the executable), browsers: [{index, pid, up,
+    generation, sessions, pages}], idle_pages, spare_pages, spare ({pid, up, pages, pss_mb} of the
+    standby browser or None), **counters}; ok is False when no browser is connected."""
     browsers = [{"index": s.index, "pid": s.pid, "up": s.up(), "generation": s.generation,
                  "sessions": s.sessions, "pages": len(s.browser.contexts) if s.up() else 0} for s in self.slots]
     return {"ok": any(b["up"] for b in browsers), "sessions": len(self.sessions), "step_ms": self.step_ms,

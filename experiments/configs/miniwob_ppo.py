@@ -65,7 +65,9 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.model.scan_layers = False  # True: decoder layers stacked and run by lax.scan (ModelConfig docstring)
   # MoE compute (ModelConfig.moe_impl): "dense" exact reference; "grouped" exact, the fastest CPU train
   # step and decode (on the 24M benchmark model); "blocked" its decode paths; "ragged" for expert
-  # parallelism on a mesh.
+  # parallelism on a mesh. On this config (4 experts of 128) "dense" and "grouped" are equally fast in
+  # the RL loop and "dense" compiles ~1.5 s sooner (benchmarks/RESULTS.md, "MoE implementation in the
+  # RL loop").
   c.model.moe_impl = "dense"
   # With "ragged" on a mesh with an expert axis: "gspmd" (the compiler partitions it) or "all_to_all"
   # (explicit token dispatch in a shard_map, tars_jax/models/expert_parallel.py).

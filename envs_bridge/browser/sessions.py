@@ -16,8 +16,9 @@ date) and restarts the episode with the seed (no new context, no page load), whi
 resets cheap. A reused page gives the same screenshots as a fresh one (tested), except on the few
 tasks whose reset leaves something behind (`REUSE_UNSAFE_TASKS`): those always get a fresh page.
 
-Browsers: `n_browsers` Chromium processes; a new session goes to the connected browser with the
-fewest sessions (an idle page of its task is reused first). Sessions map id -> (browser, page).
+Browsers: `n_browsers` Chromium processes (`DEFAULT_CHROMIUM`: Debian's headless shell where
+installed); a new session goes to the connected browser with the fewest sessions (an idle page of its
+task is reused first). Sessions map id -> (browser, page).
 
 Concurrency: one asyncio loop; each session has its own lock (a step and an observe of the same
 session never interleave) and nothing locks across sessions, so N sessions step in parallel.
@@ -35,8 +36,8 @@ live session and `spare_pages` in all. They are made one at a time and only whil
 flight (the standby must not slow real sessions). When a browser dies, the standby is promoted in its
 place (no launch) and its pages join the idle pool, so the lost sessions' replacements start
 episodes on pages that already exist instead of creating 16 pages on a just-relaunched Chromium
-(measured 2026-11-23: page creation, not detection or relaunch, was ~90% of the 6.9 s recovery of
-16 sessions). A new standby is launched after the promotion. A standby page is a fresh page created
+(measured 2026-11-23 with the full browser: page creation, not detection or relaunch, was ~90% of
+the 6.9 s recovery of 16 sessions; the headless shell recovers them in ~1.9 s without a standby). A new standby is launched after the promotion. A standby page is a fresh page created
 earlier: the same seed gives the same screenshot (tests/test_browser_recovery.py). Its memory
 (PSS of its process tree) is in /health (`spare.pss_mb`).
 Leases: a session idle for `lease_s` is reclaimed (page closed) -> `LeaseExpired`. GC: a browser

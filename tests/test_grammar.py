@@ -1,5 +1,6 @@
 """Constrained-decoding automaton: accepted language, no dead ends, random walks always parse."""
 
+import json
 import re
 
 import interegular
@@ -8,7 +9,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from tars_jax.agent import actions as A
-from tars_jax.agent.grammar import ALL_ACTIONS, KEYS, accepts, allowed_mask, build_grammar, walk
+from tars_jax.agent.grammar import (ALL_ACTIONS, KEYS, MCP_MAX_FIELDS, SDK_ACTIONS, accepts, allowed_mask,
+                                    build_grammar, walk)
 from tars_jax.agent.tokenizer import EOS, PAD, ByteTokenizer
 
 TOK = ByteTokenizer()
@@ -288,3 +290,71 @@ def test_count_automaton_counts_overlapping_occurrences():
     assert count(pattern, text) == want, (pattern, text)
   assert count("Action:", "Action: Action:", max_count=1) is None
   assert count("Action:", "Actio Action:", max_count=1) == 1
+
+
+# --- GUI-SDK functions (report sections 2.1-2.2) -----------------------------------------------------
+SDK_CLASSES = {"run_command": A.RunCommand, "read_file": A.ReadFile, "write_file": A.WriteFile,
+               "list_files": A.ListFiles, "search_files": A.SearchFiles, "mcp_list_tools": A.McpListTools,
+               "mcp_call": A.McpCall}
+SDK_GRAMMARS = [dict(actions=SDK_ACTIONS, max_thought_bytes=4, max_content_bytes=6),
+                dict(actions=("click", "mcp_call"), max_thought_bytes=0, max_content_bytes=5,
+                     coord_format="tens3")]
+
+
+def test_sdk_names_are_the_parsers():
+  assert SDK_ACTIONS == A.SDK_ACTION_NAMES and not set(SDK_ACTIONS) & set(ALL_ACTIONS)
+  assert set(SDK_CLASSES) == set(SDK_ACTIONS)
+
+
+def test_sdk_functions_accepted_and_rejected_by_hand():
+  g = build_grammar(actions=ALL_ACTIONS + SDK_ACTIONS)
+  gui_only = build_grammar()
+  ok = {"Thought: x\nAction: run_command(command='ls -l | wc')": A.RunCommand("ls -l | wc"),
+        "Thought: \nAction: read_file(path='notes.txt')": A.ReadFile("notes.txt"),
+        "Thought: \nAction: write_file(path='a/b.txt', content='x = \"1\"')": A.WriteFile("a/b.txt", 'x = "1"'),
+        "Thought: \nAction: list_files(path='.')": A.ListFiles("."),
+        "Thought: \nAction: search_files(pattern='total', path='.')": A.SearchFiles("total", "."),
+        "Thought: \nAction: mcp_list_tools(server='docs')": A.McpListTools("docs"),
+        "Thought: \nAction: mcp_call(server='docs', tool='read_doc', arguments='{}')": A.McpCall("docs", "read_doc"),
+        "Thought: \nAction: mcp_call(server='docs', tool='search_docs', arguments='{\"query\": \"a b\", \"k\": -12}')":
+            A.McpCall("docs", "search_docs", '{"k": -12, "query": "a b"}')}
+  for text, want in ok.items():
+    assert accepts(g, text), text
+    assert not accepts(gui_only, text)  # SDK functions only where named
+    assert A.parse_response(text, sdk=True)[1] == want
+  bad = ["Thought: \nAction: list_files()",  # canonical spelling only: the path is written
+         "Thought: \nAction: run_command(command=\"ls\")",
+         "Thought: \nAction: read_file(path='it\\'s')",
+         "Thought: \nAction: mcp_call(server='d', tool='t', arguments='{\"a\":1}')",  # json.dumps spacing
+         "Thought: \nAction: mcp_call(server='d', tool='t', arguments='{\"a\": 007}')",  # not JSON
+         "Thought: \nAction: mcp_call(server='d', tool='t', arguments='{\"a\": [1]}')",
+         "Thought: \nAction: mcp_call(server='d', tool='t', arguments='{\"a\": 1, \"b\": 2, \"c\": 3, \"d\": 4}')",
+         "Thought: \nAction: mcp_call(server='d', tool='t', arguments='{\"\": 1}')",
+         "Thought: \nAction: mcp_call(server='d', tool='t')"]
+  for text in bad:
+    assert not accepts(g, text), text
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from(SDK_GRAMMARS))
+def test_sdk_random_walks_parse(seed, kw):
+  """Every reply a constrained sampler can write with SDK functions parses (sdk=True) to the named
+  function; mcp_call arguments are always a JSON object; format_action writes the same text back."""
+  g = build_grammar(**kw)
+  ids = random_reply(g, np.random.default_rng(seed))
+  text = TOK.decode(ids[:-1])
+  assert reference_accepts(g, text)
+  line = text.split("\nAction: ", 1)[1]
+  name = line.split("(", 1)[0]
+  assert name in kw["actions"]
+  act = A.parse_response(text, sdk=True)[1]
+  if name in SDK_CLASSES:
+    assert isinstance(act, SDK_CLASSES[name])
+    if name == "mcp_call":
+      written = re.search(r"arguments='(.*)'\)$", line).group(1)
+      assert isinstance(json.loads(written), dict) and act.args() == json.loads(written)
+      assert len(act.args()) <= MCP_MAX_FIELDS
+    else:
+      assert A.format_action(act) == line  # canonical spelling
+  else:
+    assert isinstance(act, CLASSES[name])

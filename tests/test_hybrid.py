@@ -240,3 +240,37 @@ def test_agent_loop_shows_sdk_output_to_the_policy_next_turn(desk):
   ep, = asyncio.run(go())
   assert ep.turns[0].info["tool_output"] == "marker-42\n[exit code 0]"  # the shell computed 6*7
   assert "marker-42" not in seen[0] and "marker-42\n[exit code 0]" in seen[1]
+
+
+def test_constrained_sdk_replies_run_on_the_real_sandbox(desk):
+  """Replies drawn from the constrained-decoding automaton with SDK functions (random walks, as an
+  untrained constrained policy writes them) are executed by the real desktop sandbox: none comes back
+  as an invalid action, files read back equal what the task put in the session directory, and
+  mcp_list_tools of the task's docs server lists its real tools."""
+  import numpy as np
+
+  from tars_jax.agent.grammar import build_grammar
+  from tars_jax.agent.tokenizer import ByteTokenizer
+  from tests.test_grammar import random_reply
+  tok = ByteTokenizer()
+  g = build_grammar(actions=("list_files", "search_files", "read_file"), max_thought_bytes=4, max_content_bytes=8)
+  rng = np.random.default_rng(0)
+  replies = [tok.decode(random_reply(g, rng)[:-1]) for _ in range(12)]
+  task, seed = "hybrid/docs-lookup-editor", 0
+  spec, _ = tasks.make(task, seed)
+  name = next(n for n in sorted(spec.files) if n.startswith("docs/") and spec.files[n].strip())
+
+  async def go():
+    async with SandboxClient(desk.url) as c:
+      sid, _ = await c.open(task, seed)
+      outs = [await c.step(sid, r) for r in replies]
+      read = await c.step(sid, f"Thought: \nAction: read_file(path='{name}')")
+      tools = await c.step(sid, "Thought: \nAction: mcp_list_tools(server='docs')")
+      await c.close(sid)
+      return outs, read, tools
+  outs, read, tools = asyncio.run(go())
+  for reply, o in zip(replies, outs):
+    assert not (o.info.get("error") or "").startswith("invalid action"), (reply, o.info)
+    assert o.info.get("tool_output") is not None or o.info.get("error"), (reply, o.info)  # output or a tool error
+  assert read.info["tool_output"].startswith(spec.files[name].splitlines()[0]), read.info
+  assert "search_docs" in tools.info["tool_output"] and "read_doc" in tools.info["tool_output"], tools.info

@@ -5,7 +5,7 @@ import pytest
 
 from tars_jax.agent import actions as A
 from tars_jax.agent import prompts
-from tars_jax.agent.grammar import ALL_ACTIONS, accepts, build_grammar
+from tars_jax.agent.grammar import ALL_ACTIONS, SDK_ACTIONS, accepts, build_grammar
 from tars_jax.agent.tokenizer import ByteTokenizer
 from tars_jax.agent.trajectory import Episode, Turn, episode_arrays
 
@@ -71,6 +71,9 @@ def test_system_prompt():
   assert "click(start_box='(x,y)')" in only and "wait()" in only and "drag" not in only and "0-1000" in only
   assert "000-999" in prompts.system_prompt(("click",), coord_format="fixed3")
   assert "0-1000" not in prompts.system_prompt(("wait",))  # no coordinates, no coordinate line
+  assert "SDK functions" not in prompts.SYSTEM_PROMPT  # the GUI prompt stays GUI-only
+  sdk = prompts.system_prompt(("click", "run_command"))
+  assert "run_command(command='ls -l')" in sdk and sdk.endswith("not on the screen.")
   with pytest.raises(ValueError):
     prompts.system_prompt(("fly",))
   with pytest.raises(ValueError):
@@ -80,14 +83,18 @@ def test_system_prompt():
 @pytest.mark.parametrize("fmt,xy", [("int", ("500", "7")), ("fixed3", ("500", "007"))])
 def test_system_prompt_examples_are_in_the_grammar(fmt, xy):
   """Every action line the prompt shows, with numbers filled in, is a reply the decoder can write."""
-  g = build_grammar(coord_format=fmt)
+  g = build_grammar(actions=ALL_ACTIONS + SDK_ACTIONS, coord_format=fmt)
   classes = {"click": A.Click, "left_double": A.LeftDouble, "right_single": A.RightSingle, "drag": A.Drag,
              "hotkey": A.Hotkey, "type": A.Type, "scroll": A.Scroll, "wait": A.Wait, "finished": A.Finished,
-             "call_user": A.CallUser}
+             "call_user": A.CallUser, "run_command": A.RunCommand, "read_file": A.ReadFile,
+             "write_file": A.WriteFile, "list_files": A.ListFiles, "search_files": A.SearchFiles,
+             "mcp_list_tools": A.McpListTools, "mcp_call": A.McpCall}
+  assert set(prompts.ACTION_SIGNATURES) == set(ALL_ACTIONS + SDK_ACTIONS)
+  full = prompts.system_prompt(ALL_ACTIONS + SDK_ACTIONS).splitlines()
   for name, sig in prompts.ACTION_SIGNATURES.items():
-    assert sig in prompts.SYSTEM_PROMPT.splitlines()
+    assert sig in full and (sig in prompts.SYSTEM_PROMPT.splitlines()) == (name in ALL_ACTIONS)
     line = (sig.replace("(x,y)", f"({xy[0]},{xy[1]})").replace("(x1,y1)", f"({xy[0]},{xy[1]})")
             .replace("(x2,y2)", f"({xy[1]},{xy[0]})"))
     reply = "Thought: \nAction: " + line
     assert accepts(g, reply), reply
-    assert isinstance(A.parse_response(reply)[1], classes[name])
+    assert isinstance(A.parse_response(reply, sdk=True)[1], classes[name])

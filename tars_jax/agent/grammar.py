@@ -9,6 +9,20 @@ them:
   type(content='...')               scroll(start_box='(x,y)', direction='up|down|left|right')
   wait()                            finished(content='...')            call_user()
 
+and, for sandboxes with a GUI-SDK (report sections 2.1-2.2; `SDK_ACTIONS`, off unless named in
+`actions`), the SDK functions in the canonical spelling of `actions.format_action` (the command
+starts with a non-space character and the pattern is non-empty, as the parser requires):
+
+  run_command(command='...')        read_file(path='...')              list_files(path='...')
+  write_file(path='...', content='...')                                mcp_list_tools(server='...')
+  search_files(pattern='...', path='...')
+  mcp_call(server='...', tool='...', arguments='{"key": "text", "k": 3}')
+
+mcp_call's arguments are a flat JSON object of 0..3 fields (`MCP_MAX_FIELDS`): keys of 1..16 bytes
+`[A-Za-z0-9_]`, values a JSON string (content characters without `"`) or an integer of 1..6 digits (no leading zero),
+so every accepted reply is valid JSON; nested objects, lists, floats and booleans are not in the
+language (a tool that needs them is called unconstrained).
+
 <thought> is 0..max_thought_bytes characters of `thought_charset` (default printable ASCII, never a
 newline); content is 0..max_content_bytes printable ASCII without quote, backslash or newline (so no
 escaping is ever needed). On top of the regular expression, the literal `Action:` may occur only once
@@ -51,6 +65,12 @@ KEYS = tuple(["ctrl", "shift", "alt", "enter", "tab", "backspace", "escape", "sp
               "right", "delete", "home", "end", "pageup", "pagedown"] + [chr(c) for c in range(97, 123)]
              + [str(d) for d in range(10)] + [f"f{i}" for i in range(1, 13)])
 DIRECTIONS = ("up", "down", "left", "right")
+# GUI-SDK functions (same names as actions.SDK_ACTION_NAMES; checked by tests/test_grammar.py).
+SDK_ACTIONS = ("run_command", "read_file", "write_file", "list_files", "search_files", "mcp_list_tools",
+               "mcp_call")
+MCP_MAX_FIELDS = 3  # fields of an mcp_call arguments object
+_MCP_KEY_BYTES = 16
+_MCP_INT_DIGITS = 6
 PRINTABLE = "".join(chr(c) for c in range(0x20, 0x7f))  # default thought charset
 CONTENT_CHARSET = "".join(c for c in PRINTABLE if c not in "'\\")
 DELIMITER = "Action:"  # may occur exactly once in a reply
@@ -94,6 +114,16 @@ def _coord(fmt: str) -> str:
   raise ValueError(f"unknown coord_format {fmt!r}; expected 'int', 'fixed3' or 'tens3'")
 
 
+def _json_object(max_value_bytes: int) -> str:
+  """Regex of a flat JSON object as `json.dumps` writes it: {"k": "v", "n": 12} (0..MCP_MAX_FIELDS
+  fields; string values of 0..max_value_bytes content characters without a double quote)."""
+  key = rf'"[A-Za-z0-9_]{{1,{_MCP_KEY_BYTES}}}"'
+  chars = _char_class(CONTENT_CHARSET.replace('"', ""))
+  value = rf'("{chars}{{0,{max_value_bytes}}}"|-?(0|[1-9][0-9]{{0,{_MCP_INT_DIGITS - 1}}}))'  # JSON: no leading 0
+  field = f"{key}: {value}"
+  return rf"\{{({field}(, {field}){{0,{MCP_MAX_FIELDS - 1}}})?\}}"
+
+
 def reply_regex(actions=ALL_ACTIONS, max_thought_bytes: int = 32, max_content_bytes: int = 32,
                 coord_format: str = "int", thought_charset: str | None = None) -> str:
   """The reply language as a regular expression (interegular / Python `re` syntax).
@@ -111,6 +141,10 @@ def reply_regex(actions=ALL_ACTIONS, max_thought_bytes: int = 32, max_content_by
   pt = rf"'\({c},{c}\)'"
   key = "(" + "|".join(KEYS) + ")"
   text = rf"{_char_class(CONTENT_CHARSET)}{{0,{max_content_bytes}}}"
+  # what the parser requires (actions._sdk_action): a command that is not blank, a non-empty pattern
+  command = (rf"{_char_class(CONTENT_CHARSET.replace(' ', ''))}{_char_class(CONTENT_CHARSET)}"
+             rf"{{0,{max(max_content_bytes - 1, 0)}}}")
+  pattern = rf"{_char_class(CONTENT_CHARSET)}{{1,{max(max_content_bytes, 1)}}}"
   templates = {
       "click": rf"click\(start_box={pt}\)",
       "left_double": rf"left_double\(start_box={pt}\)",
@@ -122,10 +156,17 @@ def reply_regex(actions=ALL_ACTIONS, max_thought_bytes: int = 32, max_content_by
       "wait": r"wait\(\)",
       "finished": rf"finished\(content='{text}'\)",
       "call_user": r"call_user\(\)",
+      "run_command": rf"run_command\(command='{command}'\)",
+      "read_file": rf"read_file\(path='{text}'\)",
+      "write_file": rf"write_file\(path='{text}', content='{text}'\)",
+      "list_files": rf"list_files\(path='{text}'\)",
+      "search_files": rf"search_files\(pattern='{pattern}', path='{text}'\)",
+      "mcp_list_tools": rf"mcp_list_tools\(server='{text}'\)",
+      "mcp_call": rf"mcp_call\(server='{text}', tool='{text}', arguments='{_json_object(max_content_bytes)}'\)",
   }
   unknown = sorted(set(actions) - set(templates))
   if unknown or not actions:
-    raise ValueError(f"unknown actions {unknown}; expected a non-empty subset of {ALL_ACTIONS}")
+    raise ValueError(f"unknown actions {unknown}; expected a non-empty subset of {ALL_ACTIONS + SDK_ACTIONS}")
   body = "(" + "|".join(templates[a] for a in actions) + ")"
   thought = f"{_char_class(charset)}{{0,{max_thought_bytes}}}" if charset and max_thought_bytes else ""
   return rf"Thought: {thought}\nAction: {body}"
@@ -294,8 +335,9 @@ def build_grammar(tokenizer: ByteTokenizer = ByteTokenizer(), actions=ALL_ACTION
 
   Args:
     tokenizer: byte-level tokenizer (ids 0..255 are bytes; eos_id, pad_id, vocab_size are used).
-    actions: the allowed action names, a non-empty subset of ALL_ACTIONS.
-    max_thought_bytes / max_content_bytes: length caps of the thought and of type/finished content.
+    actions: the allowed action names, a non-empty subset of ALL_ACTIONS + SDK_ACTIONS.
+    max_thought_bytes / max_content_bytes: length caps of the thought and of every quoted argument
+      (type/finished content, SDK paths, commands, ...; each mcp_call argument value).
     coord_format: 'int' (0..1000, no leading zeros), 'fixed3' (000..999) or 'tens3' (000, 010, ..
       990), see module docstring.
     thought_charset: the characters a thought may use (a string, printable ASCII); None = all of

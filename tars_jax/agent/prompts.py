@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from tars_jax.agent.grammar import ALL_ACTIONS
+from tars_jax.agent.grammar import ALL_ACTIONS, SDK_ACTIONS
 from tars_jax.agent.tokenizer import ByteTokenizer
 
 # How the prompt shows each action (the UI-TARS spellings of `agent/grammar.py`).
@@ -43,7 +43,16 @@ ACTION_SIGNATURES = {
     "wait": "wait()",
     "finished": "finished(content='answer')",
     "call_user": "call_user()",
+    # GUI-SDK functions (report sections 2.1-2.2), offered only where the sandbox has an SDK
+    "run_command": "run_command(command='ls -l')",
+    "read_file": "read_file(path='notes.txt')",
+    "write_file": "write_file(path='out.txt', content='text')",
+    "list_files": "list_files(path='.')",
+    "search_files": "search_files(pattern='text', path='.')",
+    "mcp_list_tools": "mcp_list_tools(server='docs')",
+    "mcp_call": "mcp_call(server='docs', tool='search_docs', arguments='{\"query\": \"text\"}')",
 }
+_SDK_LINE = "SDK functions act on the session's files, terminal and tools, not on the screen."
 _COORDS = {
     "int": "x,y: integers 0-1000 relative to the screenshot, (0,0) top-left.",
     "fixed3": "x,y: three digits 000-999 relative to the screenshot, (000,000) top-left.",
@@ -53,7 +62,8 @@ _COORDS = {
 
 def system_prompt(actions: Sequence[str] | None = None, compact: bool = False,
                   coord_format: str = "int") -> str:
-  """The system prompt for the allowed `actions` (None = all of ALL_ACTIONS).
+  """The system prompt for the allowed `actions` (None = all of ALL_ACTIONS, the GUI actions; SDK
+  functions of SDK_ACTIONS are listed only when named, with one line on what they act on).
 
   compact=True gives a few bytes for tiny CPU models (they pay per byte); the full prompt states
   the reply format, one line per action and the coordinate convention (446 bytes for all actions).
@@ -62,7 +72,7 @@ def system_prompt(actions: Sequence[str] | None = None, compact: bool = False,
   actions = tuple(actions) if actions else ALL_ACTIONS
   unknown = sorted(set(actions) - set(ACTION_SIGNATURES))
   if unknown:
-    raise ValueError(f"unknown actions {unknown}; expected a subset of {ALL_ACTIONS}")
+    raise ValueError(f"unknown actions {unknown}; expected a subset of {ALL_ACTIONS + SDK_ACTIONS}")
   if coord_format not in _COORDS:
     raise ValueError(f"unknown coord_format {coord_format!r}; expected one of {sorted(_COORDS)}")
   if compact:
@@ -72,6 +82,8 @@ def system_prompt(actions: Sequence[str] | None = None, compact: bool = False,
   lines += [ACTION_SIGNATURES[a] for a in actions]
   if any("(x" in ACTION_SIGNATURES[a] for a in actions):
     lines.append(_COORDS[coord_format])
+  if any(a in SDK_ACTIONS for a in actions):
+    lines.append(_SDK_LINE)
   return "\n".join(lines)
 
 

@@ -19,9 +19,9 @@ starts with a non-space character and the pattern is non-empty, as the parser re
   mcp_call(server='...', tool='...', arguments='{"key": "text", "k": 3}')
 
 mcp_call's arguments are a flat JSON object of 0..3 fields (`MCP_MAX_FIELDS`): keys of 1..16 bytes
-`[A-Za-z0-9_]`, values a JSON string (content characters without `"`) or an integer of 1..6 digits (no leading zero),
-so every accepted reply is valid JSON; nested objects, lists, floats and booleans are not in the
-language (a tool that needs them is called unconstrained).
+`[A-Za-z0-9_]`, values a JSON string (content characters without `"`) or an integer of 1..6 digits
+(no leading zero), so every accepted reply is valid JSON; nested objects, lists, floats and booleans
+are not in the language (a tool that needs them is called unconstrained).
 
 <thought> is 0..max_thought_bytes characters of `thought_charset` (default printable ASCII, never a
 newline); content is 0..max_content_bytes printable ASCII without quote, backslash or newline (so no

@@ -8,6 +8,7 @@ from tars_jax.agent import prompts
 from tars_jax.agent.grammar import ALL_ACTIONS, SDK_ACTIONS, accepts, build_grammar
 from tars_jax.agent.tokenizer import ByteTokenizer
 from tars_jax.agent.trajectory import Episode, Turn, episode_arrays
+from tests.test_grammar import CLASSES, SDK_CLASSES
 
 TOK = ByteTokenizer()
 BOS, EOS, IMG, VS, VE, TS, TE = 257, 258, 259, 260, 261, 262, 263
@@ -84,11 +85,7 @@ def test_system_prompt():
 def test_system_prompt_examples_are_in_the_grammar(fmt, xy):
   """Every action line the prompt shows, with numbers filled in, is a reply the decoder can write."""
   g = build_grammar(actions=ALL_ACTIONS + SDK_ACTIONS, coord_format=fmt)
-  classes = {"click": A.Click, "left_double": A.LeftDouble, "right_single": A.RightSingle, "drag": A.Drag,
-             "hotkey": A.Hotkey, "type": A.Type, "scroll": A.Scroll, "wait": A.Wait, "finished": A.Finished,
-             "call_user": A.CallUser, "run_command": A.RunCommand, "read_file": A.ReadFile,
-             "write_file": A.WriteFile, "list_files": A.ListFiles, "search_files": A.SearchFiles,
-             "mcp_list_tools": A.McpListTools, "mcp_call": A.McpCall}
+  classes = {**CLASSES, **SDK_CLASSES}
   assert set(prompts.ACTION_SIGNATURES) == set(ALL_ACTIONS + SDK_ACTIONS)
   full = prompts.system_prompt(ALL_ACTIONS + SDK_ACTIONS).splitlines()
   for name, sig in prompts.ACTION_SIGNATURES.items():

@@ -37,9 +37,10 @@ flight (the standby must not slow real sessions). When a browser dies, the stand
 place (no launch) and its pages join the idle pool, so the lost sessions' replacements start
 episodes on pages that already exist instead of creating 16 pages on a just-relaunched Chromium
 (measured 2026-11-23 with the full browser: page creation, not detection or relaunch, was ~90% of
-the 6.9 s recovery of 16 sessions; the headless shell recovers them in ~1.9 s without a standby). A new standby is launched after the promotion. A standby page is a fresh page created
-earlier: the same seed gives the same screenshot (tests/test_browser_recovery.py). Its memory
-(PSS of its process tree) is in /health (`spare.pss_mb`).
+the 6.9 s recovery of 16 sessions; the headless shell recovers them in ~1.9 s without a standby).
+A new standby is launched after the promotion. A standby page is a fresh page created earlier: the
+same seed gives the same screenshot (tests/test_browser_recovery.py). Its memory (PSS of its process
+tree) is in /health (`spare.pss_mb`).
 Leases: a session idle for `lease_s` is reclaimed (page closed) -> `LeaseExpired`. GC: a browser
 context owned by nobody in two passes in a row is closed (leaked page). Owners: a session, an idle
 pool, or the call handing the page over (`_transit`: an `open` creating or restarting it, a `close`

@@ -32,7 +32,8 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.env.lease_s = 600.0
   # standby Chromium holding up to this many pre-made pages, promoted when the browser dies: all
   # sessions back ~1 s after a kill -9 instead of ~2 s with the headless shell (~7-15 s with the full
-  # browser); costs ~65 MiB PSS per page; 0 = none
+  # browser); costs a page's memory per page (~26 MiB PSS with the headless shell, ~65 with the full
+  # browser); 0 = none
   c.env.spare_pages = 0
   # Chromium processes of the launched server, sessions spread over them: a kill -9 of one loses only
   # its share (headless shell, 16 sessions over 2: 6-9 lost, all back in 1.0-1.2 s; over 1: 16 lost,

@@ -19,6 +19,12 @@ is the fraction of the ceiling we reach. Two ceilings: `page.screenshot` (Playwr
 issue's definition) and CDP `Page.captureScreenshot` on a CDPSession (what our step uses since it
 makes one protocol call instead of about six: the stricter ceiling).
 
+Raw step: in this process, the same pages driven by the sandbox's own page calls for a step (the
+executor's click, the virtual-clock advance + reward read, the CDP capture) and, when an episode ends,
+for an open (episode restart + capture): a step with no server, HTTP, JSON or session bookkeeping.
+raw step / raw is therefore the most any server making these page calls could reach of the ceiling
+(column "bound"), and ours / raw step what our server and client cost on top.
+
 BrowserGym: `benchmarks/browsergym_env.py` (its own venv under runs/bench_venvs/, made on first use;
 see there how it is pointed at the same Chromium executable and the miniwob wheel's HTML): N envs in N processes,
 `env.step("mouse_click(x, y)")`, resets inside the measured time, profiles "default" (as shipped) and
@@ -28,11 +34,12 @@ see there how it is pointed at the same Chromium executable and the miniwob whee
 or steps that raise inside the window are counted (column "failures") and the env reset again.
 
 All of a point's runs are made one after the other, on the same machine, so the ratios are comparable
-even when the machine is loaded. With `--rounds R` (default 3) ours and the two raw ceilings are
-measured R times in turn (ours, raw, raw CDP, ours, ...) and each round's ratio is taken from the runs
-of that round, seconds apart: the table gives the median of each column and, for the ratios, the
-median and the range over the rounds. (On this 2-core VM the ceiling alone moved between 119 and 203
-shots/s within an hour, so a single pair of runs gave ratios from 0.42 to 0.68 for the same code.)
+even when the machine is loaded. With `--rounds R` (default 3) ours, the two raw ceilings and the raw
+step are measured R times in turn (ours, raw, raw CDP, raw step, ours, ...) and each round's ratio is
+taken from the runs of that round, seconds apart: the table gives the median of each column and, for
+the ratios, the median and the range over the rounds. (On this 2-core VM the ceiling alone moved
+between 119 and 203 shots/s within an hour, so a single pair of runs gave ratios from 0.42 to 0.68
+for the same code.)
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import functools
 import os
 import platform
 import random
@@ -50,15 +58,27 @@ from playwright.async_api import async_playwright
 
 from benchmarks import browsergym_env
 from benchmarks.command import command_line
+from envs_bridge.browser import executor, tasks
 from envs_bridge.browser import miniwob_tasks as mw
+from envs_bridge.browser import sessions as S
 from envs_bridge.browser.sessions import CHROMIUM_ARGS, DEFAULT_CHROMIUM, EPOCH_MS, HIDE_CARET_CSS
 from envs_bridge.client import SandboxClient
 from envs_bridge.launch import launch_server, without_tcmalloc
+from tars_jax.agent import actions as A
 
 # Memory one BrowserGym env holds (worker + Playwright driver + two Chromium with their renderer, GPU and
 # utility processes), measured on 2026-11-23: 16 envs had taken 6.7 GB while still starting up.
 BROWSERGYM_ENV_BYTES = 650 * 2**20
 TASKS = ("miniwob/click-test", "miniwob/click-test-2", "miniwob/click-button", "miniwob/click-link")
+
+
+STEP_MS = 1000  # virtual ms per step, the server's and the raw step's
+
+
+def random_click(rng: random.Random) -> str:
+  """A click at a random point of the task area (below the instruction), relative-1000 coordinates."""
+  x, y = rng.randrange(20, 980), rng.randrange(260, 980)
+  return f"click(start_box='({x},{y})')"
 
 
 async def ours(url: str, n: int, seconds: float, warmup_s: float) -> dict:
@@ -75,8 +95,7 @@ async def ours(url: str, n: int, seconds: float, warmup_s: float) -> dict:
       rng = random.Random(k)
       seed, sid = 1000 * k, sids[k]
       while (now := time.perf_counter()) < t_end:
-        x, y = rng.randrange(20, 980), rng.randrange(260, 980)  # the task area, below the instruction
-        o = await c.step(sid, f"click(start_box='({x},{y})')")
+        o = await c.step(sid, random_click(rng))
         done_at = time.perf_counter()
         if now >= t_measure and done_at <= t_end:
           counts[k] += 1
@@ -96,10 +115,12 @@ async def ours(url: str, n: int, seconds: float, warmup_s: float) -> dict:
 
 async def raw(n: int, seconds: float, warmup_s: float, method: str = "playwright",
               chromium: str = DEFAULT_CHROMIUM) -> dict:
-  """Screenshots/s of n pages of the same tasks in one Chromium, taken concurrently (the ceiling).
+  """Screenshots/s of n pages of the same tasks in one Chromium, taken concurrently (the ceiling), or
+  with method "step" the sandbox's page calls of a step (see the module docstring) -> {"shots_per_s"}
+  (for "step": steps/s, episode restarts inside the time and not counted, as ours).
 
-  method: "playwright" (page.screenshot) or "cdp" (Page.captureScreenshot on a CDPSession, caret
-  hidden by a style as in the sandbox).
+  method: "playwright" (page.screenshot), "cdp" (Page.captureScreenshot on a CDPSession, caret
+  hidden by a style as in the sandbox) or "step".
   """
   pw = await async_playwright().start()
   # the system malloc, as the sandbox server's Chromium (`launch_server` takes tcmalloc out of its env)
@@ -118,6 +139,10 @@ async def raw(n: int, seconds: float, warmup_s: float, method: str = "playwright
       if method == "cdp":
         cdp = await ctx.new_cdp_session(page)
         pages.append(lambda cdp=cdp: cdp.send("Page.captureScreenshot", {"format": "png"}))
+      elif method == "step":
+        cdp = await ctx.new_cdp_session(page)
+        pages.append(functools.partial(_raw_step, page, cdp, tasks.get(TASKS[k % len(TASKS)]), random.Random(k),
+                                       {"seed": 1000 * k}))
       else:
         pages.append(lambda page=page: page.screenshot(type="png"))
     counts = [0] * n
@@ -137,19 +162,42 @@ async def raw(n: int, seconds: float, warmup_s: float, method: str = "playwright
     await pw.stop()
 
 
-def combine_rounds(rounds: list[tuple[dict, dict, dict]]) -> tuple[dict, dict, dict]:
-  """[(ours, raw, raw CDP) per round] -> (ours, raw, raw CDP) with each number the median over the
-  rounds (resets: the sum), and ours["ratio_raw"] / ours["ratio_cdp"]: the per-round ratios of ours
-  to the round's own ceiling, sorted. Raises ValueError for no rounds."""
+async def _raw_step(page, cdp, ts: tasks.TaskSpec, rng: random.Random, state: dict) -> None:
+  """One step of the raw-step mode: the page calls of `BrowserSandbox.step` (executor, clock advance +
+  reward read, CDP capture) and, when the episode ends, of `BrowserSandbox.open` on a reused page."""
+  action = A.parse(random_click(rng), A.CoordSpec())
+  await executor.execute(page, action, ts.width, ts.height)
+  st = await S._advance_and_read(page, STEP_MS, ts.state_script)
+  await cdp.send("Page.captureScreenshot", {"format": "png"})
+  if st["done"]:
+    state["seed"] += 1
+    await S.BrowserSandbox._start_episode(page, ts, state["seed"], "train")
+    await cdp.send("Page.captureScreenshot", {"format": "png"})
+
+
+def combine_rounds(rounds: list[tuple[dict, ...]]) -> tuple[dict, ...]:
+  """[(ours, raw, raw CDP[, raw step]) per round] -> the same tuple with each number the median over
+  the rounds (resets: the sum), and per-round ratios, sorted: ours["ratio_raw"] / ["ratio_cdp"] /
+  ["ratio_step"] (ours over the round's own raw, raw CDP, raw step) and, with a raw step, its
+  ["ratio_raw"] (raw step / raw: the bound). Every raw dict has "shots_per_s" (steps/s for the raw
+  step). Raises ValueError for no rounds or rounds of different lengths."""
   if not rounds:
     raise ValueError("no rounds to combine")
+  width = len(rounds[0])
+  if width not in (3, 4) or any(len(x) != width for x in rounds):
+    raise ValueError(f"rounds must all be (ours, raw, raw CDP[, raw step]); got lengths {[len(x) for x in rounds]}")
   med = lambda xs: statistics.median(xs) if xs else float("nan")
+  def ratios(num, j):  # num(round) over the round's own raw j, per round (a failed raw gives none)
+    return sorted(num(x) / x[j]["shots_per_s"] for x in rounds if x[j]["shots_per_s"])
+
   o = {"steps_per_s": med([x[0]["steps_per_s"] for x in rounds]), "steps": sum(x[0]["steps"] for x in rounds),
        "resets": sum(x[0]["resets"] for x in rounds), "p50_ms": med([x[0]["p50_ms"] for x in rounds])}
-  for key, j in (("ratio_raw", 1), ("ratio_cdp", 2)):
-    o[key] = sorted(x[0]["steps_per_s"] / x[j]["shots_per_s"] for x in rounds if x[j]["shots_per_s"])
-  return (o, {"shots_per_s": med([x[1]["shots_per_s"] for x in rounds])},
-          {"shots_per_s": med([x[2]["shots_per_s"] for x in rounds])})
+  for key, j in (("ratio_raw", 1), ("ratio_cdp", 2), ("ratio_step", 3))[:width - 1]:
+    o[key] = ratios(lambda x: x[0]["steps_per_s"], j)
+  out = [o] + [{"shots_per_s": med([x[j]["shots_per_s"] for x in rounds])} for j in range(1, width)]
+  if width == 4:
+    out[3]["ratio_raw"] = ratios(lambda x: x[3]["shots_per_s"], 1)
+  return tuple(out)
 
 
 def _ratio_cell(ratios: list[float]) -> str:
@@ -178,7 +226,7 @@ def main(argv=None):
   ap.add_argument("--browsers", type=int, default=1, help="Chromium processes of the sandbox server")
   ap.add_argument("--chromium", default=DEFAULT_CHROMIUM, help="Chromium executable (server and raw ceilings)")
   ap.add_argument("--rounds", type=int, default=3,
-                  help="alternating rounds of ours / raw / raw CDP per point (ratios: median and range)")
+                  help="alternating rounds of ours / raw / raw CDP / raw step per point (ratios: median and range)")
   ap.add_argument("--browsergym", default="1,4,16",
                   help="session counts at which BrowserGym is measured ('' = none; it runs 2 Chromium per env)")
   ap.add_argument("--browsergym-profiles", default="default,no-delay", help="BrowserGym profiles to run")
@@ -192,15 +240,14 @@ def main(argv=None):
   profiles = [p for p in a.browsergym_profiles.split(",") if p]
   nan = float("nan")
   rows = []
-  with launch_server(step_ms=1000, lease_s=600.0, max_sessions=max(64, max(ns)), n_browsers=a.browsers,
+  with launch_server(step_ms=STEP_MS, lease_s=600.0, max_sessions=max(64, max(ns)), n_browsers=a.browsers,
                      chromium=a.chromium) as h:
     for n in ns:
       rounds = []
       for _ in range(a.rounds):  # alternating: each round's ratio compares runs seconds apart
         rounds.append((asyncio.run(ours(h.url, n, a.seconds, a.warmup_s)),
-                       asyncio.run(raw(n, a.seconds, a.warmup_s, "playwright", a.chromium)),
-                       asyncio.run(raw(n, a.seconds, a.warmup_s, "cdp", a.chromium))))
-      o, r, rc = combine_rounds(rounds)
+                       *(asyncio.run(raw(n, a.seconds, a.warmup_s, m, a.chromium)) for m in ("playwright", "cdp", "step"))))
+      o, r, rc, rs = combine_rounds(rounds)
       bg = {}
       for prof in profiles if n in bg_ns else ():
         if _mem_available() < n * BROWSERGYM_ENV_BYTES + 2 * 2**30:  # on a shared machine: no OOM kills
@@ -211,10 +258,11 @@ def main(argv=None):
                                           executable=a.chromium, setup_concurrency=a.browsergym_setup_concurrency)
         if bg[prof]["env_errors"]:
           raise RuntimeError(f"BrowserGym envs failed: {bg[prof]['env_errors']}")
-      rows.append((n, o, r, rc, bg))
+      rows.append((n, o, r, rc, rs, bg))
       print(f"n={n}: ours {o['steps_per_s']:.1f} steps/s (p50 {o['p50_ms']:.0f} ms, {o['resets']} resets), "
-            f"raw {r['shots_per_s']:.1f} shots/s, raw cdp {rc['shots_per_s']:.1f} shots/s (medians of {a.rounds} "
-            f"rounds; ours / raw per round {[round(x, 2) for x in o['ratio_raw']]})"
+            f"raw {r['shots_per_s']:.1f} shots/s, raw cdp {rc['shots_per_s']:.1f} shots/s, raw step "
+            f"{rs['shots_per_s']:.1f} steps/s (medians of {a.rounds} rounds; ours / raw per round "
+            f"{[round(x, 2) for x in o['ratio_raw']]}, raw step / raw {[round(x, 2) for x in rs['ratio_raw']]})"
             + "".join(f", BrowserGym {p} {b['steps_per_s']:.2f} steps/s (p50 {b['p50_ms']:.0f} ms, "
                       f"{b['resets']} resets, {b['failures']} failures, start-up {b['startup_s']:.0f} s"
                       + (f", first failure: {b['first_failure']}" if b.get("first_failure") else "") + ")"
@@ -231,14 +279,15 @@ def main(argv=None):
         f"{platform.platform()}, load average {os.getloadavg()[0]:.1f} at the end.")
   print()
   head = ["sessions", "ours steps/s", "step p50 (ms)", "resets", "raw page.screenshot/s", "ours / raw",
-          "raw CDP shots/s", "ours / raw CDP"]
+          "raw CDP shots/s", "ours / raw CDP", "raw step/s", "bound: raw step / raw", "ours / raw step"]
   for p in profiles:
     head += [f"BrowserGym {p} steps/s", f"BrowserGym {p} failures", f"ours / BrowserGym {p}"]
   print("| " + " | ".join(head) + " |")
   print("|" + "---|" * len(head))
-  for n, o, r, rc, bg in rows:
+  for n, o, r, rc, rs, bg in rows:
     cells = [str(n), _fmt(o["steps_per_s"]), _fmt(o["p50_ms"], ".0f"), str(o["resets"]), _fmt(r["shots_per_s"]),
-             _ratio_cell(o["ratio_raw"]), _fmt(rc["shots_per_s"]), _ratio_cell(o["ratio_cdp"])]
+             _ratio_cell(o["ratio_raw"]), _fmt(rc["shots_per_s"]), _ratio_cell(o["ratio_cdp"]),
+             _fmt(rs["shots_per_s"]), _ratio_cell(rs["ratio_raw"]), _ratio_cell(o["ratio_step"])]
     for p in profiles:
       b = bg.get(p, {}).get("steps_per_s", nan)
       cells += [_fmt(b, ".2f"), str(bg[p]["failures"]) if p in bg else "",

@@ -113,19 +113,51 @@ def test_gpu_benchmark_runs_end_to_end_on_the_smoke_preset(tmp_path):
 
 def test_env_throughput_combines_rounds_by_median_and_per_round_ratios():
   """Each round's ratio is ours over that round's own ceiling (not median over median), medians per
-  column, resets summed; the table cell shows median (min-max)."""
+  column, resets summed; the raw step's bound is raw step / raw per round; the table cell shows
+  median (min-max)."""
   from benchmarks.env_throughput import _ratio_cell, combine_rounds
   rounds = [({"steps_per_s": 60.0, "steps": 480, "resets": 10, "p50_ms": 200.0}, {"shots_per_s": 100.0},
-             {"shots_per_s": 200.0}),
+             {"shots_per_s": 200.0}, {"shots_per_s": 50.0}),
             ({"steps_per_s": 80.0, "steps": 640, "resets": 12, "p50_ms": 150.0}, {"shots_per_s": 200.0},
-             {"shots_per_s": 320.0}),
+             {"shots_per_s": 320.0}, {"shots_per_s": 160.0}),
             ({"steps_per_s": 70.0, "steps": 560, "resets": 11, "p50_ms": 170.0}, {"shots_per_s": 125.0},
-             {"shots_per_s": 0.0})]  # a failed CDP ceiling gives no ratio
-  o, r, rc = combine_rounds(rounds)
+             {"shots_per_s": 0.0}, {"shots_per_s": 100.0})]  # a failed CDP ceiling gives no ratio
+  o, r, rc, rs = combine_rounds(rounds)
   assert o["steps_per_s"] == 70.0 and o["p50_ms"] == 170.0 and o["resets"] == 33 and o["steps"] == 1680
-  assert r["shots_per_s"] == 125.0 and rc["shots_per_s"] == 200.0
+  assert r["shots_per_s"] == 125.0 and rc["shots_per_s"] == 200.0 and rs["shots_per_s"] == 100.0
   assert o["ratio_raw"] == [0.4, 0.56, 0.6]  # 80/200, 70/125, 60/100
   assert o["ratio_cdp"] == [0.25, 0.3]
+  assert o["ratio_step"] == [0.5, 0.7, 1.2]  # 80/160, 70/100, 60/50
+  assert rs["ratio_raw"] == [0.5, 0.8, 0.8]  # 50/100, 160/200, 100/125
   assert _ratio_cell(o["ratio_raw"]) == "0.56 (0.40-0.60)" and _ratio_cell([0.5]) == "0.50" and _ratio_cell([]) == "-"
+  o3, _, _ = combine_rounds([x[:3] for x in rounds])  # without a raw step: no step ratio
+  assert o3["ratio_raw"] == o["ratio_raw"] and "ratio_step" not in o3
   with pytest.raises(ValueError):
     combine_rounds([])
+  with pytest.raises(ValueError, match="lengths"):
+    combine_rounds([rounds[0], rounds[1][:3]])
+
+
+def test_page_call_cost_sorts_processes_and_compares_each_round_with_its_capture():
+  """CPU goes to the column of the process's Chromium --type (or driver / this process); each
+  variant's ratio is taken against the capture of its own round, then the median over rounds."""
+  import os
+
+  from benchmarks.page_call_cost import process_kind, summarise
+  shell = "/usr/lib/chromium/chromium-headless-shell"
+  assert process_kind([shell, "--no-sandbox"], 10, 99) == "browser"
+  assert process_kind([shell, "--type=renderer", "--lang=en-US"], 11, 99) == "renderer"
+  assert process_kind([shell, "--type=gpu-process"], 12, 99) == "gpu"
+  assert process_kind([shell, "--type=utility", "--utility-sub-type=network.mojom.NetworkService"], 13, 99) == "other"
+  assert process_kind(["node", "cli.js", "run-driver"], 99, 99) == "driver"
+  assert process_kind(["python"], os.getpid(), 99) == "python"
+  assert process_kind(["bash"], 14, 99) is None
+  rounds = [{"capture": {"ops_per_s": 400.0, "total": 5.0}, "step": {"ops_per_s": 130.0, "total": 15.0}},
+            {"capture": {"ops_per_s": 300.0, "total": 6.0}, "step": {"ops_per_s": 150.0, "total": 12.0}},
+            {"capture": {"ops_per_s": 350.0, "total": 4.0}, "step": {"ops_per_s": 140.0, "total": 14.0}}]
+  t = summarise(rounds)
+  assert t["capture"]["ops_per_s"] == 350.0 and t["step"]["total"] == 14.0
+  assert t["step"]["vs_capture"] == 3.0  # per round 3.0, 2.0, 3.5 (median over medians would give 14/5 = 2.8)
+  assert t["capture"]["vs_capture"] == 1.0
+  with pytest.raises(ValueError):
+    summarise([])

@@ -113,6 +113,19 @@ async def ours(url: str, n: int, seconds: float, warmup_s: float) -> dict:
             "p50_ms": 1000 * lat[len(lat) // 2] if lat else float("nan")}
 
 
+async def task_page(browser, k: int):
+  """The k-th raw page: a fresh context on `TASKS[k % 4]` with the sandbox's viewport, caret style and
+  paused virtual clock, its episode started with seed 1000 * k -> (context, page)."""
+  ctx = await browser.new_context(viewport={"width": mw.WIDTH, "height": mw.HEIGHT}, device_scale_factor=1)
+  page = await ctx.new_page()
+  await page.clock.install(time=EPOCH_MS)
+  await page.clock.pause_at(EPOCH_MS + 1000)
+  await page.goto(mw.task_url(TASKS[k % len(TASKS)]))
+  await page.add_style_tag(content=mw.LOCK_VIEWPORT_CSS + HIDE_CARET_CSS)  # as the sandbox's pages
+  await page.evaluate(mw.start_script(1000 * k))
+  return ctx, page
+
+
 async def raw(n: int, seconds: float, warmup_s: float, method: str = "playwright",
               chromium: str = DEFAULT_CHROMIUM) -> dict:
   """Screenshots/s of n pages of the same tasks in one Chromium, taken concurrently (the ceiling), or
@@ -129,13 +142,7 @@ async def raw(n: int, seconds: float, warmup_s: float, method: str = "playwright
   try:
     pages = []
     for k in range(n):
-      ctx = await browser.new_context(viewport={"width": mw.WIDTH, "height": mw.HEIGHT}, device_scale_factor=1)
-      page = await ctx.new_page()
-      await page.clock.install(time=EPOCH_MS)
-      await page.clock.pause_at(EPOCH_MS + 1000)
-      await page.goto(mw.task_url(TASKS[k % len(TASKS)]))
-      await page.add_style_tag(content=mw.LOCK_VIEWPORT_CSS + HIDE_CARET_CSS)  # as the sandbox's pages
-      await page.evaluate(mw.start_script(1000 * k))
+      ctx, page = await task_page(browser, k)
       if method == "cdp":
         cdp = await ctx.new_cdp_session(page)
         pages.append(lambda cdp=cdp: cdp.send("Page.captureScreenshot", {"format": "png"}))

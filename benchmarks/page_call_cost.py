@@ -37,9 +37,8 @@ import psutil
 from playwright.async_api import async_playwright
 
 from benchmarks.command import command_line
-from benchmarks.env_throughput import STEP_MS, TASKS, random_click
+from benchmarks.env_throughput import STEP_MS, TASKS, random_click, task_page
 from envs_bridge.browser import executor, tasks
-from envs_bridge.browser import miniwob_tasks as mw
 from envs_bridge.browser import sessions as S
 from envs_bridge.launch import without_tcmalloc
 from tars_jax.agent import actions as A
@@ -103,15 +102,9 @@ async def measure(n: int, seconds: float, rounds: int, chromium: str) -> list[di
   try:
     pages = []
     for k in range(n):
-      task = TASKS[k % len(TASKS)]
-      ctx = await browser.new_context(viewport={"width": mw.WIDTH, "height": mw.HEIGHT}, device_scale_factor=1)
-      page = await ctx.new_page()
-      await page.clock.install(time=S.EPOCH_MS)
-      await page.clock.pause_at(S.EPOCH_MS + 1000)
-      await page.goto(mw.task_url(task))
-      await page.add_style_tag(content=mw.LOCK_VIEWPORT_CSS + S.HIDE_CARET_CSS)
-      await page.evaluate(mw.start_script(1000 * k))
-      pages.append((page, await ctx.new_cdp_session(page), tasks.get(task), random.Random(k), {"seed": 1000 * k}))
+      ctx, page = await task_page(browser, k)
+      pages.append((page, await ctx.new_cdp_session(page), tasks.get(TASKS[k % len(TASKS)]), random.Random(k),
+                    {"seed": 1000 * k}))
     out = []
     for _ in range(rounds):
       res = {}

@@ -358,3 +358,36 @@ def test_sdk_random_walks_parse(seed, kw):
       assert A.format_action(act) == line  # canonical spelling
   else:
     _check_parse(text, kw["actions"])
+
+
+def _before_minimising(actions):
+  """The reply automaton of `actions` as `grammar._build` has it right before `_minimise`."""
+  from tars_jax.agent import grammar as G
+  return G._prune(*G._product(*G._fsm_table(G.reply_regex(actions)), G._count_automaton(G.DELIMITER, 1)))
+
+
+def test_hashed_moore_rounds_find_the_exact_partition():
+  """The row hash changes only the cost: on the GUI grammar its partition is the exact rounds' one."""
+  from tars_jax.agent import grammar as G
+  table, _, acc = _before_minimising(ALL_ACTIONS)
+  exact, hashed = G._partition(table, acc, exact=True), G._partition(table, acc, exact=False)
+  n = int(exact.max()) + 1
+  assert 1 < n < table.shape[0]  # minimising merges states here
+  assert int(hashed.max()) + 1 == n and np.unique(np.stack([exact, hashed]), axis=1).shape[1] == n  # same classes
+
+
+def test_minimise_falls_back_to_exact_rounds_when_the_hash_collides(monkeypatch):
+  """All multipliers 1: a row's hash is the sum of its entries, so different rows collide and the
+  hashed partition merges states with different futures; `_minimise` must notice and give the exact
+  minimal automaton anyway."""
+  from tars_jax.agent import grammar as G
+  table, start, acc = _before_minimising(ALL_ACTIONS)
+  want = G._minimise(table, start, acc)
+  n_exact = int(G._partition(table, acc, exact=True).max()) + 1
+  assert want[0].shape[0] == n_exact
+  monkeypatch.setattr(G, "_ROW_HASH", np.ones_like(G._ROW_HASH))
+  assert int(G._partition(table, acc, exact=False).max()) + 1 < n_exact  # the collisions do merge states
+  got = G._minimise(table, start, acc)
+  np.testing.assert_array_equal(got[0], want[0])
+  assert got[1] == want[1]
+  np.testing.assert_array_equal(got[2], want[2])

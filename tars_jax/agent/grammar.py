@@ -57,6 +57,7 @@ import functools
 import interegular
 import numpy as np
 
+from tars_jax.agent.actions import SDK_ACTION_NAMES
 from tars_jax.agent.tokenizer import ByteTokenizer
 
 ALL_ACTIONS = ("click", "left_double", "right_single", "drag", "hotkey", "type", "scroll", "wait",
@@ -65,9 +66,7 @@ KEYS = tuple(["ctrl", "shift", "alt", "enter", "tab", "backspace", "escape", "sp
               "right", "delete", "home", "end", "pageup", "pagedown"] + [chr(c) for c in range(97, 123)]
              + [str(d) for d in range(10)] + [f"f{i}" for i in range(1, 13)])
 DIRECTIONS = ("up", "down", "left", "right")
-# GUI-SDK functions (same names as actions.SDK_ACTION_NAMES; checked by tests/test_grammar.py).
-SDK_ACTIONS = ("run_command", "read_file", "write_file", "list_files", "search_files", "mcp_list_tools",
-               "mcp_call")
+SDK_ACTIONS = SDK_ACTION_NAMES  # GUI-SDK functions: the parser's names, one list for both
 MCP_MAX_FIELDS = 3  # fields of an mcp_call arguments object
 _MCP_KEY_BYTES = 16
 _MCP_INT_DIGITS = 6

@@ -65,11 +65,13 @@ def process_kind(cmdline: list[str], pid: int, driver_pid: int | None) -> str | 
 
 
 def cpu_by_kind(driver_pid: int | None) -> dict[str, float]:
-  """CPU seconds (user + system) so far of every process that `process_kind` names, summed per kind."""
+  """CPU seconds (user + system) so far of this process and its descendants (the driver and its
+  Chromium; not other jobs' browsers), summed per `process_kind`."""
   out: dict[str, float] = {}
-  for p in psutil.process_iter(["pid", "cmdline"]):
+  me = psutil.Process()
+  for p in [me, *me.children(recursive=True)]:
     try:
-      kind = process_kind(p.info["cmdline"] or [], p.info["pid"], driver_pid)
+      kind = process_kind(p.cmdline(), p.pid, driver_pid)
       if kind:
         t = p.cpu_times()
         out[kind] = out.get(kind, 0.0) + t.user + t.system

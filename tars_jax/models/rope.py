@@ -73,7 +73,22 @@ def mrope_cos_sin(positions: jax.Array, head_dim: int, theta: float, sections: t
     use_w = idx >= s_t + s_h
   a = jnp.where(use_h, ang[1], jnp.where(use_w, ang[2], ang[0]))
   a = jnp.concatenate([a, a], axis=-1)
-  return jnp.cos(a), jnp.sin(a)
+  return computed_once(lambda a: (jnp.cos(a), jnp.sin(a)), a)
+
+
+def computed_once(fn, x: jax.Array):
+  """fn(x), written to buffers that its users read, on XLA:CPU; plain fn(x) on other backends.
+
+  XLA:CPU fuses elementwise producers into every consumer fusion, so the cos / sin of the rotary
+  angles were recomputed inside each rotate and transpose fusion that reads them (forward and backward
+  of q and k in every layer), once per head: ~3.5 % of a train step (benchmarks/RESULTS.md, 2026-11-25).
+  A conditional's result is a buffer no fusion reaches into. Both branches are `fn`, so the predicate
+  (data-dependent, hence not folded by XLA) cannot change the result. Not on GPU / TPU, where a
+  conditional can cost a host round trip and their fusion heuristics do not duplicate transcendentals.
+  """
+  if jax.default_backend() != "cpu":
+    return fn(x)
+  return jax.lax.cond(jnp.isnan(x.reshape(-1)[0]), fn, fn, x)
 
 
 def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

@@ -67,15 +67,21 @@ def pos_interp(gh: int, gw: int, side: int, m: int) -> np.ndarray:
   return mat
 
 
-def rope_2d_cos_sin(gh: int, gw: int, head_dim: int, theta: float, m: int):
-  """cos, sin [gh*gw, head_dim] (merge-block order) of the axial 2D rotary embedding: head_dim / 4
-  frequencies per axis, laid out [rows | cols] twice (`Qwen3VLMoeVisionRotaryEmbedding`)."""
+@functools.lru_cache(maxsize=64)
+def rope_2d_cos_sin(gh: int, gw: int, head_dim: int, theta: float, m: int) -> tuple[np.ndarray, np.ndarray]:
+  """cos, sin [gh*gw, head_dim] float32 (merge-block order) of the axial 2D rotary embedding: head_dim / 4
+  frequencies per axis, laid out [rows | cols] twice (`Qwen3VLMoeVisionRotaryEmbedding`).
+
+  NumPy, so jitted code holds them as constants: computed in the graph, XLA:CPU recomputed them inside
+  every fusion that reads them (see `rope.computed_once`). Callers must not modify them (cached)."""
   quarter = head_dim // 4
-  inv = 1.0 / (theta ** (jnp.arange(quarter, dtype=jnp.float32) / quarter))
+  inv = (1.0 / (np.float32(theta) ** (np.arange(quarter, dtype=np.float32) / np.float32(quarter)))).astype(np.float32)
   row, col = block_order(gh, gw, m)
-  ang = jnp.concatenate([jnp.asarray(row)[:, None] * inv, jnp.asarray(col)[:, None] * inv], axis=-1)
-  ang = jnp.concatenate([ang, ang], axis=-1)
-  return jnp.cos(ang), jnp.sin(ang)
+  ang = np.concatenate([row[:, None].astype(np.float32) * inv, col[:, None].astype(np.float32) * inv], axis=-1)
+  ang = np.concatenate([ang, ang], axis=-1)
+  cos, sin = np.cos(ang), np.sin(ang)
+  cos.flags.writeable = sin.flags.writeable = False
+  return cos, sin
 
 
 @functools.lru_cache(maxsize=64)

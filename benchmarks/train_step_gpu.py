@@ -1,15 +1,19 @@
 r"""Train-step MFU on an accelerator (issue #3 item 6): our jitted forward + backward of a Qwen3-VL-MoE
 policy in bfloat16, its model FLOPs utilisation, and transformers in torch on the same GPU and weights.
 
-  python -m benchmarks.train_step_gpu [--preset a3b8] [--batch 8] [--seq 1024] \
+  python -m benchmarks.train_step_gpu [--preset a3b8] [--batch 4] [--seq 1024] [--remat none] \
       [--moe_impls ragged,dense,blocked,grouped] [--torch] [--json out.json]
 
 The model (`--preset a3b8`, 3.44B parameters; per token 0.45B active decoder weights + the 0.31B LM
 head): the layer shapes of Qwen3-VL-30B-A3B — text hidden 2048, 32 query / 4 KV heads of 128, experts of width 768 with top-8
 routing, vocabulary 151 936; vision hidden 1152, 16 heads, MLP 4304, patch 16, temporal patch 2,
-DeepStack — with 8 of its 48 decoder layers, 64 of its 128 experts and 8 of its 27 vision blocks, so
-that float32 parameters, gradients and a batch of 8 x 1024 tokens (one 448 x 448 image = 196 merged
-tokens per row) fit one 80 GB GPU beside torch. Layers are scanned (`scan_layers=True`).
+DeepStack — with 8 of its 48 decoder layers, 64 of its 128 experts and 8 of its 27 vision blocks; one
+448 x 448 image = 196 merged tokens per row. Layers are scanned (`scan_layers=True`). Memory, measured
+on an H200 (benchmarks/RESULTS.md, 2026-11-26): float32 parameters and gradients are 2 x 13.8 GB; our
+step's temporaries (`compiled.memory_analysis()`, the "temp GB" column) at batch 4 x 1024 are 26 GB
+(grouped), 33 GB (blocked), 42 GB (dense); at batch 8, 47 / 62 / 84 GB (dense does not fit a 141 GB
+H200 then). torch peaked at 32.5 GB (batch 4) and 50.7 GB (batch 8). Hence the default batch 4, and
+JAX may take 92 % of the GPU (torch has given its cache back before our rows run).
 
 One step = mean next-token cross-entropy over every row (positions 1..T-1) and its gradient with
 respect to every float32 parameter (vision encoder included), activations and matmuls in bfloat16
@@ -27,6 +31,9 @@ an 8192^3 bfloat16 `jnp.dot`. "XLA TFLOP" is the compiled program's own count (`
 what it executes, e.g. the dense MoE's all-experts einsum (experts / top_k x the expert FLOPs) and
 the full-square attention our einsum attention computes under the causal mask.
 Times are medians of `--repeats` steps after `--warmup` untimed ones (compilation reported apart).
+On a GPU, XLA's `cost_analysis` leaves out the matmuls it hands to cuBLAS / cuDNN (custom calls): its
+count there is far below the model FLOPs (0.4-1.5 T against 22.8 T per batch-4 step) and only the CPU
+figure is comparable.
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the device
+# torch empties its cache before our rows; the default 75 % cap left the batch-8 rows out of memory
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 
 import dataclasses
 import json
@@ -55,9 +64,10 @@ from tars_jax.models.hf_model import HFModel
 from tars_jax.models.rope import rope_positions
 
 _PRESET = flags.DEFINE_string("preset", "a3b8", "Model preset: " + ", ".join(["a3b8", "smoke"]))
-_BATCH = flags.DEFINE_integer("batch", 8, "Rows per step.")
+_BATCH = flags.DEFINE_integer("batch", 4, "Rows per step (8 fits the blocked / grouped MoE on a 141 GB H200).")
 _SEQ = flags.DEFINE_integer("seq", 1024, "Tokens per row (including one image's merged tokens).")
 _IMPLS = flags.DEFINE_list("moe_impls", ["ragged", "dense", "blocked", "grouped"], "Our MoE paths to time.")
+_REMAT = flags.DEFINE_string("remat", "none", "ModelConfig.remat of our rows: none | full | dots.")
 _TORCH = flags.DEFINE_bool("torch", True, "Also time transformers in torch (and share its weights).")
 _REPEATS = flags.DEFINE_integer("repeats", 10, "Timed steps per row (median reported).")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed steps first.")
@@ -150,7 +160,7 @@ def torch_row(path: str, ids, px, repeats: int, warmup: int) -> dict:
 
 def ours_row(model: HFModel, impl: str, batch, repeats: int, warmup: int) -> dict:
   """Times our bf16-compute train step with `moe_impl=impl` over `model`'s float32 parameters."""
-  cfg = dataclasses.replace(model.cfg, moe_impl=impl, dtype="bfloat16")
+  cfg = dataclasses.replace(model.cfg, moe_impl=impl, dtype="bfloat16", remat=_REMAT.value)
   graphdef, _ = nnx.split(nnx.eval_shape(lambda: HFModel(cfg, nnx.Rngs(0))))
   policy = nnx.merge(graphdef, nnx.state(model)).policy
   gd, params = nnx.split(policy)
@@ -160,10 +170,12 @@ def ours_row(model: HFModel, impl: str, batch, repeats: int, warmup: int) -> dic
   compile_s = time.perf_counter() - t0
   cost = compiled.cost_analysis()
   xla_flops = float((cost[0] if isinstance(cost, list) else cost).get("flops", float("nan")))
+  mem = compiled.memory_analysis()  # the step's own buffers (peak_bytes_in_use is the process's maximum so far)
+  temp_gb = getattr(mem, "temp_size_in_bytes", float("nan")) / 2 ** 30
   (loss, grads), t = timed(lambda: jax.block_until_ready(compiled(params, *batch)), warmup, repeats)
   stats = jax.devices()[0].memory_stats() or {}
   return dict(name=f"ours {impl}", seconds=t, compile_s=compile_s, loss=float(loss), xla_flops=xla_flops,
-              peak_mem_gb=stats.get("peak_bytes_in_use", float("nan")) / 2 ** 30)
+              temp_gb=temp_gb, peak_mem_gb=stats.get("peak_bytes_in_use", float("nan")) / 2 ** 30)
 
 
 def main(argv):
@@ -200,6 +212,15 @@ def main(argv):
     else:
       model = nnx.jit(lambda: HFModel(cfg, nnx.Rngs(0)))()
   n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+  def write_json(rows):
+    if _JSON.value:
+      with open(_JSON.value, "w") as f:
+        json.dump(dict(device=dev.device_kind, preset=_PRESET.value, config=cfg.to_dict(), batch=b, seq=seq,
+                       params=n_params, model_flops_per_step=model_flops, peak_datasheet=peak_ds,
+                       peak_measured=peak_mm, remat=_REMAT.value, jax=jax.__version__, rows=rows), f, indent=1, default=str)
+
+  write_json(rows)
   toks = jnp.asarray(ids, jnp.int32)
   mask = jnp.ones(toks.shape, bool)
   pos = rope_positions(toks, mask, cfg.image_token_id, cfg.merged_grid)
@@ -210,6 +231,7 @@ def main(argv):
     except Exception as e:  # noqa: BLE001 - e.g. out of memory for the dense MoE: report and go on
       rows.append(dict(name=f"ours {impl}", error=f"{type(e).__name__}: {str(e)[:300]}"))
     print(f"[bench] {rows[-1]}", flush=True)
+    write_json(rows)  # each row as it lands: a run cut off at its time limit keeps what it measured
 
   tokens = b * seq
   torch_s = next((r["seconds"] for r in rows if r["name"].startswith("torch") and "seconds" in r), None)
@@ -217,9 +239,10 @@ def main(argv):
         f"{_PRESET.value}: {n_params / 1e9:.2f}B params, {flops.active_decoder_params_per_token(cfg) / 1e9:.2f}B "
         f"active decoder params/token; batch {b} x {seq} tokens (one {cfg.image_h}x{cfg.image_w} image = {n_img} "
         f"tokens/row); model FLOPs/step {model_flops / 1e12:.1f} T; peak bf16: datasheet "
-        f"{(peak_ds or float('nan')) / 1e12:.0f}, measured {peak_mm / 1e12:.0f} TFLOP/s; jax {jax.__version__}")
+        f"{(peak_ds or float('nan')) / 1e12:.0f}, measured {peak_mm / 1e12:.0f} TFLOP/s; remat {_REMAT.value}; "
+        f"jax {jax.__version__}")
   print(f"{'row':>22} {'step ms':>8} {'tokens/s':>9} {'TFLOP/s':>8} {'MFU ds':>7} {'MFU meas':>8} "
-        f"{'vs torch':>8} {'XLA TFLOP':>9} {'compile s':>9} {'loss':>9} {'peak GB':>7}")
+        f"{'vs torch':>8} {'XLA TFLOP':>9} {'compile s':>9} {'loss':>9} {'peak GB':>7} {'temp GB':>7}")
   for r in rows:
     if "error" in r:
       print(f"{r['name']:>22}  failed: {r['error']}")
@@ -233,12 +256,8 @@ def main(argv):
     xf = f"{r['xla_flops'] / 1e12:.1f}" if "xla_flops" in r else "-"
     cs = f"{r.get('compile_s', r.get('first_call_s', 0)):.1f}"
     print(f"{r['name']:>22} {1e3 * s:>8.1f} {tokens / s:>9.0f} {ach / 1e12:>8.1f} {mfu_ds:>7} "
-          f"{100 * r['mfu_measured_peak']:>7.1f}% {vs:>8} {xf:>9} {cs:>9} {r['loss']:>9.5f} {r['peak_mem_gb']:>7.1f}")
-  if _JSON.value:
-    with open(_JSON.value, "w") as f:
-      json.dump(dict(device=dev.device_kind, preset=_PRESET.value, config=cfg.to_dict(), batch=b, seq=seq,
-                     params=n_params, model_flops_per_step=model_flops, peak_datasheet=peak_ds,
-                     peak_measured=peak_mm, jax=jax.__version__, rows=rows), f, indent=1, default=str)
+          f"{100 * r['mfu_measured_peak']:>7.1f}% {vs:>8} {xf:>9} {cs:>9} {r['loss']:>9.5f} {r['peak_mem_gb']:>7.1f} {r.get('temp_gb', float('nan')):>7.1f}")
+  write_json(rows)
 
 
 if __name__ == "__main__":

@@ -89,7 +89,8 @@ def test_gpu_benchmark_preset_and_peaks():
 def test_gpu_benchmark_runs_end_to_end_on_the_smoke_preset(tmp_path):
   """`benchmarks/train_step_gpu.py --preset smoke` on the CPU: transformers builds and saves the
   weights, both sides train on them, and the JSON it writes says the two sides computed the same loss
-  (bfloat16 compute: within 1e-2) with the model FLOPs of `tars_jax.models.flops`."""
+  (bfloat16 compute: within 1e-2) with the model FLOPs of `tars_jax.models.flops`, and our rows report
+  their compiled step's temporaries."""
   import json
   import subprocess
   import sys
@@ -108,6 +109,7 @@ def test_gpu_benchmark_runs_end_to_end_on_the_smoke_preset(tmp_path):
   for name in ("ours ragged", "ours grouped"):
     assert abs(rows[name]["loss"] - torch_loss) < 1e-2, (name, rows[name]["loss"], torch_loss)
     assert rows[name]["mfu_measured_peak"] > 0 and rows[name]["xla_flops"] > 0
+    assert rows[name]["temp_gb"] > 0  # the step's own buffers, from compiled.memory_analysis()
   assert res["model_flops_per_step"] == flops.forward_flops(bench_config("smoke"), 2, 64, images_per_row=1).train_step
 
 

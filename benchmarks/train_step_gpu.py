@@ -12,8 +12,9 @@ DeepStack — with 8 of its 48 decoder layers, 64 of its 128 experts and 8 of it
 on an H200 (benchmarks/RESULTS.md, 2026-11-26): float32 parameters and gradients are 2 x 13.8 GB; our
 step's temporaries (`compiled.memory_analysis()`, the "temp GB" column) at batch 4 x 1024 are 26 GB
 (grouped), 33 GB (blocked), 42 GB (dense); at batch 8, 47 / 62 / 84 GB (dense does not fit a 141 GB
-H200 then). torch peaked at 32.5 GB (batch 4) and 50.7 GB (batch 8). Hence the default batch 4, and
-JAX may take 92 % of the GPU (torch has given its cache back before our rows run).
+H200 then); with `--remat full` 5.4 (blocked) / 7.4 GB (dense) at batch 8, for 3.5 % more step time.
+torch peaked at 32.5 GB (batch 4) and 50.7 GB (batch 8). Hence the default batch 4, and JAX may take
+92 % of the GPU (torch has given its cache back before our rows run).
 
 One step = mean next-token cross-entropy over every row (positions 1..T-1) and its gradient with
 respect to every float32 parameter (vision encoder included), activations and matmuls in bfloat16

@@ -54,6 +54,31 @@ def allocator() -> str:
     return "tcmalloc" if "libtcmalloc" in f.read() else "glibc"
 
 
+def host_bandwidth(mb: int = 40, rounds: int = 20) -> tuple[float, float]:
+  """(one-thread, two-thread) memory read bandwidth of this host in GB/s right now: NumPy sums of a
+  `mb`-MB float64 array (larger than the caches). For table headers: on the shared VM it has ranged
+  from 24 / 30 (2026-11-24) to 10 / 16.5 GB/s (2026-11-26), and the batch-16 decode, which streams
+  every expert's weights each step, moves with it more than transformers does."""
+  import threading
+  a = np.ones(mb * 2 ** 20 // 8)
+  a.sum()
+
+  def read():
+    for _ in range(rounds):
+      a.sum()
+
+  def rate(threads: int) -> float:
+    ts = [threading.Thread(target=read) for _ in range(threads)]
+    t0 = time.perf_counter()
+    for t in ts:
+      t.start()
+    for t in ts:
+      t.join()
+    return threads * rounds * a.nbytes / (time.perf_counter() - t0) / 1e9
+
+  return rate(1), rate(2)
+
+
 def overrides(moe_impl: str | None) -> dict:
   """`ModelConfig` overrides for `hf_io.load_pretrained`: `moe_impl` when given (the MoE compute path,
   a field the scaling work adds; None keeps the config's default). Raises ValueError when the installed

@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from benchmarks.bench_model import allocator, best_time, hf_model, image_processor, moe_impl_name, overrides, torch_kernels
+from benchmarks.bench_model import (allocator, best_time, hf_model, host_bandwidth, image_processor, moe_impl_name,
+                                    overrides, torch_kernels)
 from tars_jax.agent.tokenizer import BOS, IMAGE, PAD, VISION_END, VISION_START
 from tars_jax.models import hf_io, sampler
 
@@ -68,7 +69,8 @@ def main(argv):
       rows.append((moe_impl_name(ours.cfg), b, b * n / t_ours, b * n / t_hf, t_hf / t_ours, same))
   print(f"\ngreedy decode, {n_params / 1e6:.1f}M params (qwen3_vl_moe), prompt {len(prompt)} tokens incl. "
         f"one 112x112 image, {n} new tokens, {jax.devices()[0].platform}, "
-        f"torch threads {torch.get_num_threads()}, malloc {allocator()}, transformers {torch_kernels(hf)}")
+        f"torch threads {torch.get_num_threads()}, malloc {allocator()}, transformers {torch_kernels(hf)}, "
+        "host read bandwidth {:.1f} / {:.1f} GB/s (1 / 2 threads)".format(*host_bandwidth()))
   print(f"{'our MoE':>8} {'batch':>5} {'ours tok/s':>11} {'transformers tok/s':>19} {'ratio':>6} {'same tokens':>12}")
   for impl, b, ours_tps, hf_tps, ratio, same in rows:
     print(f"{impl:>8} {b:>5} {ours_tps:>11.1f} {hf_tps:>19.1f} {ratio:>5.2f}x {str(same):>12}")

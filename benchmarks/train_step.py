@@ -35,8 +35,8 @@ import numpy as np
 import torch
 from flax import nnx
 
-from benchmarks.bench_model import (IMAGE_HW, allocator, hf_model, image_processor, lm_loss, make_batch, moe_impl_name,
-                                    overrides, torch_kernels)
+from benchmarks.bench_model import (IMAGE_HW, allocator, hf_model, host_bandwidth, image_processor, lm_loss, make_batch,
+                                    moe_impl_name, overrides, torch_kernels)
 from tars_jax.agent.tokenizer import IMAGE
 from tars_jax.models import hf_io
 from tars_jax.models.rope import rope_positions
@@ -96,7 +96,7 @@ def main(argv):
         f"{seq} tokens/row incl. one {IMAGE_HW}x{IMAGE_HW} image; median of {_REPEATS.value} interleaved rounds after "
         f"{_WARMUP.value} warm-up; {jax.devices()[0].platform} ({os.cpu_count()} cores visible), "
         f"torch threads {torch.get_num_threads()}, XLA_FLAGS {xla}, malloc {allocator()}, transformers "
-        f"{torch_kernels(hf)}")
+        f"{torch_kernels(hf)}, host read bandwidth " + "{:.1f} / {:.1f} GB/s (1 / 2 threads)".format(*host_bandwidth()))
   print(f"{'batch':>5} {'model':>10} {'tokens/s':>9} {'vs torch':>9} {'loss':>10} {'grad norm':>11}", flush=True)
   for b in (int(x) for x in _BATCHES.value):
     ids, images = make_batch(rng, b, seq)

@@ -79,7 +79,10 @@ class ModelConfig:
   else a `lax.while_loop` over the chunks each expert's group really needs, with a hand-written
   backward (`grouped_mlp.py`): no padding to a static bound, no weight gathers; the fastest train
   step and (by its prefill) the fastest decode on CPU; a single-device / data-parallel path: under
-  expert parallelism every chunk's dynamic weight index gathers the expert, use "ragged" there);
+  expert parallelism every chunk's dynamic weight index gathers the expert, use "ragged" there).
+  On a GPU the ranking inverts: "blocked" / "dense" are the fast train steps (1.5-1.6x transformers
+  on an H200), "grouped" 0.74x and "ragged" 0.38x of transformers, and `remat = "full"` cuts the step's
+  temporaries ~11x for ~3.5 % of its time (benchmarks/RESULTS.md, 2026-11-26);
   `moe_capacity_factor` (ragged only; None = dropless): at most ceil(factor * tokens * top_k /
   experts) assignments per expert, the rest dropped and counted (`Policy(..., moe_stats=True)`;
   the trainer logs `train/moe_dropped_frac`).

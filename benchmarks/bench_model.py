@@ -54,11 +54,12 @@ def allocator() -> str:
     return "tcmalloc" if "libtcmalloc" in f.read() else "glibc"
 
 
-def host_bandwidth(mb: int = 40, rounds: int = 20) -> tuple[float, float]:
-  """(one-thread, two-thread) memory read bandwidth of this host in GB/s right now: NumPy sums of a
-  `mb`-MB float64 array (larger than the caches). For table headers: on the shared VM it has ranged
-  from 24 / 30 (2026-11-24) to 10 / 16.5 GB/s (2026-11-26), and the batch-16 decode, which streams
-  every expert's weights each step, moves with it more than transformers does."""
+def host_bandwidth(mb: int = 40, rounds: int = 20) -> str:
+  """This host's memory read bandwidth right now, for table headers ("host read bandwidth 10.0 / 16.5
+  GB/s (1 / 2 threads)"): NumPy sums of a `mb`-MB float64 array (larger than the caches) from one and
+  from two threads. On the shared VM it has ranged from 24 / 30 (2026-11-24) to 10 / 16.5 GB/s
+  (2026-11-26), and the batch-16 decode, which streams every expert's weights each step, moves with it
+  more than transformers does."""
   import threading
   a = np.ones(mb * 2 ** 20 // 8)
   a.sum()
@@ -76,7 +77,7 @@ def host_bandwidth(mb: int = 40, rounds: int = 20) -> tuple[float, float]:
       t.join()
     return threads * rounds * a.nbytes / (time.perf_counter() - t0) / 1e9
 
-  return rate(1), rate(2)
+  return f"host read bandwidth {rate(1):.1f} / {rate(2):.1f} GB/s (1 / 2 threads)"
 
 
 def overrides(moe_impl: str | None) -> dict:

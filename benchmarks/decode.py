@@ -70,7 +70,7 @@ def main(argv):
   print(f"\ngreedy decode, {n_params / 1e6:.1f}M params (qwen3_vl_moe), prompt {len(prompt)} tokens incl. "
         f"one 112x112 image, {n} new tokens, {jax.devices()[0].platform}, "
         f"torch threads {torch.get_num_threads()}, malloc {allocator()}, transformers {torch_kernels(hf)}, "
-        "host read bandwidth {:.1f} / {:.1f} GB/s (1 / 2 threads)".format(*host_bandwidth()))
+        f"{host_bandwidth()}")
   print(f"{'our MoE':>8} {'batch':>5} {'ours tok/s':>11} {'transformers tok/s':>19} {'ratio':>6} {'same tokens':>12}")
   for impl, b, ours_tps, hf_tps, ratio, same in rows:
     print(f"{impl:>8} {b:>5} {ours_tps:>11.1f} {hf_tps:>19.1f} {ratio:>5.2f}x {str(same):>12}")

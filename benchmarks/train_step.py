@@ -96,7 +96,7 @@ def main(argv):
         f"{seq} tokens/row incl. one {IMAGE_HW}x{IMAGE_HW} image; median of {_REPEATS.value} interleaved rounds after "
         f"{_WARMUP.value} warm-up; {jax.devices()[0].platform} ({os.cpu_count()} cores visible), "
         f"torch threads {torch.get_num_threads()}, XLA_FLAGS {xla}, malloc {allocator()}, transformers "
-        f"{torch_kernels(hf)}, host read bandwidth " + "{:.1f} / {:.1f} GB/s (1 / 2 threads)".format(*host_bandwidth()))
+        f"{torch_kernels(hf)}, {host_bandwidth()}")
   print(f"{'batch':>5} {'model':>10} {'tokens/s':>9} {'vs torch':>9} {'loss':>10} {'grad norm':>11}", flush=True)
   for b in (int(x) for x in _BATCHES.value):
     ids, images = make_batch(rng, b, seq)

@@ -13,6 +13,7 @@ import torch
 from flax import nnx
 
 from tars_jax.agent.tokenizer import BOS, IMAGE, VISION_END, VISION_START
+from tars_jax.models.config import ModelConfig
 
 
 def hf_model():
@@ -86,7 +87,6 @@ def overrides(moe_impl: str | None) -> dict:
   `ModelConfig` has no such field."""
   import dataclasses
 
-  from tars_jax.models.config import ModelConfig
   if moe_impl is None:
     return {}
   if "moe_impl" not in {f.name for f in dataclasses.fields(ModelConfig)}:
@@ -136,3 +136,24 @@ def lm_loss(params, graphdef, tokens, positions, mask, pixels):
   logits, _ = policy(tokens, positions, mask, pixels)
   logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
   return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+
+
+# Model presets of the accelerator benchmarks (`train_step_gpu.py`, `train_step_memory.py`).
+PRESETS = {
+    # Qwen3-VL-30B-A3B layer shapes; 8 of 48 layers, 64 of 128 experts, 8 of 27 vision blocks.
+    "a3b8": dict(vocab_size=151936, hidden=2048, layers=8, heads=32, kv_heads=4, head_dim=128, experts=64,
+                 top_k=8, moe_intermediate=768, dense_intermediate=6144, rope_theta=5e6, mrope_section=(24, 20, 20),
+                 patch_size=16, temporal_patch_size=2, vision_hidden=1152, vision_depth=8, vision_heads=16,
+                 vision_mlp=4304, deepstack_visual_indexes=(2, 4, 6), image_h=448, image_w=448),
+    # a few seconds on a CPU: checks the script end to end
+    "smoke": dict(vocab_size=1024, hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32, experts=8, top_k=2,
+                  moe_intermediate=128, patch_size=16, temporal_patch_size=2, vision_hidden=64, vision_depth=2,
+                  vision_heads=2, vision_mlp=128, deepstack_visual_indexes=(0,), image_h=64, image_w=64),
+}
+
+
+def bench_config(preset: str, **overrides) -> ModelConfig:
+  """The preset's `ModelConfig` (scanned layers); raises KeyError naming the known presets."""
+  if preset not in PRESETS:
+    raise KeyError(f"unknown preset {preset!r}; known: {list(PRESETS)}")
+  return ModelConfig(**{**PRESETS[preset], "scan_layers": True, **overrides})

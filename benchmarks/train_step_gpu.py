@@ -2,7 +2,7 @@ r"""Train-step MFU on an accelerator (issue #3 item 6): our jitted forward + bac
 policy in bfloat16, its model FLOPs utilisation, and transformers in torch on the same GPU and weights.
 
   python -m benchmarks.train_step_gpu [--preset a3b8] [--batch 4] [--seq 1024] [--remat none] \
-      [--moe_impls ragged,dense,blocked,grouped] [--torch] [--json out.json]
+      [--attention_impl einsum] [--moe_impls ragged,dense,blocked,grouped] [--torch] [--json out.json]
 
 The model (`--preset a3b8`, 3.44B parameters; per token 0.45B active decoder weights + the 0.31B LM
 head): the layer shapes of Qwen3-VL-30B-A3B — text hidden 2048, 32 query / 4 KV heads of 128, experts of width 768 with top-8
@@ -57,18 +57,19 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from benchmarks.bench_model import image_processor, torch_kernels
+from benchmarks.bench_model import PRESETS, bench_config, image_processor, torch_kernels
 from benchmarks.bench_model import lm_loss, make_batch
 from tars_jax.agent.tokenizer import IMAGE
-from tars_jax.models import ModelConfig, flops, hf_io
+from tars_jax.models import flops, hf_io
 from tars_jax.models.hf_model import HFModel
 from tars_jax.models.rope import rope_positions
 
-_PRESET = flags.DEFINE_string("preset", "a3b8", "Model preset: " + ", ".join(["a3b8", "smoke"]))
+_PRESET = flags.DEFINE_string("preset", "a3b8", "Model preset: " + ", ".join(PRESETS))
 _BATCH = flags.DEFINE_integer("batch", 4, "Rows per step (8 fits the blocked / grouped MoE on a 141 GB H200).")
 _SEQ = flags.DEFINE_integer("seq", 1024, "Tokens per row (including one image's merged tokens).")
 _IMPLS = flags.DEFINE_list("moe_impls", ["ragged", "dense", "blocked", "grouped"], "Our MoE paths to time.")
 _REMAT = flags.DEFINE_string("remat", "none", "ModelConfig.remat of our rows: none | full | dots.")
+_ATTN = flags.DEFINE_string("attention_impl", "einsum", "ModelConfig.attention_impl of our rows: einsum | recompute.")
 _TORCH = flags.DEFINE_bool("torch", True, "Also time transformers in torch (and share its weights).")
 _REPEATS = flags.DEFINE_integer("repeats", 10, "Timed steps per row (median reported).")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed steps first.")
@@ -76,26 +77,6 @@ _JSON = flags.DEFINE_string("json", None, "Write the table as JSON here.")
 
 # Dense bfloat16 tensor-core peak of the SXM parts, datasheet (FLOP/s).
 DATASHEET_BF16 = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12, "B200": 2250e12}
-
-PRESETS = {
-    # Qwen3-VL-30B-A3B layer shapes; 8 of 48 layers, 64 of 128 experts, 8 of 27 vision blocks.
-    "a3b8": dict(vocab_size=151936, hidden=2048, layers=8, heads=32, kv_heads=4, head_dim=128, experts=64,
-                 top_k=8, moe_intermediate=768, dense_intermediate=6144, rope_theta=5e6, mrope_section=(24, 20, 20),
-                 patch_size=16, temporal_patch_size=2, vision_hidden=1152, vision_depth=8, vision_heads=16,
-                 vision_mlp=4304, deepstack_visual_indexes=(2, 4, 6), image_h=448, image_w=448),
-    # a few seconds on a CPU: checks the script end to end
-    "smoke": dict(vocab_size=1024, hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32, experts=8, top_k=2,
-                  moe_intermediate=128, patch_size=16, temporal_patch_size=2, vision_hidden=64, vision_depth=2,
-                  vision_heads=2, vision_mlp=128, deepstack_visual_indexes=(0,), image_h=64, image_w=64),
-}
-
-
-def bench_config(preset: str, **overrides) -> ModelConfig:
-  """The preset's `ModelConfig` (scanned layers); raises KeyError naming the known presets."""
-  if preset not in PRESETS:
-    raise KeyError(f"unknown preset {preset!r}; known: {list(PRESETS)}")
-  return ModelConfig(**{**PRESETS[preset], "scan_layers": True, **overrides})
-
 
 def datasheet_peak(device_kind: str) -> float | None:
   """Dense bf16 FLOP/s of a device by its `device_kind` (e.g. 'NVIDIA H100 80GB HBM3'), None if unknown."""
@@ -161,7 +142,8 @@ def torch_row(path: str, ids, px, repeats: int, warmup: int) -> dict:
 
 def ours_row(model: HFModel, impl: str, batch, repeats: int, warmup: int) -> dict:
   """Times our bf16-compute train step with `moe_impl=impl` over `model`'s float32 parameters."""
-  cfg = dataclasses.replace(model.cfg, moe_impl=impl, dtype="bfloat16", remat=_REMAT.value)
+  cfg = dataclasses.replace(model.cfg, moe_impl=impl, dtype="bfloat16", remat=_REMAT.value,
+                            attention_impl=_ATTN.value)
   graphdef, _ = nnx.split(nnx.eval_shape(lambda: HFModel(cfg, nnx.Rngs(0))))
   policy = nnx.merge(graphdef, nnx.state(model)).policy
   gd, params = nnx.split(policy)
@@ -219,7 +201,7 @@ def main(argv):
       with open(_JSON.value, "w") as f:
         json.dump(dict(device=dev.device_kind, preset=_PRESET.value, config=cfg.to_dict(), batch=b, seq=seq,
                        params=n_params, model_flops_per_step=model_flops, peak_datasheet=peak_ds,
-                       peak_measured=peak_mm, remat=_REMAT.value, jax=jax.__version__, rows=rows), f, indent=1, default=str)
+                       peak_measured=peak_mm, remat=_REMAT.value, attention_impl=_ATTN.value, jax=jax.__version__, rows=rows), f, indent=1, default=str)
 
   write_json(rows)
   toks = jnp.asarray(ids, jnp.int32)
@@ -240,7 +222,7 @@ def main(argv):
         f"{_PRESET.value}: {n_params / 1e9:.2f}B params, {flops.active_decoder_params_per_token(cfg) / 1e9:.2f}B "
         f"active decoder params/token; batch {b} x {seq} tokens (one {cfg.image_h}x{cfg.image_w} image = {n_img} "
         f"tokens/row); model FLOPs/step {model_flops / 1e12:.1f} T; peak bf16: datasheet "
-        f"{(peak_ds or float('nan')) / 1e12:.0f}, measured {peak_mm / 1e12:.0f} TFLOP/s; remat {_REMAT.value}; "
+        f"{(peak_ds or float('nan')) / 1e12:.0f}, measured {peak_mm / 1e12:.0f} TFLOP/s; remat {_REMAT.value}, attention {_ATTN.value}; "
         f"jax {jax.__version__}")
   print(f"{'row':>22} {'step ms':>8} {'tokens/s':>9} {'TFLOP/s':>8} {'MFU ds':>7} {'MFU meas':>8} "
         f"{'vs torch':>8} {'XLA TFLOP':>9} {'compile s':>9} {'loss':>9} {'peak GB':>7} {'temp GB':>7}")

@@ -74,7 +74,8 @@ def test_reported_command_says_how_it_was_run():
 def test_gpu_benchmark_preset_and_peaks():
   """The MFU benchmark's model is what its docstring says (3.44B parameters, 196 image tokens per
   448x448 image) and its peak table finds the GPU by `device_kind`."""
-  from benchmarks.train_step_gpu import bench_config, datasheet_peak
+  from benchmarks.bench_model import bench_config
+  from benchmarks.train_step_gpu import datasheet_peak
   from tars_jax.models.hf_model import HFModel
   cfg = bench_config("a3b8")
   model = nnx.eval_shape(lambda: HFModel(cfg, nnx.Rngs(0)))
@@ -94,7 +95,7 @@ def test_gpu_benchmark_runs_end_to_end_on_the_smoke_preset(tmp_path):
   import json
   import subprocess
   import sys
-  from benchmarks.train_step_gpu import bench_config
+  from benchmarks.bench_model import bench_config
   from tars_jax.models import flops
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   out = tmp_path / "mfu.json"
@@ -163,3 +164,22 @@ def test_page_call_cost_sorts_processes_and_compares_each_round_with_its_capture
   assert t["capture"]["vs_capture"] == 1.0
   with pytest.raises(ValueError):
     summarise([])
+
+
+def test_train_step_memory_counts_parameters_and_batch():
+  """`benchmarks/train_step_memory.step_memory` on the smoke preset: the compiled step's argument bytes
+  are the float32 parameters plus the batch arrays (counted here from the abstract model), its outputs
+  the loss plus one float32 gradient per parameter, and a "recompute" attention keeps no more
+  temporaries than "einsum"."""
+  from benchmarks.bench_model import bench_config
+  from benchmarks.train_step_memory import step_memory
+  b, t = 2, 64
+  cfg = bench_config("smoke", dtype="bfloat16")
+  leaves = jax.tree.leaves(nnx.state(nnx.eval_shape(lambda: Policy(cfg, nnx.Rngs(0)))))
+  n_params = sum(x.size for x in leaves)
+  batch = b * t * 4 + b * t + 3 * b * t * 4 + b * cfg.image_h * cfg.image_w * 3 * 4  # ids, mask, positions, pixels
+  m = {impl: step_memory(dataclasses.replace(cfg, attention_impl=impl), b, t) for impl in ("einsum", "recompute")}
+  assert m["einsum"]["args"] == 4 * n_params + batch
+  # outputs: the loss and the gradients, plus XLA's tuple index tables (8-byte pointers per element)
+  assert 4 * n_params + 4 <= m["einsum"]["out"] <= 4 * n_params + 4 + 8 * (len(leaves) + 2)
+  assert 0 < m["recompute"]["temp"] <= m["einsum"]["temp"]

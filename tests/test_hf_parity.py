@@ -156,6 +156,57 @@ def test_padded_batch_and_policy_api(pair):
   assert err <= ATOL, err
 
 
+@pytest.mark.parametrize("attention_impl", ["einsum", "recompute"])
+def test_gradients_match_torch_autograd(pair, attention_impl):
+  """The train step's gradients: the mean next-token cross-entropy over real tokens of a left-padded
+  batch with images, differentiated by JAX (our `Policy`, both attention cores: autodiff through the
+  einsum softmax, and the custom VJP that recomputes the probabilities) and by torch autograd
+  (transformers' model, same weights): every parameter's gradient, vision encoder included, within
+  1e-4 of the largest gradient entry of its tensor."""
+  import dataclasses
+  from flax import nnx
+  from tars_jax.models.hf_model import HFModel
+  hf, ours, _ = pair
+  rng = np.random.default_rng(6)
+  ids, mask, pix, grid, images = _inputs(pair, rng, [[(56, 84)], [(56, 84)], [(56, 84)]], text_len=(2, 12))
+  assert len(set(mask.sum(1))) > 1
+  keep = (mask[:, 1:] * mask[:, :-1]).astype(np.float32)  # next-token targets inside the real tokens
+
+  hf.zero_grad(set_to_none=True)
+  logits = hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), pixel_values=torch.tensor(pix),
+              image_grid_thw=torch.tensor(grid), mm_token_type_ids=torch.tensor((ids == IMAGE).astype(np.int64))).logits
+  logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, torch.tensor(ids[:, 1:, None])).squeeze(-1)
+  want_loss = -(logp * torch.tensor(keep)).sum() / keep.sum()
+  want_loss.backward()
+  want = {n: p.grad.numpy() for n, p in hf.named_parameters() if p.grad is not None}
+
+  cfg = dataclasses.replace(ours.cfg, attention_impl=attention_impl)
+  graphdef, _ = nnx.split(nnx.eval_shape(lambda: HFModel(cfg, nnx.Rngs(0))))
+  model = nnx.merge(graphdef, nnx.state(ours))
+  gd, params = nnx.split(model.policy)
+  toks, m = jnp.asarray(ids, jnp.int32), jnp.asarray(mask, bool)
+  pos = rope_positions(toks, m, IMAGE, cfg.merged_grid)
+  imgs = jnp.asarray(np.stack(images)[:, None] / 255.0, jnp.float32)
+
+  def loss(params):
+    logits, _ = nnx.merge(gd, params)(toks, pos, m, imgs)
+    lp = jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1], -1), toks[:, 1:, None], -1)[..., 0]
+    return -jnp.sum(lp * keep) / keep.sum()
+
+  got_loss, grads = jax.jit(jax.value_and_grad(loss))(params)
+  np.testing.assert_allclose(float(got_loss), float(want_loss.detach()), rtol=1e-5)
+  flat = {("policy",) + tuple(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(grads)}
+  checked = 0
+  for spec in hf_io.tensor_map(nnx.state(model, nnx.Param), cfg.temporal_patch_size, cfg.family):
+    if spec.hf_name not in want:
+      continue  # no gradient in torch either (e.g. an unused position table row set)
+    g, w = spec.to_hf(flat[spec.path]), want[spec.hf_name]
+    scale = float(np.abs(w).max())
+    assert np.abs(g - w).max() <= 1e-4 * max(scale, 1e-3), (spec.hf_name, float(np.abs(g - w).max()), scale)
+    checked += 1
+  assert checked >= 0.9 * len(want), (checked, len(want))
+
+
 @pytest.mark.slow
 def hf_greedy(hf, ids, mask, pix, grid, n: int) -> np.ndarray:
   """transformers `generate`: n greedy tokens [B, n] after the prompts; asserts every step's top-2

@@ -31,6 +31,10 @@ REMAT_POLICIES = ("none", "full", "dots")
 # (blocked's decode paths; for many rows a while loop over exact per-expert chunks: the fastest CPU
 # train step, and with its faster prefill the fastest CPU decode).
 MOE_IMPLS = ("dense", "ragged", "blocked", "grouped")
+# Attention core (`attention.py`): "einsum" (autodiff saves every layer's [B, H, L, S] scores and
+# probabilities) or "recompute" (custom VJP: saves the output and a log-sum-exp, recomputes the
+# probabilities in the backward).
+ATTENTION_IMPLS = ("einsum", "recompute")
 # How routed tokens meet expert-sharded weights on a mesh with an `expert` axis: "gspmd" (the compiler
 # partitions the ragged computation) or "all_to_all" (explicit dispatch / return `all_to_all` in a
 # `shard_map`, `expert_parallel.py`).
@@ -65,6 +69,10 @@ class ModelConfig:
   default, 0.5 / 0.5 for qwen3_vl_moe, CLIP's for qwen2_5_vl).
   Memory knobs: `dtype = "bfloat16"` (activations), `remat` in `REMAT_POLICIES` (per decoder layer
   and vision block: "none", "full" recompute, or "dots" = keep matmul outputs, recompute the rest);
+  `attention_impl` in `ATTENTION_IMPLS` (decoder and ViT): "einsum" (autodiff keeps each layer's
+  [B, heads, L, S] scores and probabilities) or "recompute" (custom VJP keeping the output and two
+  [B, heads, L] row statistics; 1.23 GiB fewer temporaries per layer at batch 4 x 1024 on the a3b8
+  preset, 18 % slower on a CPU at 512 tokens per row: a memory knob for long rows, see attention.py);
   `scan_layers = True`: the decoder layers, and the vision blocks, are each one stacked module (every
   parameter gets a leading [layers] / [vision_depth] axis, logical name "layers") run by
   `jax.lax.scan`, so the step compiles one layer body and one block body instead of unrolled copies
@@ -131,6 +139,7 @@ class ModelConfig:
   image_mean: tuple[float, float, float] | None = None
   image_std: tuple[float, float, float] | None = None
   remat: str = "none"
+  attention_impl: str = "einsum"
   moe_impl: str = "dense"
   moe_capacity_factor: float | None = None
   moe_dispatch: str = "gspmd"
@@ -139,6 +148,8 @@ class ModelConfig:
   def __post_init__(self):
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"remat={self.remat!r}; known: {list(REMAT_POLICIES)}")
+    if self.attention_impl not in ATTENTION_IMPLS:
+      raise ValueError(f"attention_impl={self.attention_impl!r}; known: {list(ATTENTION_IMPLS)}")
     if self.moe_impl not in MOE_IMPLS:
       raise ValueError(f"moe_impl={self.moe_impl!r}; known: {list(MOE_IMPLS)}")
     if self.moe_dispatch not in MOE_DISPATCHES:

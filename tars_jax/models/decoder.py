@@ -11,14 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from tars_jax.models.attention import attend
 from tars_jax.models.config import ModelConfig
 from tars_jax.models.moe import DenseMLP, MoE
 from tars_jax.models.rope import mrope_cos_sin, rotate
 from tars_jax.sharding import constrain, param_axes as ax
 
 HIDDEN = ("act_batch", "act_length", "act_embed")  # logical axes of the residual stream [B, L, D]
-
-_NEG = -1e9  # finite mask value: fully masked (padding) query rows stay NaN-free; exp() is exactly 0
 
 
 class KVCache(NamedTuple):
@@ -64,7 +63,7 @@ class Attention(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     d, h, kv, hd, dt = cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.jdtype
-    self.h, self.kv, self.hd = h, kv, hd
+    self.h, self.kv, self.hd, self.impl = h, kv, hd, cfg.attention_impl
     qwen2 = cfg.family == "qwen2_5_vl"  # Qwen2 attention: q/k/v biases, no qk-norm
     self.q_proj = nnx.Linear(d, h * hd, use_bias=qwen2, dtype=dt, rngs=rngs,
                              kernel_metadata=ax("embed", "heads"), bias_metadata=ax("heads"))
@@ -105,13 +104,8 @@ class Attention(nnx.Module):
     q_slot = jnp.reshape(write_index, (-1, 1)) + jnp.arange(l)  # [1 or B, L]
     allowed = (jnp.arange(s)[None, None, :] <= q_slot[:, :, None]) & key_mask[:, None, :]  # [B, L, S]
     g = self.h // self.kv  # query heads per KV head (head i uses KV head i // g, as repeat_kv)
-    qg = q.reshape(b, l, self.kv, g, self.hd)
-    att = jnp.einsum("blkgd,bksd->bkgls", qg, k).astype(jnp.float32) / jnp.sqrt(jnp.float32(self.hd))
-    att = jnp.where(allowed[:, None, None], att, _NEG)
-    p = jax.nn.softmax(att, axis=-1).astype(v.dtype)
-    # Batch-major product, then the small output transposed: writing "->blkgd" directly lowers to a
-    # ~10x slower CPU dot (benchmarks/RESULTS.md, "decode step layout").
-    o = jnp.einsum("bkgls,bksd->bkgld", p, v).transpose(0, 3, 1, 2, 4).reshape(b, l, self.h * self.hd)
+    o = attend(self.impl, q.reshape(b, l, self.kv, g, self.hd), k, v, allowed)
+    o = o.transpose(0, 3, 1, 2, 4).reshape(b, l, self.h * self.hd)
     return self.o_proj(o), kv
 
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from tars_jax.models.attention import attend
 from tars_jax.models.config import ModelConfig
 from tars_jax.models.decoder import remat_call, scan_stacked, stacked_module
 from tars_jax.models.rope import rotate
@@ -113,8 +114,8 @@ _down_axes = dict(kernel_metadata=ax("vision_mlp", "vision_embed"), bias_metadat
 
 
 class VisionAttention(nnx.Module):
-  def __init__(self, d: int, heads: int, dtype, rngs: nnx.Rngs):
-    self.heads = heads
+  def __init__(self, d: int, heads: int, dtype, rngs: nnx.Rngs, impl: str = "einsum"):
+    self.heads, self.impl = heads, impl
     self.qkv = nnx.Linear(d, 3 * d, dtype=dtype, rngs=rngs, kernel_metadata=ax("vision_embed", "vision_heads"),
                           bias_metadata=ax("vision_heads"))
     self.proj = nnx.Linear(d, d, dtype=dtype, rngs=rngs, kernel_metadata=ax("vision_heads", "vision_embed"),
@@ -128,10 +129,10 @@ class VisionAttention(nnx.Module):
     qkv = self.qkv(x).reshape(n, l, 3, self.heads, hd)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     q, k = rotate(q, cos[None], sin[None]).astype(x.dtype), rotate(k, cos[None], sin[None]).astype(x.dtype)
-    att = jnp.einsum("nqhd,nkhd->nhqk", q, k).astype(jnp.float32) / jnp.sqrt(jnp.float32(hd))
-    if mask is not None:
-      att = jnp.where(jnp.asarray(mask), att, -1e30)
-    o = jnp.einsum("nhqk,nkhd->nqhd", jax.nn.softmax(att, axis=-1).astype(v.dtype), v).reshape(n, l, d)
+    # every head its own key/value head (G = 1); windows always hold the query itself
+    allowed = None if mask is None else jnp.asarray(mask)[None]
+    o = attend(self.impl, q[:, :, :, None], k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), allowed)
+    o = o[:, :, 0].transpose(0, 2, 1, 3).reshape(n, l, d)
     return self.proj(o)
 
 
@@ -172,7 +173,7 @@ class VisionBlock(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     d, dt = cfg.vision_hidden, cfg.jdtype
     self.norm1 = _norm(cfg, d, rngs)
-    self.attn = VisionAttention(d, cfg.vision_heads, dt, rngs)
+    self.attn = VisionAttention(d, cfg.vision_heads, dt, rngs, cfg.attention_impl)
     self.norm2 = _norm(cfg, d, rngs)
     mlp = VisionSwiGLU if cfg.family == "qwen2_5_vl" else VisionMLP
     self.mlp = mlp(d, cfg.vision_mlp, dt, rngs)

@@ -1,0 +1,73 @@
+r"""Train-step memory without running it: XLA's buffer sizes of the compiled step per config variant.
+
+  python -m benchmarks.train_step_memory [--preset a3b8] [--batch 4] [--seq 1024] \
+      [--variants dense:einsum:none,dense:recompute:none,grouped:einsum:none,grouped:recompute:none]
+
+Each variant is `moe_impl:attention_impl:remat` of `ModelConfig`. The step is `benchmarks/
+train_step_gpu.py`'s (mean next-token cross-entropy and its gradient with respect to every float32
+parameter, bfloat16 compute, scanned layers, one image per row), lowered with abstract arguments
+(`jax.ShapeDtypeStruct`: no parameter is allocated, so the 3.44B preset fits a laptop) and compiled for
+this process's default backend; `compiled.memory_analysis()` gives the bytes of its arguments
+(parameters, batch), outputs (loss, gradients) and temporaries (activations kept for the backward,
+workspace). Temporaries differ between backends (XLA:CPU and XLA:GPU fuse differently): compare
+variants within one table, not a CPU table with a GPU run. Prints one table.
+"""
+
+from __future__ import annotations
+
+import time
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from benchmarks.bench_model import PRESETS, bench_config, lm_loss
+from tars_jax.models.policy import Policy
+
+_PRESET = flags.DEFINE_string("preset", "a3b8", "Model preset: " + ", ".join(PRESETS))
+_BATCH = flags.DEFINE_integer("batch", 4, "Rows per step.")
+_SEQ = flags.DEFINE_integer("seq", 1024, "Tokens per row (including one image's merged tokens).")
+_VARIANTS = flags.DEFINE_list(
+    "variants", ["dense:einsum:none", "dense:recompute:none", "blocked:einsum:none", "blocked:recompute:none",
+                 "grouped:einsum:none", "grouped:recompute:none", "dense:einsum:full", "dense:recompute:full"],
+    "moe_impl:attention_impl:remat triples.")
+
+GIB = 2 ** 30
+
+
+def step_memory(cfg, batch: int, seq: int) -> dict:
+  """Bytes of the compiled value-and-grad step of `Policy(cfg)` on [batch, seq] tokens with one
+  image per row: {"temp", "args", "out"} (ints, bytes) and "compile_s"; nothing is executed."""
+  graphdef, params = nnx.split(nnx.eval_shape(lambda: Policy(cfg, nnx.Rngs(0))))
+  toks = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+  mask = jax.ShapeDtypeStruct((batch, seq), jnp.bool_)
+  pos = jax.ShapeDtypeStruct((3, batch, seq), jnp.int32)
+  pix = jax.ShapeDtypeStruct((batch, 1, cfg.image_h, cfg.image_w, 3), jnp.float32)
+  t0 = time.perf_counter()
+  compiled = jax.jit(jax.value_and_grad(lm_loss), static_argnums=1).lower(params, graphdef, toks, pos, mask,
+                                                                          pix).compile()
+  m = compiled.memory_analysis()
+  return dict(temp=m.temp_size_in_bytes, args=m.argument_size_in_bytes, out=m.output_size_in_bytes,
+              compile_s=time.perf_counter() - t0)
+
+
+def main(argv):
+  del argv
+  rows = []
+  for v in _VARIANTS.value:
+    impl, attn, remat = v.split(":")
+    cfg = bench_config(_PRESET.value, moe_impl=impl, attention_impl=attn, remat=remat, dtype="bfloat16")
+    rows.append((impl, attn, remat, step_memory(cfg, _BATCH.value, _SEQ.value)))
+    print(f"[bench] {v}: {rows[-1][3]}", flush=True)
+  print(f"\ntrain-step buffers (compiled, not run) on {jax.devices()[0].platform}; preset {_PRESET.value}, batch "
+        f"{_BATCH.value} x {_SEQ.value}, bf16 compute, f32 params, scanned layers; jax {jax.__version__}")
+  print(f"{'moe_impl':>8} {'attention':>9} {'remat':>5} {'temp GiB':>9} {'params+batch GiB':>16} "
+        f"{'loss+grads GiB':>14} {'compile s':>9}")
+  for impl, attn, remat, m in rows:
+    print(f"{impl:>8} {attn:>9} {remat:>5} {m['temp'] / GIB:>9.2f} {m['args'] / GIB:>16.2f} {m['out'] / GIB:>14.2f} "
+          f"{m['compile_s']:>9.0f}")
+
+
+if __name__ == "__main__":
+  app.run(main)

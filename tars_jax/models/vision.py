@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tars_jax.models.attention import attend
+from tars_jax.models.attention import NEG, attend
 from tars_jax.models.config import ModelConfig
 from tars_jax.models.decoder import remat_call, scan_stacked, stacked_module
 from tars_jax.models.rope import rotate
@@ -129,10 +129,15 @@ class VisionAttention(nnx.Module):
     qkv = self.qkv(x).reshape(n, l, 3, self.heads, hd)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     q, k = rotate(q, cos[None], sin[None]).astype(x.dtype), rotate(k, cos[None], sin[None]).astype(x.dtype)
-    # every head its own key/value head (G = 1); windows always hold the query itself
-    allowed = None if mask is None else jnp.asarray(mask)[None]
-    o = attend(self.impl, q[:, :, :, None], k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), allowed)
-    o = o[:, :, 0].transpose(0, 2, 1, 3).reshape(n, l, d)
+    if self.impl == "einsum":  # this layout directly: the shared core's transposes cost 8-18 % here on a CPU
+      att = jnp.einsum("nqhd,nkhd->nhqk", q, k).astype(jnp.float32) / jnp.sqrt(jnp.float32(hd))
+      if mask is not None:
+        att = jnp.where(jnp.asarray(mask), att, NEG)
+      o = jnp.einsum("nhqk,nkhd->nqhd", jax.nn.softmax(att, axis=-1).astype(v.dtype), v).reshape(n, l, d)
+    else:  # every head its own key/value head (G = 1); a window always holds its query
+      allowed = None if mask is None else jnp.asarray(mask)[None]
+      o = attend(self.impl, q[:, :, :, None], k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), allowed)
+      o = o[:, :, 0].transpose(0, 2, 1, 3).reshape(n, l, d)
     return self.proj(o)
 
 

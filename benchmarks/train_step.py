@@ -1,7 +1,7 @@
 r"""Train-step speed: our jitted forward+backward vs the transformers model in torch, same weights.
 
   source scripts/env.sh   # tcmalloc for both sides, as the trainer runs (the header says which malloc)
-  .venv/bin/python -m benchmarks.train_step [--batch_sizes 4,16] [--seq 64] [--repeats 5]
+  .venv/bin/python -m benchmarks.train_step [--batch_sizes 4,16] [--seq 64] [--repeats 5] [--recompute_row]
 
 Builds the ~24M-parameter random-init transformers `Qwen3VLMoeForConditionalGeneration` of
 `benchmarks/decode.py` offline, saves it and loads it with `hf_io.load_pretrained`, so both sides
@@ -13,6 +13,7 @@ then `loss.backward()` (transformers' defaults: sdpa attention, its default expe
   ours f32     params and compute float32;
   ours bf16    the same float32 parameters with `ModelConfig.dtype = "bfloat16"` (activations and
                matmuls in bfloat16, logits / softmax / loss in float32);
+  ours f32 rc  (with --recompute_row) ours f32 with `ModelConfig.attention_impl = "recompute"`;
   torch f32    transformers in float32 eager mode.
 Warm-up calls (compilation included) are not timed; then `repeats` rounds each time one step of every
 row in turn (interleaved: the machine may be shared, load changes hit all rows alike), each timed step
@@ -23,6 +24,7 @@ must agree: the sanity check that both compute the same thing).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import tempfile
@@ -38,7 +40,7 @@ from flax import nnx
 from benchmarks.bench_model import (IMAGE_HW, allocator, hf_model, host_bandwidth, image_processor, lm_loss, make_batch,
                                     moe_impl_name, overrides, torch_kernels)
 from tars_jax.agent.tokenizer import IMAGE
-from tars_jax.models import hf_io
+from tars_jax.models import Policy, hf_io
 from tars_jax.models.rope import rope_positions
 
 _BATCHES = flags.DEFINE_list("batch_sizes", ["4", "16"], "Batch sizes to time.")
@@ -46,6 +48,8 @@ _SEQ = flags.DEFINE_integer("seq", 64, "Tokens per row (including the 16 image t
 _MOE = flags.DEFINE_string("moe_impl", None, "ModelConfig.moe_impl of our model (None: the config default).")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed steps per setting (the median is reported).")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed steps first (compilation, allocator warm-up).")
+_RECOMPUTE = flags.DEFINE_bool("recompute_row", False, "Also time our float32 step with attention_impl='recompute' "
+                               "(the memory-lean attention backward).")
 
 _step = jax.jit(jax.value_and_grad(lm_loss), static_argnums=1)
 
@@ -86,6 +90,8 @@ def main(argv):
     ours = hf_io.load_pretrained(d, image_h=IMAGE_HW, image_w=IMAGE_HW, **overrides(_MOE.value))
   f32 = nnx.split(ours.policy)
   bf16 = nnx.split(ours.with_compute_dtype(jnp.bfloat16).policy)
+  rec_cfg = dataclasses.replace(ours.cfg, attention_impl="recompute")
+  rec = (nnx.split(nnx.eval_shape(lambda: Policy(rec_cfg, nnx.Rngs(0))))[0], f32[1])
   proc = image_processor()
   cfg = ours.cfg
   rng = np.random.default_rng(0)
@@ -97,7 +103,7 @@ def main(argv):
         f"{_WARMUP.value} warm-up; {jax.devices()[0].platform} ({os.cpu_count()} cores visible), "
         f"torch threads {torch.get_num_threads()}, XLA_FLAGS {xla}, malloc {allocator()}, transformers "
         f"{torch_kernels(hf)}, {host_bandwidth()}")
-  print(f"{'batch':>5} {'model':>10} {'tokens/s':>9} {'vs torch':>9} {'loss':>10} {'grad norm':>11}", flush=True)
+  print(f"{'batch':>5} {'model':>11} {'tokens/s':>9} {'vs torch':>9} {'loss':>10} {'grad norm':>11}", flush=True)
   for b in (int(x) for x in _BATCHES.value):
     ids, images = make_batch(rng, b, seq)
     px = proc(images=list(images), return_tensors="np")
@@ -119,16 +125,18 @@ def main(argv):
     def ours_step(gd, params):
       return lambda: jax.block_until_ready(_step(params, gd, toks, pos, mask, pix))
 
-    out, t = interleaved_medians({"ours f32": ours_step(*f32), "ours bf16": ours_step(*bf16),
-                                  "torch f32": torch_step}, _WARMUP.value, _REPEATS.value)
+    fns = {"ours f32": ours_step(*f32), "ours bf16": ours_step(*bf16)}
+    if _RECOMPUTE.value:
+      fns["ours f32 rc"] = ours_step(*rec)
+    out, t = interleaved_medians({**fns, "torch f32": torch_step}, _WARMUP.value, _REPEATS.value)
     rows = []
-    for name in ("ours f32", "ours bf16"):
+    for name in fns:
       loss, grads = out[name]
       rows.append((name, b * seq / t[name], t["torch f32"] / t[name], float(loss), global_norm(grads)))
     gnorm_t = float(torch.sqrt(sum(torch.sum(p.grad.double() ** 2) for p in hf.parameters() if p.grad is not None)))
     rows.append(("torch f32", b * seq / t["torch f32"], 1.0, float(out["torch f32"].detach()), gnorm_t))
     for name, tps, ratio, loss, gn in rows:
-      print(f"{b:>5} {name:>10} {tps:>9.1f} {ratio:>8.2f}x {loss:>10.6f} {gn:>11.5f}", flush=True)
+      print(f"{b:>5} {name:>11} {tps:>9.1f} {ratio:>8.2f}x {loss:>10.6f} {gn:>11.5f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@ r"""Train-step MFU on an accelerator (issue #3 item 6): our jitted forward + bac
 policy in bfloat16, its model FLOPs utilisation, and transformers in torch on the same GPU and weights.
 
   python -m benchmarks.train_step_gpu [--preset a3b8] [--batch 4] [--seq 1024] [--remat none] \
-      [--attention_impl einsum] [--moe_impls ragged,dense,blocked,grouped] [--torch] [--json out.json]
+      [--attention_impl einsum] [--attention_block 64] [--moe_impls ragged,dense,blocked,grouped] [--torch] \
+      [--json out.json]
 
 The model (`--preset a3b8`, 3.44B parameters; per token 0.45B active decoder weights + the 0.31B LM
 head): the layer shapes of Qwen3-VL-30B-A3B — text hidden 2048, 32 query / 4 KV heads of 128, experts of width 768 with top-8
@@ -14,7 +15,8 @@ step's temporaries (`compiled.memory_analysis()`, the "temp GB" column) at batch
 (grouped), 33 GB (blocked), 42 GB (dense); at batch 8, 47 / 62 / 84 GB (dense does not fit a 141 GB
 H200 then); with `--remat full` 5.4 (blocked) / 7.4 GB (dense) at batch 8, for 3.5 % more step time.
 torch peaked at 32.5 GB (batch 4) and 50.7 GB (batch 8). Hence the default batch 4, and JAX may take
-92 % of the GPU (torch has given its cache back before our rows run).
+92 % of the GPU (torch has given its cache back before our rows run). Those H200 rows predate
+`attention_block`: they ran one full causal square per layer (`--attention_block 0`).
 
 One step = mean next-token cross-entropy over every row (positions 1..T-1) and its gradient with
 respect to every float32 parameter (vision encoder included), activations and matmuls in bfloat16
@@ -70,6 +72,7 @@ _SEQ = flags.DEFINE_integer("seq", 1024, "Tokens per row (including one image's 
 _IMPLS = flags.DEFINE_list("moe_impls", ["ragged", "dense", "blocked", "grouped"], "Our MoE paths to time.")
 _REMAT = flags.DEFINE_string("remat", "none", "ModelConfig.remat of our rows: none | full | dots.")
 _ATTN = flags.DEFINE_string("attention_impl", "einsum", "ModelConfig.attention_impl of our rows: einsum | recompute.")
+_BLOCK = flags.DEFINE_integer("attention_block", 64, "ModelConfig.attention_block of our rows (0: one full square).")
 _TORCH = flags.DEFINE_bool("torch", True, "Also time transformers in torch (and share its weights).")
 _REPEATS = flags.DEFINE_integer("repeats", 10, "Timed steps per row (median reported).")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed steps first.")
@@ -143,7 +146,7 @@ def torch_row(path: str, ids, px, repeats: int, warmup: int) -> dict:
 def ours_row(model: HFModel, impl: str, batch, repeats: int, warmup: int) -> dict:
   """Times our bf16-compute train step with `moe_impl=impl` over `model`'s float32 parameters."""
   cfg = dataclasses.replace(model.cfg, moe_impl=impl, dtype="bfloat16", remat=_REMAT.value,
-                            attention_impl=_ATTN.value)
+                            attention_impl=_ATTN.value, attention_block=_BLOCK.value)
   graphdef, _ = nnx.split(nnx.eval_shape(lambda: HFModel(cfg, nnx.Rngs(0))))
   policy = nnx.merge(graphdef, nnx.state(model)).policy
   gd, params = nnx.split(policy)
@@ -201,7 +204,8 @@ def main(argv):
       with open(_JSON.value, "w") as f:
         json.dump(dict(device=dev.device_kind, preset=_PRESET.value, config=cfg.to_dict(), batch=b, seq=seq,
                        params=n_params, model_flops_per_step=model_flops, peak_datasheet=peak_ds,
-                       peak_measured=peak_mm, remat=_REMAT.value, attention_impl=_ATTN.value, jax=jax.__version__, rows=rows), f, indent=1, default=str)
+                       peak_measured=peak_mm, remat=_REMAT.value, attention_impl=_ATTN.value,
+                       attention_block=_BLOCK.value, jax=jax.__version__, rows=rows), f, indent=1, default=str)
 
   write_json(rows)
   toks = jnp.asarray(ids, jnp.int32)
@@ -222,7 +226,8 @@ def main(argv):
         f"{_PRESET.value}: {n_params / 1e9:.2f}B params, {flops.active_decoder_params_per_token(cfg) / 1e9:.2f}B "
         f"active decoder params/token; batch {b} x {seq} tokens (one {cfg.image_h}x{cfg.image_w} image = {n_img} "
         f"tokens/row); model FLOPs/step {model_flops / 1e12:.1f} T; peak bf16: datasheet "
-        f"{(peak_ds or float('nan')) / 1e12:.0f}, measured {peak_mm / 1e12:.0f} TFLOP/s; remat {_REMAT.value}, attention {_ATTN.value}; "
+        f"{(peak_ds or float('nan')) / 1e12:.0f}, measured {peak_mm / 1e12:.0f} TFLOP/s; remat {_REMAT.value}, "
+        f"attention {_ATTN.value} block {_BLOCK.value}; "
         f"jax {jax.__version__}")
   print(f"{'row':>22} {'step ms':>8} {'tokens/s':>9} {'TFLOP/s':>8} {'MFU ds':>7} {'MFU meas':>8} "
         f"{'vs torch':>8} {'XLA TFLOP':>9} {'compile s':>9} {'loss':>9} {'peak GB':>7} {'temp GB':>7}")

@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 from tars_jax.models import ModelConfig, Policy
-from tars_jax.models.attention import attend, attend_einsum, attend_recompute
+from tars_jax.models.attention import attend, attend_causal_blocks, attend_einsum, attend_recompute
 from tars_jax.models.rope import rope_positions
 
 
@@ -78,7 +78,7 @@ def test_train_step_keeps_fewer_bytes_and_the_same_gradients():
   measured). With unrolled layers XLA:CPU's schedule keeps most of them anyway (not asserted)."""
   b, t, layers, heads = 2, 256, 4, 4
   base = ModelConfig(layers=layers, heads=heads, kv_heads=2, hidden=64, head_dim=16, experts=4, top_k=2,
-                     moe_intermediate=32, vision_depth=1, scan_layers=True)
+                     moe_intermediate=32, vision_depth=1, scan_layers=True, attention_block=0)
   toks = jax.random.randint(jax.random.key(1), (b, t), 0, 256)
   mask = jnp.ones((b, t), bool).at[1, :17].set(False)
   pos = rope_positions(toks, mask, base.image_token_id, base.merged_grid)
@@ -102,3 +102,33 @@ def test_train_step_keeps_fewer_bytes_and_the_same_gradients():
     np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-4, atol=1e-6)
   probs_bytes = b * heads * t * t * 4
   assert temp0 - temp1 >= 1.5 * layers * probs_bytes, (temp0, temp1, probs_bytes)
+
+
+@pytest.mark.parametrize("impl", ["einsum", "recompute"])
+def test_causal_blocks_equal_the_full_square_on_real_rows(impl):
+  """Causal self-attention by query blocks (`attend_causal_blocks`, blocks of 4 over L = S = 11, left
+  padding of 0 / 3 / 6 slots): outputs and gradients of q, k, v equal the full L x L square's on every
+  real query row (padding rows, masked out of the loss, average v over their block's keys instead)."""
+  b, l, kv, g, hd = 3, 11, 2, 2, 8
+  ks = jax.random.split(jax.random.key(2), 4)
+  q = jax.random.normal(ks[0], (b, l, kv, g, hd))
+  k, v = (jax.random.normal(kk, (b, kv, l, hd)) for kk in ks[1:3])
+  slot = np.arange(l)
+  real = np.array([0, 3, 6])[:, None] <= slot[None, :]  # [B, L]
+  allowed = jnp.asarray((slot[None, :] <= slot[:, None])[None] & real[:, None, :])
+  w = jax.random.normal(ks[3], (b, kv, g, l, hd)) * jnp.asarray(real)[:, None, None, :, None]
+
+  def loss(f):
+    return lambda q, k, v: jnp.sum(f(q, k, v) * w)
+
+  full = lambda q, k, v: attend(impl, q, k, v, allowed)
+  blocked = lambda q, k, v: attend_causal_blocks(impl, q, k, v, allowed, 4)
+  sel = np.broadcast_to(real[:, None, None, :, None], (b, kv, g, l, hd))
+  np.testing.assert_allclose(np.asarray(blocked(q, k, v))[sel], np.asarray(full(q, k, v))[sel], rtol=1e-5, atol=1e-6)
+  want = jax.grad(loss(full), argnums=(0, 1, 2))(q, k, v)
+  got = jax.grad(loss(blocked), argnums=(0, 1, 2))(q, k, v)
+  for a, c in zip(got, want):
+    assert np.abs(np.asarray(c)).max() > 0.1
+    np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-5, atol=1e-6)
+  with pytest.raises(ValueError, match="attention_block=-1"):
+    ModelConfig(attention_block=-1)

@@ -166,6 +166,7 @@ def test_page_call_cost_sorts_processes_and_compares_each_round_with_its_capture
     summarise([])
 
 
+@pytest.mark.slow
 def test_train_step_memory_counts_parameters_and_batch():
   """`benchmarks/train_step_memory.step_memory` on the smoke preset: the compiled step's argument bytes
   are the float32 parameters plus the batch arrays (counted here from the abstract model), its outputs

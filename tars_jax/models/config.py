@@ -73,6 +73,10 @@ class ModelConfig:
   [B, heads, L, S] scores and probabilities) or "recompute" (custom VJP keeping the output and two
   [B, heads, L] row statistics; 1.23 GiB fewer temporaries per layer at batch 4 x 1024 on the a3b8
   preset, 18 % slower on a CPU at 512 tokens per row: a memory knob for long rows, see attention.py);
+  `attention_block`: without a KV cache (training, scoring) the decoder's causal attention runs in
+  blocks of this many queries, block j against key slots [0, (j + 1) * block) only (0 = one full
+  L x L square; `attention.attend_causal_blocks`): 0.77x the CPU train step time at 512 tokens per row,
+  0.90x at 256, unchanged at <= 128 (block 64 vs 0, benchmarks/RESULTS.md);
   `scan_layers = True`: the decoder layers, and the vision blocks, are each one stacked module (every
   parameter gets a leading [layers] / [vision_depth] axis, logical name "layers") run by
   `jax.lax.scan`, so the step compiles one layer body and one block body instead of unrolled copies
@@ -140,6 +144,7 @@ class ModelConfig:
   image_std: tuple[float, float, float] | None = None
   remat: str = "none"
   attention_impl: str = "einsum"
+  attention_block: int = 64
   moe_impl: str = "dense"
   moe_capacity_factor: float | None = None
   moe_dispatch: str = "gspmd"
@@ -150,6 +155,8 @@ class ModelConfig:
       raise ValueError(f"remat={self.remat!r}; known: {list(REMAT_POLICIES)}")
     if self.attention_impl not in ATTENTION_IMPLS:
       raise ValueError(f"attention_impl={self.attention_impl!r}; known: {list(ATTENTION_IMPLS)}")
+    if self.attention_block < 0:
+      raise ValueError(f"attention_block={self.attention_block} must be >= 0 (0 = one full square)")
     if self.moe_impl not in MOE_IMPLS:
       raise ValueError(f"moe_impl={self.moe_impl!r}; known: {list(MOE_IMPLS)}")
     if self.moe_dispatch not in MOE_DISPATCHES:

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tars_jax.models.attention import attend
+from tars_jax.models.attention import attend, attend_causal_blocks
 from tars_jax.models.config import ModelConfig
 from tars_jax.models.moe import DenseMLP, MoE
 from tars_jax.models.rope import mrope_cos_sin, rotate
@@ -63,7 +63,7 @@ class Attention(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     d, h, kv, hd, dt = cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.jdtype
-    self.h, self.kv, self.hd, self.impl = h, kv, hd, cfg.attention_impl
+    self.h, self.kv, self.hd, self.impl, self.block = h, kv, hd, cfg.attention_impl, cfg.attention_block
     qwen2 = cfg.family == "qwen2_5_vl"  # Qwen2 attention: q/k/v biases, no qk-norm
     self.q_proj = nnx.Linear(d, h * hd, use_bias=qwen2, dtype=dt, rngs=rngs,
                              kernel_metadata=ax("embed", "heads"), bias_metadata=ax("heads"))
@@ -104,7 +104,11 @@ class Attention(nnx.Module):
     q_slot = jnp.reshape(write_index, (-1, 1)) + jnp.arange(l)  # [1 or B, L]
     allowed = (jnp.arange(s)[None, None, :] <= q_slot[:, :, None]) & key_mask[:, None, :]  # [B, L, S]
     g = self.h // self.kv  # query heads per KV head (head i uses KV head i // g, as repeat_kv)
-    o = attend(self.impl, q.reshape(b, l, self.kv, g, self.hd), k, v, allowed)
+    qg = q.reshape(b, l, self.kv, g, self.hd)
+    if kv is None and self.block:  # no cache: query l sits at key slot l, so causal blocks apply
+      o = attend_causal_blocks(self.impl, qg, k, v, allowed, self.block)
+    else:
+      o = attend(self.impl, qg, k, v, allowed)
     o = o.transpose(0, 3, 1, 2, 4).reshape(b, l, self.h * self.hd)
     return self.o_proj(o), kv
 

@@ -1,6 +1,6 @@
 r"""Train-step memory without running it: XLA's buffer sizes of the compiled step per config variant.
 
-  python -m benchmarks.train_step_memory [--preset a3b8] [--batch 4] [--seq 1024] \
+  python -m benchmarks.train_step_memory [--preset a3b8] [--batch 4] [--seq 1024] [--attention_block 64] \
       [--variants dense:einsum:none,dense:recompute:none,grouped:einsum:none,grouped:recompute:none]
 
 Each variant is `moe_impl:attention_impl:remat` of `ModelConfig`. The step is `benchmarks/
@@ -28,6 +28,7 @@ from tars_jax.models.policy import Policy
 _PRESET = flags.DEFINE_string("preset", "a3b8", "Model preset: " + ", ".join(PRESETS))
 _BATCH = flags.DEFINE_integer("batch", 4, "Rows per step.")
 _SEQ = flags.DEFINE_integer("seq", 1024, "Tokens per row (including one image's merged tokens).")
+_BLOCK = flags.DEFINE_integer("attention_block", 64, "ModelConfig.attention_block (0: one full causal square).")
 _VARIANTS = flags.DEFINE_list(
     "variants", ["dense:einsum:none", "dense:recompute:none", "blocked:einsum:none", "blocked:recompute:none",
                  "grouped:einsum:none", "grouped:recompute:none", "dense:einsum:full", "dense:recompute:full"],
@@ -57,11 +58,13 @@ def main(argv):
   rows = []
   for v in _VARIANTS.value:
     impl, attn, remat = v.split(":")
-    cfg = bench_config(_PRESET.value, moe_impl=impl, attention_impl=attn, remat=remat, dtype="bfloat16")
+    cfg = bench_config(_PRESET.value, moe_impl=impl, attention_impl=attn, remat=remat, dtype="bfloat16",
+                       attention_block=_BLOCK.value)
     rows.append((impl, attn, remat, step_memory(cfg, _BATCH.value, _SEQ.value)))
     print(f"[bench] {v}: {rows[-1][3]}", flush=True)
   print(f"\ntrain-step buffers (compiled, not run) on {jax.devices()[0].platform}; preset {_PRESET.value}, batch "
-        f"{_BATCH.value} x {_SEQ.value}, bf16 compute, f32 params, scanned layers; jax {jax.__version__}")
+        f"{_BATCH.value} x {_SEQ.value}, bf16 compute, f32 params, scanned layers, attention_block {_BLOCK.value}; "
+        f"jax {jax.__version__}")
   print(f"{'moe_impl':>8} {'attention':>9} {'remat':>5} {'temp GiB':>9} {'params+batch GiB':>16} "
         f"{'loss+grads GiB':>14} {'compile s':>9}")
   for impl, attn, remat, m in rows:

@@ -174,7 +174,8 @@ def test_gradients_match_torch_autograd(pair, attention_impl):
 
   hf.zero_grad(set_to_none=True)
   logits = hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), pixel_values=torch.tensor(pix),
-              image_grid_thw=torch.tensor(grid), mm_token_type_ids=torch.tensor((ids == IMAGE).astype(np.int64))).logits
+              image_grid_thw=torch.tensor(grid),
+              mm_token_type_ids=torch.tensor((ids == IMAGE).astype(np.int64))).logits
   logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, torch.tensor(ids[:, 1:, None])).squeeze(-1)
   want_loss = -(logp * torch.tensor(keep)).sum() / keep.sum()
   want_loss.backward()

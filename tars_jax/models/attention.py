@@ -5,8 +5,9 @@ Two implementations of the same function (`ModelConfig.attention_impl`):
 - "einsum": scores, softmax and the weighted sum as plain ops; reverse-mode autodiff saves the
   [B, H, L, S] scores and probabilities of every layer for the backward pass.
 - "recompute": the same forward, under a `jax.custom_vjp` whose residuals are q, k, v, the output
-  and the per-row max and log-normaliser of the scores only ([B, H, L] float32 each); the backward recomputes the probabilities
-  from q, k and those two and applies the softmax backward through D = rowsum(dO * O)
+  and the per-row max and log-normaliser of the scores only ([B, H, L] float32 each); the backward
+  recomputes the probabilities from q, k and those two and applies the softmax backward through
+  D = rowsum(dO * O)
   (FlashAttention-2's backward, Dao 2023, arXiv 2307.08691, Algorithm 2, here untiled). One extra
   Q K^T product per layer in the backward; no [B, H, L, S] array outlives its layer's forward.
 
@@ -94,11 +95,12 @@ def attend_recompute(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Arra
   rounding (tests/test_attention.py). Source: FlashAttention-2's backward (Dao 2023, arXiv
   2307.08691, Algorithm 2) without tiling.
 
-  What it saves, measured (`compiled.memory_analysis()`, XLA:CPU): the a3b8 preset of
-  `benchmarks/train_step_gpu.py` (8 scanned layers, batch 4 x 1024, bf16 compute) keeps 9.9 GiB fewer
-  temporary bytes (1.23 GiB per layer) with every MoE path. With unrolled layers (`scan_layers=False`)
-  XLA:CPU's scheduler kept most of that anyway in a small model. Cost on a CPU: one more Q K^T and exp
-  per layer in the backward, 18 % of the train step at 512 tokens per row (`benchmarks/RESULTS.md`)."""
+  What it saves, measured (`benchmarks/train_step_memory.py`, XLA:CPU): on the a3b8 preset (8 scanned
+  layers, batch 4 x 1024, bf16 compute) 9.9 GiB of temporaries per step with one full causal square
+  (1.23 GiB per layer), 6.1 GiB with `attend_causal_blocks` of 64, with every MoE path. With unrolled
+  layers XLA:CPU's scheduler kept most of that anyway in a small model. Cost on a CPU: one more Q K^T
+  and exp per layer in the backward, 10-18 % of the train step at 512 tokens per row with one full
+  square, 1 % with blocks of 64 (`benchmarks/RESULTS.md`)."""
   return _attend_recompute(q, k, v, allowed)
 
 

@@ -71,8 +71,9 @@ class ModelConfig:
   and vision block: "none", "full" recompute, or "dots" = keep matmul outputs, recompute the rest);
   `attention_impl` in `ATTENTION_IMPLS` (decoder and ViT): "einsum" (autodiff keeps each layer's
   [B, heads, L, S] scores and probabilities) or "recompute" (custom VJP keeping the output and two
-  [B, heads, L] row statistics; 1.23 GiB fewer temporaries per layer at batch 4 x 1024 on the a3b8
-  preset, 18 % slower on a CPU at 512 tokens per row: a memory knob for long rows, see attention.py);
+  [B, heads, L] row statistics; 0.76 GiB fewer temporaries per layer at batch 4 x 1024 on the a3b8
+  preset with the default `attention_block`, 1.23 GiB with one full square; on a CPU 1 % slower at 512
+  tokens per row with blocks, 10-18 % with one full square: a memory knob, see attention.py);
   `attention_block`: without a KV cache (training, scoring) the decoder's causal attention runs in
   blocks of this many queries, block j against key slots [0, (j + 1) * block) only (0 = one full
   L x L square; `attention.attend_causal_blocks`): 0.77x the CPU train step time at 512 tokens per row,

@@ -32,7 +32,7 @@ and causal attention counted at the pairs the mask keeps) / median step time / p
 datasheet dense bfloat16 rate of the GPU (H100/H200 SXM: 989 TFLOP/s) and, measured in the same run,
 an 8192^3 bfloat16 `jnp.dot`. "XLA TFLOP" is the compiled program's own count (`cost_analysis`):
 what it executes, e.g. the dense MoE's all-experts einsum (experts / top_k x the expert FLOPs) and
-the full-square attention our einsum attention computes under the causal mask.
+the attention squares our einsum attention computes under the causal mask (per causal block).
 Times are medians of `--repeats` steps after `--warmup` untimed ones (compilation reported apart).
 On a GPU, XLA's `cost_analysis` leaves out the matmuls it hands to cuBLAS / cuDNN (custom calls): its
 count there is far below the model FLOPs (0.4-1.5 T against 22.8 T per batch-4 step) and only the CPU

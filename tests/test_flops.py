@@ -47,8 +47,8 @@ def _xla_flops(fn, *args) -> float:
 
 @pytest.mark.parametrize("family", ["qwen3_vl_moe", "qwen2_5_vl"])
 def test_flops_match_xla_cost_analysis(family):
-  """XLA counts what the compiled program executes: our full-square attention (causal by masking) and
-  elementwise ops on top of the matmuls. With experts == top_k the dense MoE executes exactly the
+  """XLA counts what the compiled program executes: our attention's causal blocks (each a square
+  masked to causal, `attention_block`) and elementwise ops on top of the matmuls. With experts == top_k the dense MoE executes exactly the
   model's expert FLOPs, so the forward must come to the analytic count with the attention squared,
   plus a little elementwise work (measured 0.9-1.0 %); a missing or doubled term (merger: 3.6 %,
   causal attention: 2.4 %, LM head: 10 %) falls outside [1.0, 1.02]."""
@@ -71,7 +71,12 @@ def test_flops_match_xla_cost_analysis(family):
     return nnx.merge(graphdef, st)(toks, pos, mask, pix)[0]
 
   f = F.forward_flops(cfg, b, t, images_per_row=1)
-  executed = f.forward - f.decoder_attention + cfg.layers * b * 4 * cfg.heads * cfg.head_dim * t * t
+  # (query, key) pairs the decoder's attention computes: by causal blocks of `attention_block`
+  # queries, block j against key slots [0, (j + 1) * block) (`attention.attend_causal_blocks`)
+  blk = cfg.attention_block or t
+  pairs = sum((min(t, s + blk) - s) * min(t, s + blk) for s in range(0, t, blk))
+  assert pairs == 64 * 64 + 64 * 128  # 128 tokens in blocks of 64 (the full square: 128 x 128)
+  executed = f.forward - f.decoder_attention + cfg.layers * b * 4 * cfg.heads * cfg.head_dim * pairs
   ratio = _xla_flops(fwd, state) / executed
   assert 1.0 <= ratio <= 1.02, ratio
   # train step: the backward skips the gradient of the first matmul's input (pixels), so XLA's count

@@ -7,9 +7,9 @@ Two implementations of the same function (`ModelConfig.attention_impl`):
 - "recompute": the same forward, under a `jax.custom_vjp` whose residuals are q, k, v, the output
   and the per-row max and log-normaliser of the scores only ([B, H, L] float32 each); the backward
   recomputes the probabilities from q, k and those two and applies the softmax backward through
-  D = rowsum(dO * O)
-  (FlashAttention-2's backward, Dao 2023, arXiv 2307.08691, Algorithm 2, here untiled). One extra
-  Q K^T product per layer in the backward; no [B, H, L, S] array outlives its layer's forward.
+  D = rowsum(dO * O) (FlashAttention-2's backward, Dao 2023, arXiv 2307.08691, Algorithm 2, here
+  untiled). One extra Q K^T product per layer in the backward; no [B, H, L, S] array outlives its
+  layer's forward.
 
 Either core can run by causal query blocks when there is no KV cache (`attend_causal_blocks`,
 `ModelConfig.attention_block`), skipping the key blocks the causal mask removes.

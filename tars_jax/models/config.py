@@ -32,7 +32,7 @@ REMAT_POLICIES = ("none", "full", "dots")
 # train step, and with its faster prefill the fastest CPU decode).
 MOE_IMPLS = ("dense", "ragged", "blocked", "grouped")
 # Attention core (`attention.py`): "einsum" (autodiff saves every layer's [B, H, L, S] scores and
-# probabilities) or "recompute" (custom VJP: saves the output and a log-sum-exp, recomputes the
+# probabilities) or "recompute" (custom VJP: saves the output and two row statistics, recomputes the
 # probabilities in the backward).
 ATTENTION_IMPLS = ("einsum", "recompute")
 # How routed tokens meet expert-sharded weights on a mesh with an `expert` axis: "gspmd" (the compiler

@@ -132,3 +132,25 @@ def test_causal_blocks_equal_the_full_square_on_real_rows(impl):
     np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-5, atol=1e-6)
   with pytest.raises(ValueError, match="attention_block=-1"):
     ModelConfig(attention_block=-1)
+
+
+def test_prefill_by_causal_blocks_samples_what_one_square_does():
+  """The sampler's prefill (a KV cache written from slot 0) also runs by causal blocks: greedy tokens
+  and their log-probs from a left-padded batch of ~60-token prompts with one image equal those of the
+  same weights with `attention_block=0` (one full square, prefill and decode)."""
+  from _shared import TINY_CFG, left_padded_batch
+  from tars_jax.agent.tokenizer import PAD
+  from tars_jax.models import sampler
+  toks, mask, pix = left_padded_batch(np.random.default_rng(1), [2, 7, 4])
+  assert toks.shape[1] > 16
+  pol = Policy(dataclasses.replace(TINY_CFG, attention_block=0), nnx.Rngs(4))
+  graphdef, params = nnx.split(pol)
+  out = {}
+  for block in (0, 16):
+    gd, _ = nnx.split(nnx.eval_shape(lambda: Policy(dataclasses.replace(TINY_CFG, attention_block=block),
+                                                    nnx.Rngs(4))))
+    out[block] = sampler.generate(gd, params, toks, mask, pix, None, jax.random.PRNGKey(0), max_new_tokens=8,
+                                  temperature=0.0, eos_id=-1, pad_id=PAD)
+  np.testing.assert_array_equal(np.asarray(out[16].tokens), np.asarray(out[0].tokens))
+  np.testing.assert_allclose(np.asarray(out[16].logprobs), np.asarray(out[0].logprobs), atol=1e-5)
+  assert np.asarray(out[0].logprobs).min() < -0.1  # not vacuous: a random policy is not certain

@@ -74,7 +74,8 @@ class ModelConfig:
   [B, heads, L] row statistics; 0.76 GiB fewer temporaries per layer at batch 4 x 1024 on the a3b8
   preset with the default `attention_block`, 1.23 GiB with one full square; on a CPU 1 % slower at 512
   tokens per row with blocks, 10-18 % with one full square: a memory knob, see attention.py);
-  `attention_block`: without a KV cache (training, scoring) the decoder's causal attention runs in
+  `attention_block`: without a KV cache (training, scoring) and in a prefill written from a static
+  cache slot 0 (the sampler's) the decoder's causal attention runs in
   blocks of this many queries, block j against key slots [0, (j + 1) * block) only (0 = one full
   L x L square; `attention.attend_causal_blocks`): 0.77x the CPU train step time at 512 tokens per row,
   0.90x at 256, unchanged at <= 128 (block 64 vs 0, benchmarks/RESULTS.md);

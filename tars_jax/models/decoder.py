@@ -105,7 +105,9 @@ class Attention(nnx.Module):
     allowed = (jnp.arange(s)[None, None, :] <= q_slot[:, :, None]) & key_mask[:, None, :]  # [B, L, S]
     g = self.h // self.kv  # query heads per KV head (head i uses KV head i // g, as repeat_kv)
     qg = q.reshape(b, l, self.kv, g, self.hd)
-    if kv is None and self.block:  # no cache: query l sits at key slot l, so causal blocks apply
+    # Query l at key slot l without a cache, and in a prefill written from slot 0 (a static 0: the
+    # sampler's; slots >= L are then causally masked for every query): causal blocks apply.
+    if self.block and (kv is None or (isinstance(write_index, int) and write_index == 0)):
       o = attend_causal_blocks(self.impl, qg, k, v, allowed, self.block)
     else:
       o = attend(self.impl, qg, k, v, allowed)

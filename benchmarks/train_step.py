@@ -90,8 +90,10 @@ def main(argv):
     ours = hf_io.load_pretrained(d, image_h=IMAGE_HW, image_w=IMAGE_HW, **overrides(_MOE.value))
   f32 = nnx.split(ours.policy)
   bf16 = nnx.split(ours.with_compute_dtype(jnp.bfloat16).policy)
-  rec_cfg = dataclasses.replace(ours.cfg, attention_impl="recompute")
-  rec = (nnx.split(nnx.eval_shape(lambda: Policy(rec_cfg, nnx.Rngs(0))))[0], f32[1])
+  rec = None  # with --recompute_row: the same float32 parameters under the other attention core's graph
+  if _RECOMPUTE.value:
+    rec_cfg = dataclasses.replace(ours.cfg, attention_impl="recompute")
+    rec = (nnx.split(nnx.eval_shape(lambda: Policy(rec_cfg, nnx.Rngs(0))))[0], f32[1])
   proc = image_processor()
   cfg = ours.cfg
   rng = np.random.default_rng(0)
@@ -126,7 +128,7 @@ def main(argv):
       return lambda: jax.block_until_ready(_step(params, gd, toks, pos, mask, pix))
 
     fns = {"ours f32": ours_step(*f32), "ours bf16": ours_step(*bf16)}
-    if _RECOMPUTE.value:
+    if rec is not None:
       fns["ours f32 rc"] = ours_step(*rec)
     out, t = interleaved_medians({**fns, "torch f32": torch_step}, _WARMUP.value, _REPEATS.value)
     rows = []

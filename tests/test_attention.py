@@ -82,7 +82,6 @@ def test_train_step_keeps_fewer_bytes_and_the_same_gradients():
   toks = jax.random.randint(jax.random.key(1), (b, t), 0, 256)
   mask = jnp.ones((b, t), bool).at[1, :17].set(False)
   pos = rope_positions(toks, mask, base.image_token_id, base.merged_grid)
-  graphdef, params = nnx.split(nnx.eval_shape(lambda: Policy(base, nnx.Rngs(0))))
   params = jax.jit(lambda: nnx.split(Policy(base, nnx.Rngs(0)))[1])()
   out = {}
   for impl in ("einsum", "recompute"):
@@ -143,8 +142,7 @@ def test_prefill_by_causal_blocks_samples_what_one_square_does():
   from tars_jax.models import sampler
   toks, mask, pix = left_padded_batch(np.random.default_rng(1), [2, 7, 4])
   assert toks.shape[1] > 16
-  pol = Policy(dataclasses.replace(TINY_CFG, attention_block=0), nnx.Rngs(4))
-  graphdef, params = nnx.split(pol)
+  _, params = nnx.split(Policy(dataclasses.replace(TINY_CFG, attention_block=0), nnx.Rngs(4)))
   out = {}
   for block in (0, 16):
     gd, _ = nnx.split(nnx.eval_shape(lambda: Policy(dataclasses.replace(TINY_CFG, attention_block=block),

@@ -1,6 +1,10 @@
-"""The shared parts of the issue-#3 benchmarks (`decode.py`, `train_step.py`, `train_step_gpu.py`): a
-~24M-parameter random-init transformers `Qwen3VLMoeForConditionalGeneration` built offline, its image
-processor, the train-step batch layout and LM loss."""
+"""The shared parts of the issue-#3 benchmarks (`decode.py`, `train_step.py`, `train_step_gpu.py`,
+`train_step_memory.py`): a ~24M-parameter random-init transformers `Qwen3VLMoeForConditionalGeneration`
+built offline, its image processor, the train-step batch layout and LM loss, the accelerator presets,
+the datasheet peak and the compiled step's memory.
+
+No absl flags here: tests import this module, and a flag defined at import time in two modules loaded
+by one pytest process is a `DuplicateFlagError` (`tests/test_bench_helpers.py` guards it)."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from flax import nnx
 
 from tars_jax.agent.tokenizer import BOS, IMAGE, VISION_END, VISION_START
 from tars_jax.models.config import ModelConfig
+from tars_jax.models.policy import Policy
 
 
 def hf_model():
@@ -157,3 +162,27 @@ def bench_config(preset: str, **overrides) -> ModelConfig:
   if preset not in PRESETS:
     raise KeyError(f"unknown preset {preset!r}; known: {list(PRESETS)}")
   return ModelConfig(**{**PRESETS[preset], "scan_layers": True, **overrides})
+
+
+# Dense bfloat16 tensor-core peak of the SXM parts, datasheet (FLOP/s).
+DATASHEET_BF16 = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12, "B200": 2250e12}
+
+def datasheet_peak(device_kind: str) -> float | None:
+  """Dense bf16 FLOP/s of a device by its `device_kind` (e.g. 'NVIDIA H100 80GB HBM3'), None if unknown."""
+  return next((v for k, v in DATASHEET_BF16.items() if k in device_kind), None)
+
+
+def step_memory(cfg, batch: int, seq: int) -> dict:
+  """Bytes of the compiled value-and-grad step of `Policy(cfg)` on [batch, seq] tokens with one
+  image per row: {"temp", "args", "out"} (ints, bytes) and "compile_s"; nothing is executed."""
+  graphdef, params = nnx.split(nnx.eval_shape(lambda: Policy(cfg, nnx.Rngs(0))))
+  toks = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+  mask = jax.ShapeDtypeStruct((batch, seq), jnp.bool_)
+  pos = jax.ShapeDtypeStruct((3, batch, seq), jnp.int32)
+  pix = jax.ShapeDtypeStruct((batch, 1, cfg.image_h, cfg.image_w, 3), jnp.float32)
+  t0 = time.perf_counter()
+  compiled = jax.jit(jax.value_and_grad(lm_loss), static_argnums=1).lower(params, graphdef, toks, pos, mask,
+                                                                          pix).compile()
+  m = compiled.memory_analysis()
+  return dict(temp=m.temp_size_in_bytes, args=m.argument_size_in_bytes, out=m.output_size_in_bytes,
+              compile_s=time.perf_counter() - t0)

@@ -60,7 +60,7 @@ import numpy as np
 from flax import nnx
 
 from benchmarks.bench_model import PRESETS, bench_config, image_processor, torch_kernels
-from benchmarks.bench_model import lm_loss, make_batch
+from benchmarks.bench_model import datasheet_peak, lm_loss, make_batch
 from tars_jax.agent.tokenizer import IMAGE
 from tars_jax.models import flops, hf_io
 from tars_jax.models.hf_model import HFModel
@@ -77,14 +77,6 @@ _TORCH = flags.DEFINE_bool("torch", True, "Also time transformers in torch (and 
 _REPEATS = flags.DEFINE_integer("repeats", 10, "Timed steps per row (median reported).")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed steps first.")
 _JSON = flags.DEFINE_string("json", None, "Write the table as JSON here.")
-
-# Dense bfloat16 tensor-core peak of the SXM parts, datasheet (FLOP/s).
-DATASHEET_BF16 = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12, "B200": 2250e12}
-
-def datasheet_peak(device_kind: str) -> float | None:
-  """Dense bf16 FLOP/s of a device by its `device_kind` (e.g. 'NVIDIA H100 80GB HBM3'), None if unknown."""
-  return next((v for k, v in DATASHEET_BF16.items() if k in device_kind), None)
-
 
 def timed(fn, warmup: int, repeats: int) -> tuple[object, float]:
   """(last output, median seconds of `repeats` calls) after `warmup` untimed calls; fn must block."""

@@ -15,15 +15,10 @@ variants within one table, not a CPU table with a GPU run. Prints one table.
 
 from __future__ import annotations
 
-import time
-
 from absl import app, flags
 import jax
-import jax.numpy as jnp
-from flax import nnx
 
-from benchmarks.bench_model import PRESETS, bench_config, lm_loss
-from tars_jax.models.policy import Policy
+from benchmarks.bench_model import PRESETS, bench_config, step_memory
 
 _PRESET = flags.DEFINE_string("preset", "a3b8", "Model preset: " + ", ".join(PRESETS))
 _BATCH = flags.DEFINE_integer("batch", 4, "Rows per step.")
@@ -35,22 +30,6 @@ _VARIANTS = flags.DEFINE_list(
     "moe_impl:attention_impl:remat triples.")
 
 GIB = 2 ** 30
-
-
-def step_memory(cfg, batch: int, seq: int) -> dict:
-  """Bytes of the compiled value-and-grad step of `Policy(cfg)` on [batch, seq] tokens with one
-  image per row: {"temp", "args", "out"} (ints, bytes) and "compile_s"; nothing is executed."""
-  graphdef, params = nnx.split(nnx.eval_shape(lambda: Policy(cfg, nnx.Rngs(0))))
-  toks = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
-  mask = jax.ShapeDtypeStruct((batch, seq), jnp.bool_)
-  pos = jax.ShapeDtypeStruct((3, batch, seq), jnp.int32)
-  pix = jax.ShapeDtypeStruct((batch, 1, cfg.image_h, cfg.image_w, 3), jnp.float32)
-  t0 = time.perf_counter()
-  compiled = jax.jit(jax.value_and_grad(lm_loss), static_argnums=1).lower(params, graphdef, toks, pos, mask,
-                                                                          pix).compile()
-  m = compiled.memory_analysis()
-  return dict(temp=m.temp_size_in_bytes, args=m.argument_size_in_bytes, out=m.output_size_in_bytes,
-              compile_s=time.perf_counter() - t0)
 
 
 def main(argv):

@@ -75,7 +75,7 @@ def test_gpu_benchmark_preset_and_peaks():
   """The MFU benchmark's model is what its docstring says (3.44B parameters, 196 image tokens per
   448x448 image) and its peak table finds the GPU by `device_kind`."""
   from benchmarks.bench_model import bench_config
-  from benchmarks.train_step_gpu import datasheet_peak
+  from benchmarks.bench_model import datasheet_peak
   from tars_jax.models.hf_model import HFModel
   cfg = bench_config("a3b8")
   model = nnx.eval_shape(lambda: HFModel(cfg, nnx.Rngs(0)))
@@ -168,12 +168,12 @@ def test_page_call_cost_sorts_processes_and_compares_each_round_with_its_capture
 
 @pytest.mark.slow
 def test_train_step_memory_counts_parameters_and_batch():
-  """`benchmarks/train_step_memory.step_memory` on the smoke preset: the compiled step's argument bytes
+  """`benchmarks/bench_model.step_memory` on the smoke preset: the compiled step's argument bytes
   are the float32 parameters plus the batch arrays (counted here from the abstract model), its outputs
   the loss plus one float32 gradient per parameter, and a "recompute" attention keeps no more
   temporaries than "einsum"."""
   from benchmarks.bench_model import bench_config
-  from benchmarks.train_step_memory import step_memory
+  from benchmarks.bench_model import step_memory
   b, t = 2, 64
   cfg = bench_config("smoke", dtype="bfloat16")
   leaves = jax.tree.leaves(nnx.state(nnx.eval_shape(lambda: Policy(cfg, nnx.Rngs(0)))))

@@ -65,6 +65,7 @@ def test_activations_bf16_logits_float32_close_to_float32(models):
   np.testing.assert_array_equal(np.asarray(l16).argmax(-1)[clear], np.asarray(l32).argmax(-1)[clear])
 
 
+@pytest.mark.slow  # ~30 s
 def test_loss_and_gradients_track_float32(models):
   f32, bf16 = models
   toks, mask, pix = _batch(np.random.default_rng(1))

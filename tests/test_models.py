@@ -243,7 +243,7 @@ def test_config_from_dict_and_presets():
     ModelConfig(deepstack_visual_indexes=(1, 1))
 
 
-@pytest.mark.parametrize("remat", ["full", "dots"])
+@pytest.mark.parametrize("remat", [pytest.param("full", marks=pytest.mark.slow), "dots"])
 def test_remat_same_loss_and_gradients(remat):
   """Rematerialisation changes memory, not math: loss and every gradient equal the plain ones."""
   import dataclasses

@@ -176,7 +176,8 @@ def test_action_grammar_sampling_matches_full_forward(policy, jump_forward):
   np.testing.assert_array_equal(st[:, 1:], np.asarray(g.table)[st[:, :-1], tk[:, :-1]])
 
 
-@pytest.mark.parametrize("grammar_kw", [dict(max_thought_bytes=3, coord_format="fixed3"),
+@pytest.mark.parametrize("grammar_kw", [pytest.param(dict(max_thought_bytes=3, coord_format="fixed3"),
+                                                     marks=pytest.mark.slow),
                                         dict(max_thought_bytes=0, coord_format="tens3")])
 def test_jump_forward_greedy_equals_token_by_token(policy, grammar_kw):
   # Jump-forward only batches the grammar's forced tokens: greedy outputs, log-probs, states and

@@ -134,6 +134,7 @@ def test_scanned_equals_unscanned_logits_aux_and_grads(family, remat, moe):
     assert float(np.abs(f0[BLOCKS[:3] + (i, "attn", "qkv", "kernel")]).max()) > 1e-4, i
 
 
+@pytest.mark.slow  # ~25 s
 def test_window_and_full_attention_blocks_differ_in_the_scanned_vit():
   """The qwen2_5_vl case above is not vacuous: with every block full-attention the scanned ViT's
   output changes (so the per-block window / full switch really selects different masks), and the

@@ -18,6 +18,7 @@ def _train(workdir, *extra):
   return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow  # ~140 s: two runs of the trainer against real Chromium
 @pytest.mark.browser
 def test_smoke_run_checkpoints_and_resumes(tmp_path):
   run = tmp_path / "run"

@@ -81,6 +81,7 @@ def test_value_update_trains_only_the_critic_on_monte_carlo_returns(tmp_path):
     state_lib.load_critic(other, str(tmp_path / "missing"), parts.copt)
 
 
+@pytest.mark.slow  # ~30 s
 def test_kl_to_initial_policy_is_zero_first_then_positive():
   parts, cfg = _parts(kl_coef=0.5, kl_kind="k3")
   assert parts.hparams.kl_coef == 0.5

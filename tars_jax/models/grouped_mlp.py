@@ -91,8 +91,9 @@ def _rows(a, start, s, keep=None):
   return x if keep is None else jnp.where(keep, x, 0)
 
 
-def _index(w, e):
-  return jax.lax.dynamic_index_in_dim(w, e, keepdims=False)
+def _index(w, e, dtype):
+  """Expert e's slice of the stacked weights w, cast to the compute dtype (one expert at a time)."""
+  return jax.lax.dynamic_index_in_dim(w, e, keepdims=False).astype(dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -101,12 +102,15 @@ def grouped_swiglu(xs, sizes, wgu, wd, rows: int, min_rows: int = MIN_ROWS):
 
   Args:
     xs: [G, D] assignments sorted by expert; sizes: [E] int32 group sizes (sum G);
-    wgu: [E, D, 2, I] (gate at [:, :, 0], up at [:, :, 1]: `moe.MoE.w_gate_up`); wd: [E, I, D] (all
-      in the compute dtype);
+    wgu: [E, D, 2, I] (gate at [:, :, 0], up at [:, :, 1]: `moe.MoE.w_gate_up`); wd: [E, I, D], in
+      the parameter dtype: each expert's weights are cast to xs's (compute) dtype inside the loop, so a
+      bfloat16 step with float32 parameters keeps no bfloat16 copy of all E experts' weights for the
+      backward (~576 MiB per layer at 64 experts x 2048 x 768), only the parameters it already holds;
     rows: R, the largest chunk (static); a group's tail is covered by chunks of R/2, R/4, ... down to
       `min_rows` (`chunk_sizes`), so each expert computes fewer than min_rows padded rows.
   Returns: ys [G, D] in xs's dtype. Differentiable (reverse mode) in xs, wgu, wd; exact (no padding
-  enters a result, no assignment is dropped).
+  enters a result, no assignment is dropped). The weight gradients accumulate over chunks in float32
+  and come back in the weights' dtype.
   """
   return _forward(xs, sizes, wgu, wd, rows, min_rows, keep_parts=False)[0]
 
@@ -120,7 +124,7 @@ def _forward(xs, sizes, wgu, wd, rows, min_rows, keep_parts: bool):
   wgu = wgu.reshape(e, d, 2 * i)  # [gate | up] columns; row-major, so no copy
 
   def init(e, carry):
-    return carry, (_index(wgu, e), _index(wd, e))
+    return carry, (_index(wgu, e, xs.dtype), _index(wd, e, xs.dtype))
 
   def chunk(s, e, w, carry, start, keep):
     del keep  # rows past the group give garbage that a later expert overwrites (`_put`)
@@ -150,9 +154,9 @@ def _bwd(rows, min_rows, res, dys):
   wgu = wgu4.reshape(e, d, 2 * i)  # as in the forward
 
   def init(e, carry):
-    # e's weights, and its weight gradients accumulated over its chunks (written once, in done)
-    w = (_index(wgu, e), _index(wd, e))
-    return carry, (w, tuple(jnp.zeros_like(a) for a in w))
+    # e's weights, and its weight gradients accumulated over its chunks in float32 (written once, in done)
+    w = (_index(wgu, e, xs.dtype), _index(wd, e, xs.dtype))
+    return carry, (w, tuple(jnp.zeros(a.shape, jnp.float32) for a in w))
 
   def chunk(s, e, local, carry, start, keep):
     (w_gu, w_d), (dw_gu, dw_d) = local
@@ -166,7 +170,8 @@ def _bwd(rows, min_rows, res, dys):
     dh = dy @ w_d.T
     dab = jnp.concatenate([dh * b * sig * (1 + a * (1 - sig)), dh * silu_a], axis=-1)  # d/da (silu'), d/db
     dx = dab @ w_gu.T
-    grads = (dw_gu + x.T @ dab, dw_d + h.T @ dy)
+    f32 = functools.partial(jnp.matmul, preferred_element_type=jnp.float32)
+    grads = (dw_gu + f32(x.T, dab), dw_d + f32(h.T, dy))
     return (_put(carry[0], dx, start),) + carry[1:], ((w_gu, w_d), grads)
 
   def done(e, local, carry):

@@ -281,7 +281,7 @@ class MoE(nnx.Module):
     k, e, dt = self.top_k, self.experts, self.dtype
     order, _, sizes = sort_by_expert(idx, e)
     xs = flat[order // k].astype(dt)
-    ys = grouped_swiglu(xs, sizes, *self._weights(), rows)
+    ys = grouped_swiglu(xs, sizes, self.w_gate_up[...], self.w_down[...], rows)  # cast per expert inside
     return self._combine(ys, order, w)
 
   def _grouped(self, flat, w, idx):

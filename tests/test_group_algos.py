@@ -69,6 +69,7 @@ def _fake_batch(parts, cfg, b=4, t=128):
               image_mask=np.ones((b, cfg.env.max_turns), bool))
 
 
+@pytest.mark.slow  # ~25 s
 def test_group_update_skips_groups_without_signal_and_learns_otherwise():
   parts, cfg = _tiny_parts("grpo")
   batch = _fake_batch(parts, cfg)

@@ -133,7 +133,7 @@ def test_bounded_moe_both_branches_equal_dense(balanced):
 _ROUTINGS = (st.lists(st.integers(0, 40), min_size=1, max_size=12), st.integers(1, 16))
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(*_ROUTINGS)
 def test_block_bound_holds_for_any_routing(sizes, rows):
   """`num_blocks` bounds the blocks any routing needs (the blocked path's static buffer never overflows),
@@ -286,6 +286,7 @@ def _check_run(r, full):
   assert '[{"data", "fsdp", "expert"}, {}, {}]' in cons, cons
 
 
+@pytest.mark.slow  # the 8-device worker run takes ~140 s
 def test_train_step_on_expert_parallel_mesh_equals_single_device(mesh_results):
   _check_run(mesh_results["runs"]["ragged@2,1,2,2"], full=False)
 
@@ -297,6 +298,7 @@ def test_train_step_on_every_mesh_equals_single_device(mesh_results_full, mesh, 
   _check_run(mesh_results_full["runs"][f"{impl}@{mesh}"], full=True)
 
 
+@pytest.mark.slow  # the 8-device worker run takes ~140 s
 def test_all_to_all_dispatch_train_step_equals_single_device(mesh_results):
   """moe_dispatch="all_to_all" on (2, 1, 2, 2): loss and gradients as one device, and the compiled
   step really exchanges tokens: forward dispatch (rows, expert ids) and return, and their transposes."""
@@ -306,6 +308,7 @@ def test_all_to_all_dispatch_train_step_equals_single_device(mesh_results):
   assert mesh_results["runs"]["ragged@2,1,2,2"]["collectives"]["all-to-all"] == 0
 
 
+@pytest.mark.slow  # the 8-device worker run takes ~140 s
 def test_all_to_all_dispatch_only_where_tokens_split_over_experts(mesh_results):
   r = mesh_results["a2a_shapes"]
   assert all(diff <= TOL for diff, _ in r.values()), r
@@ -314,6 +317,7 @@ def test_all_to_all_dispatch_only_where_tokens_split_over_experts(mesh_results):
   assert r["2x4"][1] >= 2 and r["1x1"][1] == 0 and r["3x5"][1] == 0, r
 
 
+@pytest.mark.slow  # the 8-device worker run takes ~140 s
 def test_all_to_all_capacity_drops_per_shard_like_numpy_reference(mesh_results):
   r = mesh_results["a2a_capacity"]
   assert r["cf0.5"]["c"] == 2 and r["cf0.5"]["want_dropped"] > 0  # ceil(0.5 * 6 * 2 / 4)
@@ -346,6 +350,7 @@ def _shard(shape, mesh, spec):
   return out
 
 
+@pytest.mark.slow  # the 8-device worker run takes ~140 s
 def test_parameters_distributed_as_rules_say(mesh_results):
   _check_params(mesh_results["runs"]["ragged@2,1,2,2"]["params"], "2,1,2,2")
 
@@ -378,6 +383,7 @@ def _check_params(got, mesh):
     assert got["['trunk']['decoder']['layers'][1]['mlp']['w_gate_up']"][2] == [2, 32, 2, 8]
 
 
+@pytest.mark.slow  # the 8-device worker run takes ~140 s
 def test_indivisible_dimension_is_a_typed_error(mesh_results):
   msg = mesh_results["indivisible_error"]
   assert msg.startswith("ShardingError")
@@ -385,6 +391,7 @@ def test_indivisible_dimension_is_a_typed_error(mesh_results):
     assert part in msg, msg
 
 
+@pytest.mark.slow  # the 8-device worker run takes ~140 s
 def test_load_pretrained_places_tensors_by_rules(mesh_results):
   r = mesh_results["hf_io"]
   assert r["values_equal"] and r["logits_diff"] <= TOL
@@ -392,6 +399,7 @@ def test_load_pretrained_places_tensors_by_rules(mesh_results):
   assert r["embed"] == [[264, 32], ["tensor", "fsdp"], [132, 32]]
 
 
+@pytest.mark.slow  # the 8-device worker run takes ~140 s
 def test_trainer_state_on_mesh_from_config(mesh_results):
   r = mesh_results["state"]
   assert r["mesh"] == [2, 1, 2, 2] and r["default_mesh"]

@@ -3,6 +3,7 @@ switch-style load-balance loss (transformers `load_balancing_loss_func`)."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -130,16 +131,43 @@ def swiglu(gate_up: jax.Array, axis: int) -> jax.Array:
   return jax.nn.silu(gate) * up
 
 
+def cast_apply(fn, x: jax.Array, w: jax.Array, *rest: jax.Array, dtype, index=None) -> jax.Array:
+  """fn(x, w'.astype(dtype), *rest) with w' = w, or w[index] (int32 index: the blocked path's expert of
+  each block), the gather and cast redone in the backward. fn must be linear in each argument (an
+  einsum).
+
+  Autodiff of a cast (or gather) outside keeps its result, a copy of the experts' weights (in bf16
+  576 MiB per layer of the a3b8 preset, 64 experts of 2048 x 768), from the forward to the backward.
+  Under `jax.checkpoint` with nothing saveable only the inputs are kept (w is the float32 parameter,
+  alive anyway), and fn is linear in each operand, so the backward recomputes only the cast
+  (`benchmarks/RESULTS.md`, 2026-11-26: 15 GiB fewer temporaries in the a3b8 dense bf16 step, 19 GiB in
+  the blocked one). Same values and gradients as casting outside; with w already in `dtype` it is
+  what autodiff keeps anyway."""
+  def f(x, w, *rest):
+    return fn(x, (w if index is None else w[index]).astype(dtype), *rest)
+  if index is None and w.dtype == dtype:  # nothing to redo: leave XLA's schedule alone
+    return f(x, w, *rest)
+  return jax.checkpoint(f, policy=jax.checkpoint_policies.nothing_saveable)(x, w, *rest)
+
+
+def cast_einsum(spec: str, x: jax.Array, w: jax.Array, *rest: jax.Array, dtype, index=None) -> jax.Array:
+  """jnp.einsum(spec, x, w'.astype(dtype), *rest): `cast_apply` of an einsum."""
+  return cast_apply(functools.partial(jnp.einsum, spec), x, w, *rest, dtype=dtype, index=index)
+
+
 def ragged_swiglu(xs: jax.Array, sizes: jax.Array, wgu: jax.Array, wd: jax.Array) -> jax.Array:
   """SwiGLU experts on contiguous groups (`jax.lax.ragged_dot`): xs [G, D] sorted by expert, sizes [E]
-  int32 group sizes, wgu [E, D, 2, I], wd [E, I, D] -> [G, D] (rows past sum(sizes) belong to no group)."""
+  int32 group sizes, wgu [E, D, 2, I], wd [E, I, D] (in the compute dtype) -> [G, D] (rows past
+  sum(sizes) belong to no group). The weights are cast outside: `cast_apply` around the three
+  ragged_dots made the a3b8 bf16 step's XLA:CPU temporaries larger (99.5 -> 106.5 GiB)."""
   h = jax.nn.silu(jax.lax.ragged_dot(xs, wgu[:, :, 0], sizes)) * jax.lax.ragged_dot(xs, wgu[:, :, 1], sizes)
   return jax.lax.ragged_dot(h, wd, sizes)
 
 
 def capacity_swiglu(buf: jax.Array, wgu: jax.Array, wd: jax.Array, groups: int = 1) -> jax.Array:
   """SwiGLU of each expert on its rows of an [E, C, D] buffer: buf [E, C, D], wgu [E, D, 2, I],
-  wd [E, I, D] -> [E, C, D] (row c of expert e through expert e's weights).
+  wd [E, I, D] in any dtype (cast to buf's inside, `cast_einsum`) -> [E, C, D] (row c of expert e
+  through expert e's weights).
 
   groups > 1 (a divisor of E): the same products as `groups` independent einsums over contiguous
   expert ranges, concatenated. XLA:CPU runs independent ops on separate cores but a batched matmul of
@@ -153,8 +181,8 @@ def capacity_swiglu(buf: jax.Array, wgu: jax.Array, wd: jax.Array, groups: int =
   outs = []
   for j in range(groups):
     s = slice(j * e // groups, (j + 1) * e // groups)
-    h = swiglu(jnp.einsum("ecd,edgi->ecgi", buf[s], wgu[s]), axis=2)
-    outs.append(jnp.einsum("eci,eid->ecd", h, wd[s]))
+    h = swiglu(cast_einsum("ecd,edgi->ecgi", buf[s], wgu[s], dtype=buf.dtype), axis=2)
+    outs.append(cast_einsum("eci,eid->ecd", h, wd[s], dtype=buf.dtype))
   return outs[0] if groups == 1 else jnp.concatenate(outs, axis=0)
 
 
@@ -254,10 +282,10 @@ class MoE(nnx.Module):
 
   def _dense(self, flat, w, idx):
     dense_w = jnp.sum(jax.nn.one_hot(idx, self.experts, dtype=jnp.float32) * w[..., None], axis=1)  # [N, E]
-    wgu, wd = self._weights()
-    h = swiglu(jnp.einsum("nd,edgi->negi", flat, wgu), axis=2)
+    dt = self.dtype
+    h = swiglu(cast_einsum("nd,edgi->negi", flat, self.w_gate_up[...], dtype=dt), axis=2)
     h = constrain(h, ("act_exp_tokens", "act_expert", "act_mlp"))
-    return jnp.einsum("nei,eid,ne->nd", h, wd, dense_w.astype(self.dtype))
+    return cast_einsum("nei,eid,ne->nd", h, self.w_down[...], dense_w.astype(dt), dtype=dt)
 
   def _blocked(self, flat, w, idx, rows: int):
     n, d = flat.shape
@@ -271,9 +299,9 @@ class MoE(nnx.Module):
     xs = jnp.zeros((nb * rows, d), dt).at[pos].set(flat[order // k].astype(dt)).reshape(nb, rows, d)
     # expert of each block (unused tail blocks: zeros through the last expert, never read back)
     _, block_e, _, _ = chunk_table(sizes, rows, nb)
-    wgu, wd = (w[block_e] for w in self._weights())
-    h = swiglu(jnp.einsum("brd,bdgi->brgi", xs, wgu), axis=2)
-    ys = jnp.einsum("bri,bid->brd", h, wd).reshape(nb * rows, d)[pos]  # [N*k, D], sorted order
+    h = swiglu(cast_einsum("brd,bdgi->brgi", xs, self.w_gate_up[...], dtype=dt, index=block_e), axis=2)
+    ys = cast_einsum("bri,bid->brd", h, self.w_down[...], dtype=dt, index=block_e)
+    ys = ys.reshape(nb * rows, d)[pos]  # [N*k, D], sorted order
     return self._combine(ys, order, w)
 
   def _grouped_loop(self, flat, w, idx, rows: int):
@@ -287,13 +315,12 @@ class MoE(nnx.Module):
   def _grouped(self, flat, w, idx):
     n, _ = flat.shape
     k, e = self.top_k, self.experts
-    wgu, wd = self._weights()
     order, sorted_e, sizes = sort_by_expert(idx, e)
     xs = flat[order // k]  # [N*k, D]: token of each assignment, grouped by expert
     dropped = None
     if self.capacity_factor is None:
       xs = constrain(xs, ("act_exp_tokens", "act_embed"))
-      ys = ragged_swiglu(xs, sizes, wgu, wd)  # [N*k, D]
+      ys = ragged_swiglu(xs, sizes, *self._weights())  # [N*k, D]
     else:
       ys, keep = self._capacity_mlp(xs, sorted_e, sizes, capacity(n, k, e, self.capacity_factor))
       dropped = jnp.sum(~keep).astype(jnp.float32)
@@ -305,17 +332,18 @@ class MoE(nnx.Module):
     `capacity_swiglu`."""
     g, d = xs.shape
     e, dt = self.experts, self.dtype
-    wgu, wd = self._weights()
     rank = rank_in_group(sorted_e, sizes)
     keep = rank < c
     slot = jnp.where(keep, sorted_e * c + rank, e * c)  # dropped -> a spare row, cut off below
     buf = jnp.zeros((e * c + 1, d), dt).at[slot].set(xs.astype(dt))[:-1].reshape(e, c, d)
     buf = constrain(buf, ("act_expert", None, "act_embed"))  # the dispatch: [E, C, D] over experts
-    yb = constrain(capacity_swiglu(buf, wgu, wd, groups), ("act_expert", None, "act_embed")).reshape(e * c, d)
+    yb = capacity_swiglu(buf, self.w_gate_up[...], self.w_down[...], groups)  # weights cast inside
+    yb = constrain(yb, ("act_expert", None, "act_embed")).reshape(e * c, d)
     return jnp.where(keep[:, None], yb[jnp.minimum(slot, e * c - 1)], 0), keep
 
   def _weights(self):
-    """(w_gate_up [E, D, 2, I], w_down [E, I, D]) in the compute dtype."""
+    """(w_gate_up [E, D, 2, I], w_down [E, I, D]) in the compute dtype, for the "ragged" paths (dense,
+    blocked, grouped and the capacity buffer pass the parameters and cast inside: `cast_apply`)."""
     return self.w_gate_up[...].astype(self.dtype), self.w_down[...].astype(self.dtype)
 
   def _combine(self, ys, order, w):

@@ -100,7 +100,7 @@ def _loss(model, toks, pos, mask, pix):
 
 @pytest.mark.parametrize("family,remat,moe", [
     pytest.param("qwen3_vl_moe", "dots", dict(moe_impl="ragged", moe_capacity_factor=0.5), marks=pytest.mark.slow),
-    ("qwen2_5_vl", "full", {}),
+    pytest.param("qwen2_5_vl", "full", {}, marks=pytest.mark.slow),
     pytest.param("qwen3_vl_moe", "none", {}, marks=pytest.mark.slow),
     pytest.param("qwen2_5_vl", "none", {}, marks=pytest.mark.slow),
     pytest.param("qwen3_vl_moe", "full", {}, marks=pytest.mark.slow),

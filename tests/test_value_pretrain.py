@@ -50,6 +50,7 @@ def test_stop_rule_streak_and_hparams():
   assert (hp.algo, hp.lam_critic, hp.value_clip) == ("ppo", 1.0, None)
 
 
+@pytest.mark.slow  # ~30 s
 def test_value_update_trains_only_the_critic_on_monte_carlo_returns(tmp_path):
   parts, cfg = _parts()
   full = parts.init_state(0)

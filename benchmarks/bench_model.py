@@ -4,7 +4,7 @@ built offline, its image processor, the train-step batch layout and LM loss, the
 the datasheet peak and the compiled step's memory.
 
 No absl flags here: tests import this module, and a flag defined at import time in two modules loaded
-by one pytest process is a `DuplicateFlagError` (`tests/test_bench_helpers.py` guards it)."""
+by one pytest process is a `DuplicateFlagError` (`tests/test_flag_imports.py` guards it)."""
 
 from __future__ import annotations
 

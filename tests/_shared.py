@@ -1,8 +1,11 @@
-"""Helpers shared by several test modules (tiny model config, jitted forward, grid coordinates)."""
+"""Helpers shared by several test modules (tiny model config, jitted forward, grid coordinates, a
+scanned step's compiled temporaries)."""
 
 import asyncio
 import time
 
+import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from envs_bridge.browser import miniwob_tasks as mw
@@ -58,3 +61,15 @@ def left_padded_batch(rng, lens, tail=(10,), cfg=TINY_CFG):
     toks[i, p - len(r):], mask[i, p - len(r):] = r, True
   pix = rng.random((len(rows), 1, cfg.image_h, cfg.image_w, 3)).astype(np.float32)
   return jnp.asarray(toks), jnp.asarray(mask), jnp.asarray(pix)
+
+
+def scanned_step_temp_bytes(layer, params, x, *consts) -> int:
+  """Temporaries (bytes, the compiled program's `memory_analysis`) of the value-and-grad of
+  sum(h^2) after h <- h + layer(h, p, *consts) scanned over the leading axis of `params`.
+  params (a pytree), x, consts: `jax.ShapeDtypeStruct`s; compiled only, nothing is run (buffer
+  sizes are deterministic)."""
+  def loss(params, x, *consts):
+    def body(h, p):
+      return h + layer(h, p, *consts), None
+    return jnp.sum(jax.lax.scan(body, x, params)[0].astype(jnp.float32) ** 2)
+  return jax.jit(jax.value_and_grad(loss)).lower(params, x, *consts).compile().memory_analysis().temp_size_in_bytes

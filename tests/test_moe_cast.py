@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from tars_jax.models import moe
+from _shared import scanned_step_temp_bytes
 
 BF = jnp.bfloat16
 
@@ -40,16 +41,12 @@ def test_same_values_and_gradients_as_casting_outside(indexed):
     assert float(jnp.abs(got[1][1][1]).max()) == 0.0 and float(jnp.abs(got[1][1][2]).max()) > 0
 
 
-def _temp_bytes(f, layers, e, d, i, n, index=None) -> int:
-  def loss(params, x):
-    def body(h, p):
-      wgu, wd = p
-      a = f("nd,edi->nei", h, wgu, dtype=BF, index=index)
-      return h + f("nei,eid->nd", jax.nn.silu(a), wd, dtype=BF, index=index), None
-    return jnp.sum(jax.lax.scan(body, x, params)[0].astype(jnp.float32) ** 2)
-  args = ((jax.ShapeDtypeStruct((layers, e, d, i), jnp.float32), jax.ShapeDtypeStruct((layers, e, i, d), jnp.float32)),
-          jax.ShapeDtypeStruct((n, d), BF))
-  return jax.jit(jax.value_and_grad(loss)).lower(*args).compile().memory_analysis().temp_size_in_bytes
+def _temp_bytes(f, layers, e, d, i, n) -> int:
+  def layer(h, p):
+    wgu, wd = p
+    return f("nei,eid->nd", jax.nn.silu(f("nd,edi->nei", h, wgu, dtype=BF)), wd, dtype=BF)
+  params = (jax.ShapeDtypeStruct((layers, e, d, i), jnp.float32), jax.ShapeDtypeStruct((layers, e, i, d), jnp.float32))
+  return scanned_step_temp_bytes(layer, params, jax.ShapeDtypeStruct((n, d), BF))
 
 
 def test_a_scanned_bf16_step_keeps_no_bf16_copy_of_the_experts():

@@ -16,6 +16,7 @@ from flax import nnx
 from tars_jax.models import moe
 from tars_jax.models.config import ModelConfig
 from tars_jax.models.grouped_mlp import chunk_counts, chunk_sizes, grouped_swiglu
+from _shared import scanned_step_temp_bytes
 
 TOL = 1e-5
 
@@ -105,15 +106,13 @@ def test_no_bfloat16_copy_of_the_expert_weights_is_kept():
   bf = jnp.bfloat16
 
   def temp_bytes(cast_outside: bool) -> int:
-    def loss(params, xs, sizes):
-      def body(h, p):
-        wgu, wd = (w.astype(bf) for w in p) if cast_outside else p
-        return h + grouped_swiglu(h, sizes, wgu, wd, 64), None
-      return jnp.sum(jax.lax.scan(body, xs, params)[0].astype(jnp.float32) ** 2)
-    args = ((jax.ShapeDtypeStruct((layers, e, d, 2, i), jnp.float32),
-             jax.ShapeDtypeStruct((layers, e, i, d), jnp.float32)),
-            jax.ShapeDtypeStruct((g, d), bf), jax.ShapeDtypeStruct((e,), jnp.int32))
-    return jax.jit(jax.value_and_grad(loss)).lower(*args).compile().memory_analysis().temp_size_in_bytes
+    def layer(h, p, sizes):
+      wgu, wd = (w.astype(bf) for w in p) if cast_outside else p
+      return grouped_swiglu(h, sizes, wgu, wd, 64)
+    params = (jax.ShapeDtypeStruct((layers, e, d, 2, i), jnp.float32),
+              jax.ShapeDtypeStruct((layers, e, i, d), jnp.float32))
+    return scanned_step_temp_bytes(layer, params, jax.ShapeDtypeStruct((g, d), bf),
+                                   jax.ShapeDtypeStruct((e,), jnp.int32))
 
   bf16_copy = layers * e * 3 * d * i * 2
   assert temp_bytes(True) - temp_bytes(False) >= bf16_copy

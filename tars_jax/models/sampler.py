@@ -10,11 +10,11 @@ With top_p < 1 the token is drawn from the nucleus of that distribution but the 
 is still the un-truncated one (PPO off-policy caveat; training configs keep top_p = 1, which is
 exactly plain sampling). temperature = 0 is greedy decoding (argmax of the masked logits) and
 returns temperature-1 log-probs.
+On CPU the loop compiles without XLA:CPU's YNNPACK fusions (`compile_options`: faster few-row dots).
 """
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tars_jax.agent.tokenizer import EOS, PAD
+from tars_jax.models import compile_options
 from tars_jax.models.rope import next_position, rope_positions
 from tars_jax.rl.losses import masked_log_softmax
 
@@ -69,9 +70,7 @@ def forced_tokens(table: jax.Array) -> jax.Array:
   return jnp.where(ok.sum(-1) == 1, jnp.argmax(ok, axis=-1), -1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_p",
-                                             "eos_id", "pad_id", "image_token_id", "chunk"))
-def _generate(params, tokens, attn_mask, pixel_values, image_mask, key, table, start_state, *, graphdef,
+def _generate_fn(params, tokens, attn_mask, pixel_values, image_mask, key, table, start_state, *, graphdef,
               max_new_tokens, temperature, top_p, eos_id, pad_id, image_token_id, chunk):
   model = nnx.merge(graphdef, params)
   cfg = model.cfg
@@ -158,6 +157,14 @@ def _generate(params, tokens, attn_mask, pixel_values, image_mask, key, table, s
   after = jnp.arange(n)[None] >= c["out"][:, None]
   states = jnp.where(after, c["state"][:, None], c["states"])
   return Generation(c["toks"], c["lps"], states, c["out"])
+
+
+# On CPU without YNNPACK fusions: the decode loop's few-row dots run faster on XLA's own kernels
+# (`compile_options`, measured there).
+_generate = compile_options.jit_per_backend(
+    _generate_fn, cpu_options=compile_options.DECODE_CPU_OPTIONS,
+    static_argnames=("graphdef", "max_new_tokens", "temperature", "top_p", "eos_id", "pad_id", "image_token_id",
+                     "chunk"))
 
 
 def generate(policy, tokens, attn_mask, pixel_values, image_mask, key, *rest, max_new_tokens: int,

@@ -193,6 +193,35 @@ def decode_expert_groups(num_experts: int) -> int:
   return num_experts if jax.default_backend() == "cpu" and sharding.active() is None else 1
 
 
+def per_expert_swiglu(buf: jax.Array, gate_up: tuple, down: tuple) -> jax.Array:
+  """`capacity_swiglu` with one einsum per expert over weights already split per expert: buf
+  [E, C, D], gate_up E arrays [D, 2, I], down E arrays [I, D], all in buf's dtype -> [E, C, D]."""
+  h = [swiglu(jnp.einsum("cd,dgi->cgi", buf[j], g), axis=1) for j, g in enumerate(gate_up)]
+  return jnp.stack([jnp.einsum("ci,id->cd", hj, d) for hj, d in zip(h, down)])
+
+
+def split_experts_for_decode(model: nnx.Module) -> int:
+  """Before a decode loop on XLA:CPU: gives every (unscanned) `MoE` layer of `model` its experts'
+  weights as E separate arrays in the compute dtype (`MoE.expert_slices`), made once and kept out of
+  the loop by an `optimization_barrier`, so the bounded decode path's per-expert einsums
+  (`decode_expert_groups`) read them in place. Without it XLA:CPU copies each expert's [D, 2, I] and
+  [I, D] slice out of the stacked parameter before its dot at every step (75 MB per step for the
+  decode benchmark's model, 16 copy fusions per layer; batch-16 decode 0.88-0.90x the time with the
+  split, RESULTS.md). Costs one more copy of the expert weights while the loop runs. A no-op where
+  the bounded path uses one batched einsum (a mesh, an accelerator) and for scanned layers (stacked
+  [L, E, ...] weights, sliced per layer by the scan anyway). Returns how many layers were split.
+  Call it inside the jitted function that runs the loop, on a model that function merged.
+  """
+  n = 0
+  for _, mod in nnx.iter_graph(model):
+    if isinstance(mod, MoE) and mod.w_gate_up.ndim == 4 and decode_expert_groups(mod.experts) == mod.experts:
+      gu, dn = mod.w_gate_up[...].astype(mod.dtype), mod.w_down[...].astype(mod.dtype)
+      mod.expert_slices = nnx.data(jax.lax.optimization_barrier(
+          (tuple(gu[j] for j in range(mod.experts)), tuple(dn[j] for j in range(mod.experts)))))
+      n += 1
+  return n
+
+
 def combine(ys: jax.Array, order: jax.Array, w: jax.Array, dtype) -> jax.Array:
   """ys [N*k, D] in expert-sorted order (`sort_by_expert`'s order [N*k]) -> [N, D]: unsorted and
   summed over each token's k experts, weighted by the routing weights w [N, k] cast to `dtype`."""
@@ -252,6 +281,7 @@ class MoE(nnx.Module):
     self.w_gate_up = nnx.Param(init_in(rngs.params(), (e, d, 2 * i)).reshape(e, d, 2, i),
                                **ax("expert", "embed", None, "mlp"))
     self.w_down = nnx.Param(init_in(rngs.params(), (e, i, d)), **ax("expert", "mlp", "embed"))
+    self.expert_slices = None  # per-expert weights during a CPU decode loop (`split_experts_for_decode`)
 
   def __call__(self, x: jax.Array):
     b, t, d = x.shape
@@ -337,7 +367,10 @@ class MoE(nnx.Module):
     slot = jnp.where(keep, sorted_e * c + rank, e * c)  # dropped -> a spare row, cut off below
     buf = jnp.zeros((e * c + 1, d), dt).at[slot].set(xs.astype(dt))[:-1].reshape(e, c, d)
     buf = constrain(buf, ("act_expert", None, "act_embed"))  # the dispatch: [E, C, D] over experts
-    yb = capacity_swiglu(buf, self.w_gate_up[...], self.w_down[...], groups)  # weights cast inside
+    if self.expert_slices is not None and groups == e:
+      yb = per_expert_swiglu(buf, *self.expert_slices)
+    else:
+      yb = capacity_swiglu(buf, self.w_gate_up[...], self.w_down[...], groups)  # weights cast inside
     yb = constrain(yb, ("act_expert", None, "act_embed")).reshape(e * c, d)
     return jnp.where(keep[:, None], yb[jnp.minimum(slot, e * c - 1)], 0), keep
 

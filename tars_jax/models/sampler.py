@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tars_jax.agent.tokenizer import EOS, PAD
-from tars_jax.models import compile_options
+from tars_jax.models import compile_options, moe
 from tars_jax.models.rope import next_position, rope_positions
 from tars_jax.rl.losses import masked_log_softmax
 
@@ -90,6 +90,7 @@ def _generate_fn(params, tokens, attn_mask, pixel_values, image_mask, key, table
   cache = model.init_cache(b, p + n + k)
   logits, _, cache = model(tokens, pos, attn_mask, pixel_values, image_mask, cache=cache, cache_index=0)
   last = logits[:, -1]  # left padding: the last slot is every row's last real token
+  moe.split_experts_for_decode(model)  # CPU: the loop reads each expert's weights in place
 
   def cond(c):
     return (c["i"] < n) & ~jnp.all(c["done"] | (c["out"] >= n))

@@ -1,0 +1,121 @@
+"""The CPU decode loop's expert weights split once per `generate` (`moe.split_experts_for_decode`):
+the same tokens and log-probs as without the split, the same values as the stacked-weight einsums,
+and no copy of an expert's weight slice left inside the compiled loop."""
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tars_jax.agent.tokenizer import EOS, PAD
+from tars_jax.models import Policy, moe, sampler
+from _shared import TINY_CFG, left_padded_batch
+
+# 8 experts top-2: at batch 8 the bounded [E, C, D] decode path runs (C = 4 < 8 rows per expert); expert
+# width 48 so that no other weight of the model has an expert slice's shape.
+CFG = dataclasses.replace(TINY_CFG, experts=8, moe_intermediate=48, moe_impl="grouped")
+B, N = 8, 6
+
+
+@pytest.fixture(scope="module")
+def policy():
+  return Policy(CFG, nnx.Rngs(3))
+
+
+def _args(policy):
+  toks, mask, pix = left_padded_batch(np.random.default_rng(2), [1, 3, 5, 2, 4, 6, 3, 1], cfg=CFG)
+  gd, params = nnx.split(policy)
+  args = (params, jnp.asarray(toks), jnp.asarray(mask, bool), pix, jnp.ones((B, 1), bool), jax.random.PRNGKey(0),
+          None, None)
+  kw = dict(graphdef=gd, max_new_tokens=N, temperature=0.0, top_p=1.0, eos_id=EOS, pad_id=PAD, image_token_id=None,
+            chunk=1)
+  return args, kw
+
+
+def _unsplit_generate(monkeypatch):
+  """`sampler._generate_fn` compiled (CPU options) with the split turned off: a fresh function object,
+  so jax traces it anew instead of reusing the split trace."""
+  monkeypatch.setattr(moe, "split_experts_for_decode", lambda model: 0)
+  fn = sampler._generate_fn
+  clone = type(fn)(fn.__code__, fn.__globals__, "unsplit_generate", fn.__defaults__, fn.__closure__)
+  return jax.jit(clone, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_p", "eos_id", "pad_id",
+                                         "image_token_id", "chunk"),
+                 compiler_options={"xla_cpu_experimental_ynn_fusion_type": ""})
+
+
+def _reachable(text: str, root: str) -> set[str]:
+  """Names of the HLO computations `root` calls, transitively (fusions, conds, nested loops)."""
+  bodies, name = {}, None
+  for line in text.splitlines():
+    m = re.match(r"^(?:ENTRY )?%(\S+) ", line)
+    if m:
+      name = m.group(1)
+      bodies[name] = []
+    elif name:
+      bodies[name].append(line)
+  seen, todo = set(), [root]
+  while todo:
+    c = todo.pop()
+    if c in seen or c not in bodies:
+      continue
+    seen.add(c)
+    for line in bodies[c]:
+      todo += re.findall(r"(?:calls|body|condition|to_apply|branch_computations)=\{?%([\w.\-]+)", line)
+      for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
+        todo += re.findall(r"%([\w.\-]+)", group)
+  return seen
+
+
+def _expert_slice_copies_in_loop(text: str) -> int:
+  """Instructions inside the decode `while` loop that produce one expert's gate|up [D, 2I] or down
+  [I, D] weights (the per-step copies out of the stacked parameters)."""
+  loop = re.search(r"= .* while\(.*body=%([\w.\-]+)", text).group(1)
+  inside = _reachable(text, loop)
+  d, i = CFG.hidden, CFG.moe_intermediate
+  shapes = (f"f32[{d},{2 * i}]", f"f32[{d},2,{i}]", f"f32[{i},{d}]")
+  count, name = 0, None
+  for line in text.splitlines():
+    m = re.match(r"^(?:ENTRY )?%(\S+) ", line)
+    if m:
+      name = m.group(1)
+    elif name in inside and re.search(r"= (" + "|".join(re.escape(s) for s in shapes) + r")\{", line) \
+        and re.search(r"\b(fusion|slice|copy|dynamic-slice)\(", line):
+      count += 1
+  return count
+
+
+def test_per_expert_swiglu_equals_the_stacked_einsums():
+  e, c, d, i = 8, 4, 64, 32
+  k = jax.random.split(jax.random.PRNGKey(0), 3)
+  buf = jax.random.normal(k[0], (e, c, d))
+  wgu, wd = jax.random.normal(k[1], (e, d, 2, i)), jax.random.normal(k[2], (e, i, d))
+  want = moe.capacity_swiglu(buf, wgu, wd)
+  got = moe.per_expert_swiglu(buf, tuple(wgu), tuple(wd))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_split_decodes_the_same_tokens_and_log_probs(policy, monkeypatch):
+  args, kw = _args(policy)
+  split = sampler._generate(*args, **kw)
+  plain = _unsplit_generate(monkeypatch)(*args, **kw)
+  np.testing.assert_array_equal(np.asarray(split.tokens), np.asarray(plain.tokens))
+  np.testing.assert_allclose(np.asarray(split.logprobs), np.asarray(plain.logprobs), rtol=1e-5, atol=1e-5)
+
+
+def test_no_expert_weight_copies_inside_the_decode_loop(policy, monkeypatch):
+  args, kw = _args(policy)
+  split_text = sampler._generate.cpu.lower(*args, **kw).compile().as_text()
+  plain_text = _unsplit_generate(monkeypatch).lower(*args, **kw).compile().as_text()
+  # Precondition: without the split the loop copies both weights of every expert of every layer.
+  assert _expert_slice_copies_in_loop(plain_text) >= 2 * CFG.experts * CFG.layers
+  assert _expert_slice_copies_in_loop(split_text) == 0
+
+
+def test_split_skips_scanned_layers_and_counts_the_rest(policy):
+  assert moe.split_experts_for_decode(nnx.merge(*nnx.split(policy))) == CFG.layers
+  scanned = Policy(dataclasses.replace(CFG, scan_layers=True), nnx.Rngs(3))
+  assert moe.split_experts_for_decode(scanned) == 0

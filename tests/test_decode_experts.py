@@ -115,7 +115,15 @@ def test_no_expert_weight_copies_inside_the_decode_loop(policy, monkeypatch):
   assert _expert_slice_copies_in_loop(split_text) == 0
 
 
-def test_split_skips_scanned_layers_and_counts_the_rest(policy):
-  assert moe.split_experts_for_decode(nnx.merge(*nnx.split(policy))) == CFG.layers
-  scanned = Policy(dataclasses.replace(CFG, scan_layers=True), nnx.Rngs(3))
-  assert moe.split_experts_for_decode(scanned) == 0
+def _layers_split(cfg) -> int:
+  """`split_experts_for_decode` on a freshly built model of `cfg`, traced abstractly (no weights made)."""
+  out = []
+  jax.eval_shape(lambda: out.append(moe.split_experts_for_decode(Policy(cfg, nnx.Rngs(3)))))
+  return out[0]
+
+
+def test_split_skips_scanned_layers_and_counts_the_rest():
+  assert _layers_split(CFG) == CFG.layers
+  assert _layers_split(dataclasses.replace(CFG, scan_layers=True)) == 0
+  assert _layers_split(dataclasses.replace(CFG, moe_impl="blocked")) == CFG.layers
+  assert _layers_split(dataclasses.replace(CFG, moe_impl="dense")) == 0  # no bounded path: no copy made

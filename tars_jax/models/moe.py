@@ -207,14 +207,16 @@ def split_experts_for_decode(model: nnx.Module) -> int:
   (`decode_expert_groups`) read them in place. Without it XLA:CPU copies each expert's [D, 2, I] and
   [I, D] slice out of the stacked parameter before its dot at every step (75 MB per step for the
   decode benchmark's model, 16 copy fusions per layer; batch-16 decode 0.88-0.90x the time with the
-  split, RESULTS.md). Costs one more copy of the expert weights while the loop runs. A no-op where
-  the bounded path uses one batched einsum (a mesh, an accelerator) and for scanned layers (stacked
-  [L, E, ...] weights, sliced per layer by the scan anyway). Returns how many layers were split.
+  split, RESULTS.md). Costs one more copy of the expert weights while the loop runs. A no-op for the
+  MoE paths without the bounded decode path ("dense", "ragged"), where that path uses one batched
+  einsum (a mesh, an accelerator), and for scanned layers (stacked [L, E, ...] weights, sliced per
+  layer by the scan anyway). Returns how many layers were split.
   Call it inside the jitted function that runs the loop, on a model that function merged.
   """
   n = 0
   for _, mod in nnx.iter_graph(model):
-    if isinstance(mod, MoE) and mod.w_gate_up.ndim == 4 and decode_expert_groups(mod.experts) == mod.experts:
+    if (isinstance(mod, MoE) and mod.impl in ("blocked", "grouped") and mod.w_gate_up.ndim == 4
+        and decode_expert_groups(mod.experts) == mod.experts):
       gu, dn = mod.w_gate_up[...].astype(mod.dtype), mod.w_down[...].astype(mod.dtype)
       mod.expert_slices = nnx.data(jax.lax.optimization_barrier(
           (tuple(gu[j] for j in range(mod.experts)), tuple(dn[j] for j in range(mod.experts)))))

@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 from tars_jax.models import ModelConfig, Policy
-from tars_jax.models.attention import attend, attend_causal_blocks, attend_einsum, attend_recompute
+from tars_jax.models.attention import attend, attend_causal_blocks, attend_decode, attend_einsum, attend_recompute
 from tars_jax.models.rope import rope_positions
 
 
@@ -69,6 +69,31 @@ def test_no_mask_and_unknown_impl():
     attend("flash", q, k, v, None)
   with pytest.raises(ValueError, match="attention_impl='flash'"):
     ModelConfig(attention_impl="flash")
+
+
+def _np_attention(q, k, v, allowed):
+  """float64 NumPy softmax(q k^T / sqrt(hd), masked by -1e9) v in `attend`'s layouts: the reference."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  s = np.einsum("blkgd,bksd->bkgls", q, k) / np.sqrt(q.shape[-1])
+  s = np.where(np.asarray(allowed)[:, None, None], s, -1e9)
+  p = np.exp(s - s.max(-1, keepdims=True))
+  return np.einsum("bkgls,bksd->bkgld", p / p.sum(-1, keepdims=True), v)
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_decode_form_is_attention_for_one_query(dtype, tol):
+  q, k, v, allowed, _ = _inputs(dtype, l=1)  # row 2 fully masked: the uniform average of v
+  want = _np_attention(q, k, v, allowed)
+  got = attend_decode(q, k, v, allowed)
+  assert got.dtype == dtype and got.shape == want.shape
+  np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=tol, atol=tol)
+  np.testing.assert_allclose(np.asarray(attend_decode(q, k, v, None), np.float32),
+                             _np_attention(q, k, v, np.ones_like(allowed)), rtol=tol, atol=tol)
+  # `attend` takes it for one query on CPU, for either impl; the einsum core agrees
+  for impl in ("einsum", "recompute"):
+    np.testing.assert_array_equal(np.asarray(attend(impl, q, k, v, allowed)), np.asarray(got))
+  np.testing.assert_allclose(np.asarray(attend_einsum(q, k, v, allowed), np.float32), np.asarray(got, np.float32),
+                             rtol=tol, atol=tol)
 
 
 @pytest.mark.slow  # ~40 s of compiles

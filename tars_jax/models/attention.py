@@ -52,6 +52,22 @@ def attend_einsum(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array |
   return _weighted(jax.nn.softmax(_scores(q, k, allowed), axis=-1), v)
 
 
+def attend_decode(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array | None) -> jax.Array:
+  """`attend_einsum` for one query per row (a decode step), as multiplies and reductions: q
+  [B, 1, KV, G, hd], k, v [B, KV, S, hd], allowed [B or 1, 1, S] bool or None -> [B, KV, G, 1, hd] in
+  v's dtype (products, scores and softmax in float32). The same function; on XLA:CPU its two
+  multiply-reduce fusions stream the cache once each, where the einsum form lowers to batched dots of
+  a [G, hd] block per (row, KV head) that run on one core at a few GB/s (batch-16 greedy decode
+  0.90x the time, batch 1 0.96x; `benchmarks/RESULTS.md`)."""
+  f32 = jnp.float32
+  qt = jnp.moveaxis(q, 1, 3).astype(f32)  # [B, KV, G, 1, hd]
+  s = jnp.sum(qt[:, :, :, :, None, :] * k[:, :, None, None].astype(f32), axis=-1) / jnp.sqrt(f32(q.shape[-1]))
+  if allowed is not None:
+    s = jnp.where(allowed[:, None, None], s, NEG)
+  p = jax.nn.softmax(s, axis=-1)  # [B, KV, G, 1, S]
+  return jnp.sum(p[..., None] * v[:, :, None, None].astype(f32), axis=-2).astype(v.dtype)
+
+
 @jax.custom_vjp
 def _attend_recompute(q, k, v, allowed):
   return attend_einsum(q, k, v, allowed)
@@ -121,9 +137,13 @@ def attend_causal_blocks(impl: str, q, k, v, allowed, block: int):
 
 
 def attend(impl: str, q, k, v, allowed):
-  """`attend_einsum` or `attend_recompute` by `ModelConfig.attention_impl`; ValueError for others."""
+  """`attend_einsum` or `attend_recompute` by `ModelConfig.attention_impl`; ValueError for others.
+  One query per row on XLA:CPU (a decode step; also a 1-query tail block of `attend_causal_blocks`,
+  differentiated by plain autodiff then): `attend_decode`, whichever the impl."""
+  if impl not in ATTENTION_IMPLS:
+    raise ValueError(f"attention_impl={impl!r}; known: {list(ATTENTION_IMPLS)}")
+  if q.shape[1] == 1 and jax.default_backend() == "cpu":
+    return attend_decode(q, k, v, allowed)
   if impl == "einsum":
     return attend_einsum(q, k, v, allowed)
-  if impl == "recompute":
-    return attend_recompute(q, k, v, allowed)
-  raise ValueError(f"attention_impl={impl!r}; known: {list(ATTENTION_IMPLS)}")
+  return attend_recompute(q, k, v, allowed)

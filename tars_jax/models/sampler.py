@@ -10,7 +10,8 @@ With top_p < 1 the token is drawn from the nucleus of that distribution but the 
 is still the un-truncated one (PPO off-policy caveat; training configs keep top_p = 1, which is
 exactly plain sampling). temperature = 0 is greedy decoding (argmax of the masked logits) and
 returns temperature-1 log-probs.
-On CPU the loop compiles without XLA:CPU's YNNPACK fusions (`compile_options`: faster few-row dots).
+On CPU the loop compiles without XLA:CPU's YNNPACK fusions (`compile_options`: faster few-row dots)
+and reads per-expert copies of the MoE weights made once after the prefill (`moe.split_experts_for_decode`).
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def forced_tokens(table: jax.Array) -> jax.Array:
 
 
 def _generate_fn(params, tokens, attn_mask, pixel_values, image_mask, key, table, start_state, *, graphdef,
-              max_new_tokens, temperature, top_p, eos_id, pad_id, image_token_id, chunk):
+                 max_new_tokens, temperature, top_p, eos_id, pad_id, image_token_id, chunk):
   model = nnx.merge(graphdef, params)
   cfg = model.cfg
   if image_token_id is None:

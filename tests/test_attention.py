@@ -94,6 +94,13 @@ def test_decode_form_is_attention_for_one_query(dtype, tol):
     np.testing.assert_array_equal(np.asarray(attend(impl, q, k, v, allowed)), np.asarray(got))
   np.testing.assert_allclose(np.asarray(attend_einsum(q, k, v, allowed), np.float32), np.asarray(got, np.float32),
                              rtol=tol, atol=tol)
+  # a 1-query tail block of `attend_causal_blocks` in training differentiates through it
+  w = jax.random.normal(jax.random.key(5), got.shape, jnp.float32)
+  grads = lambda core: jax.grad(lambda q, k, v: jnp.sum(core(q, k, v, allowed).astype(jnp.float32) * w),
+                                argnums=(0, 1, 2))(q, k, v)
+  for g_, w_ in zip(grads(attend_decode), grads(attend_einsum)):
+    g_, w_ = np.asarray(g_, np.float32), np.asarray(w_, np.float32)
+    assert np.abs(g_ - w_).max() <= tol * np.abs(w_).max()
 
 
 @pytest.mark.slow  # ~40 s of compiles

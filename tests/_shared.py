@@ -1,5 +1,5 @@
 """Helpers shared by several test modules (tiny model config, jitted forward, grid coordinates, a
-scanned step's compiled temporaries)."""
+scanned step's compiled temporaries, the arguments of the sampler's jitted `_generate`)."""
 
 import asyncio
 import time
@@ -73,3 +73,18 @@ def scanned_step_temp_bytes(layer, params, x, *consts) -> int:
       return h + layer(h, p, *consts), None
     return jnp.sum(jax.lax.scan(body, x, params)[0].astype(jnp.float32) ** 2)
   return jax.jit(jax.value_and_grad(loss)).lower(params, x, *consts).compile().memory_analysis().temp_size_in_bytes
+
+
+def generate_call(policy, toks, mask, pix, max_new_tokens: int):
+  """(args, kwargs) of `sampler._generate` (and its `.cpu` / `.plain` jits) for greedy decoding of
+  `max_new_tokens` tokens after left-padded prompts with one image each, no grammar: what
+  `sampler.generate` passes, for lowering and comparing compilations."""
+  import jax.numpy as jnp
+  from tars_jax.agent.tokenizer import EOS, PAD
+  b = toks.shape[0]
+  gd, params = nnx.split(policy)
+  args = (params, jnp.asarray(toks), jnp.asarray(mask, bool), pix, jnp.ones((b, 1), bool), jax.random.PRNGKey(0),
+          None, None)
+  kw = dict(graphdef=gd, max_new_tokens=max_new_tokens, temperature=0.0, top_p=1.0, eos_id=EOS, pad_id=PAD,
+            image_token_id=None, chunk=1)
+  return args, kw

@@ -13,7 +13,7 @@ from flax import nnx
 from tars_jax.agent.tokenizer import EOS, PAD
 from tars_jax.models import Policy, sampler
 from tars_jax.models.compile_options import DECODE_CPU_OPTIONS, jit_per_backend
-from _shared import TINY_CFG, left_padded_batch
+from _shared import TINY_CFG, generate_call, left_padded_batch
 
 
 def _few_row_dot(x, w):
@@ -47,11 +47,7 @@ def test_generate_runs_the_cpu_variant_without_ynn_fusions():
   gen = sampler.generate(policy, toks, mask, pix, jnp.ones((b, 1), bool), jax.random.PRNGKey(0),
                          max_new_tokens=4, temperature=0.0, eos_id=EOS, pad_id=PAD)
   assert sampler._generate.cpu._cache_size() == before + 1
-  gd, params = nnx.split(policy)
-  kw = dict(graphdef=gd, max_new_tokens=4, temperature=0.0, top_p=1.0, eos_id=EOS, pad_id=PAD, image_token_id=None,
-            chunk=1)
-  args = (params, jnp.asarray(toks), jnp.asarray(mask, bool), pix, jnp.ones((b, 1), bool), jax.random.PRNGKey(0),
-          None, None)
+  args, kw = generate_call(policy, toks, mask, pix, 4)
   assert _ynn_fusions(sampler._generate.plain, *args, **kw) >= 1  # precondition
   assert _ynn_fusions(sampler._generate.cpu, *args, **kw) == 0
   # Both compilations decode the same greedy tokens on this model.

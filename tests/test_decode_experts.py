@@ -6,19 +6,18 @@ import dataclasses
 import re
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from tars_jax.agent.tokenizer import EOS, PAD
 from tars_jax.models import Policy, moe, sampler
-from _shared import TINY_CFG, left_padded_batch
+from tars_jax.models.compile_options import DECODE_CPU_OPTIONS
+from _shared import TINY_CFG, generate_call, left_padded_batch
 
 # 8 experts top-2: at batch 8 the bounded [E, C, D] decode path runs (C = 4 < 8 rows per expert); expert
 # width 48 so that no other weight of the model has an expert slice's shape.
 CFG = dataclasses.replace(TINY_CFG, experts=8, moe_intermediate=48, moe_impl="grouped")
-B, N = 8, 6
+N = 6  # new tokens
 
 
 @pytest.fixture(scope="module")
@@ -28,12 +27,7 @@ def policy():
 
 def _args(policy):
   toks, mask, pix = left_padded_batch(np.random.default_rng(2), [1, 3, 5, 2, 4, 6, 3, 1], cfg=CFG)
-  gd, params = nnx.split(policy)
-  args = (params, jnp.asarray(toks), jnp.asarray(mask, bool), pix, jnp.ones((B, 1), bool), jax.random.PRNGKey(0),
-          None, None)
-  kw = dict(graphdef=gd, max_new_tokens=N, temperature=0.0, top_p=1.0, eos_id=EOS, pad_id=PAD, image_token_id=None,
-            chunk=1)
-  return args, kw
+  return generate_call(policy, toks, mask, pix, N)
 
 
 def _unsplit_generate(monkeypatch):
@@ -42,13 +36,11 @@ def _unsplit_generate(monkeypatch):
   monkeypatch.setattr(moe, "split_experts_for_decode", lambda model: 0)
   fn = sampler._generate_fn
   clone = type(fn)(fn.__code__, fn.__globals__, "unsplit_generate", fn.__defaults__, fn.__closure__)
-  return jax.jit(clone, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_p", "eos_id", "pad_id",
-                                         "image_token_id", "chunk"),
-                 compiler_options={"xla_cpu_experimental_ynn_fusion_type": ""})
+  return jax.jit(clone, static_argnames=sampler.GENERATE_STATIC, compiler_options=DECODE_CPU_OPTIONS)
 
 
-def _reachable(text: str, root: str) -> set[str]:
-  """Names of the HLO computations `root` calls, transitively (fusions, conds, nested loops)."""
+def _computations(text: str) -> dict[str, list[str]]:
+  """HLO text -> {computation name: its instruction lines}."""
   bodies, name = {}, None
   for line in text.splitlines():
     m = re.match(r"^(?:ENTRY )?%(\S+) ", line)
@@ -57,6 +49,11 @@ def _reachable(text: str, root: str) -> set[str]:
       bodies[name] = []
     elif name:
       bodies[name].append(line)
+  return bodies
+
+
+def _reachable(bodies: dict[str, list[str]], root: str) -> set[str]:
+  """Names of the HLO computations `root` calls, transitively (fusions, conds, nested loops)."""
   seen, todo = set(), [root]
   while todo:
     c = todo.pop()
@@ -74,18 +71,11 @@ def _expert_slice_copies_in_loop(text: str) -> int:
   """Instructions inside the decode `while` loop that produce one expert's gate|up [D, 2I] or down
   [I, D] weights (the per-step copies out of the stacked parameters)."""
   loop = re.search(r"= .* while\(.*body=%([\w.\-]+)", text).group(1)
-  inside = _reachable(text, loop)
+  bodies = _computations(text)
   d, i = CFG.hidden, CFG.moe_intermediate
   shapes = (f"f32[{d},{2 * i}]", f"f32[{d},2,{i}]", f"f32[{i},{d}]")
-  count, name = 0, None
-  for line in text.splitlines():
-    m = re.match(r"^(?:ENTRY )?%(\S+) ", line)
-    if m:
-      name = m.group(1)
-    elif name in inside and re.search(r"= (" + "|".join(re.escape(s) for s in shapes) + r")\{", line) \
-        and re.search(r"\b(fusion|slice|copy|dynamic-slice)\(", line):
-      count += 1
-  return count
+  makes_slice = re.compile(r"= (" + "|".join(re.escape(s) for s in shapes) + r")\{.*\b(fusion|slice|copy|dynamic-slice)\(")
+  return sum(bool(makes_slice.search(line)) for c in _reachable(bodies, loop) for line in bodies[c])
 
 
 def test_per_expert_swiglu_equals_the_stacked_einsums():

@@ -163,10 +163,9 @@ def _generate_fn(params, tokens, attn_mask, pixel_values, image_mask, key, table
 
 # On CPU without YNNPACK fusions: the decode loop's few-row dots run faster on XLA's own kernels
 # (`compile_options`, measured there).
-_generate = compile_options.jit_per_backend(
-    _generate_fn, cpu_options=compile_options.DECODE_CPU_OPTIONS,
-    static_argnames=("graphdef", "max_new_tokens", "temperature", "top_p", "eos_id", "pad_id", "image_token_id",
-                     "chunk"))
+GENERATE_STATIC = ("graphdef", "max_new_tokens", "temperature", "top_p", "eos_id", "pad_id", "image_token_id", "chunk")
+_generate = compile_options.jit_per_backend(_generate_fn, cpu_options=compile_options.DECODE_CPU_OPTIONS,
+                                            static_argnames=GENERATE_STATIC)
 
 
 def generate(policy, tokens, attn_mask, pixel_values, image_mask, key, *rest, max_new_tokens: int,

@@ -8,6 +8,7 @@ by one pytest process is a `DuplicateFlagError` (`tests/test_flag_imports.py` gu
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import jax
@@ -115,6 +116,29 @@ def best_time(fn, repeats: int, warmup: int = 0):
     out = fn()
     best = min(best, time.perf_counter() - t0)
   return out, best
+
+
+# Idle time before each timed call: torch's OpenMP workers spin after a step (~9 ms of CPU in the
+# 200 ms after a torch step, 0.1 ms after ours; getrusage, 2026-11-24), which the next call would pay.
+PAUSE_S = 0.05
+
+
+def interleaved_medians(fns: dict, warmup: int, repeats: int, pause_s: float = PAUSE_S) -> tuple[dict, dict]:
+  """Runs every fn `warmup` times untimed, then `repeats` rounds of one timed call of each fn in turn
+  (interleaved, so a change of the shared machine's load hits all sides alike), each after `pause_s`
+  seconds idle. Returns ({name: last output}, {name: median seconds})."""
+  out = {}
+  for name, fn in fns.items():
+    for _ in range(warmup):
+      out[name] = fn()
+  times = {name: [] for name in fns}
+  for _ in range(repeats):
+    for name, fn in fns.items():
+      time.sleep(pause_s)
+      t0 = time.perf_counter()
+      out[name] = fn()
+      times[name].append(time.perf_counter() - t0)
+  return out, {name: statistics.median(t) for name, t in times.items()}
 
 
 IMAGE_HW = 112

@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import statistics
 import tempfile
-import time
 
 from absl import app, flags
 import jax
@@ -37,8 +35,8 @@ import numpy as np
 import torch
 from flax import nnx
 
-from benchmarks.bench_model import (IMAGE_HW, allocator, hf_model, host_bandwidth, image_processor, lm_loss, make_batch,
-                                    moe_impl_name, overrides, torch_kernels)
+from benchmarks.bench_model import (IMAGE_HW, allocator, hf_model, host_bandwidth, image_processor, interleaved_medians,
+                                    lm_loss, make_batch, moe_impl_name, overrides, torch_kernels)
 from tars_jax.agent.tokenizer import IMAGE
 from tars_jax.models import Policy, hf_io
 from tars_jax.models.rope import rope_positions
@@ -56,29 +54,6 @@ _step = jax.jit(jax.value_and_grad(lm_loss), static_argnums=1)
 
 def global_norm(tree) -> float:
   return float(jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree))))
-
-
-# Idle time before each timed call: torch's OpenMP workers spin after a step (~9 ms of CPU in the
-# 200 ms after a torch step, 0.1 ms after ours; getrusage, 2026-11-24), which the next call would pay.
-PAUSE_S = 0.05
-
-
-def interleaved_medians(fns: dict, warmup: int, repeats: int, pause_s: float = PAUSE_S) -> tuple[dict, dict]:
-  """Runs every fn `warmup` times untimed, then `repeats` rounds of one timed call of each fn in turn
-  (interleaved, so a change of the shared machine's load hits all sides alike), each after `pause_s`
-  seconds idle. Returns ({name: last output}, {name: median seconds})."""
-  out = {}
-  for name, fn in fns.items():
-    for _ in range(warmup):
-      out[name] = fn()
-  times = {name: [] for name in fns}
-  for _ in range(repeats):
-    for name, fn in fns.items():
-      time.sleep(pause_s)
-      t0 = time.perf_counter()
-      out[name] = fn()
-      times[name].append(time.perf_counter() - t0)
-  return out, {name: statistics.median(t) for name, t in times.items()}
 
 
 def main(argv):

@@ -386,7 +386,8 @@ class MoE(nnx.Module):
 
   def _bounded(self, flat, w, idx):
     """Exact and dropless: the [E, C, D] capacity path with C = `capacity(N, k, E, DECODE_CAPACITY)`
-    when no expert got more than C assignments, else (`lax.cond`, one branch runs) the dense path.
+    when no expert got more than C assignments, else (`lax.cond`, one branch runs) the dense path, or
+    with `expert_slices` set the same path with C = N.
     E * C rows instead of the dense path's N * E; on XLA:CPU without a mesh one einsum per expert
     (`decode_expert_groups`), so both cores stream expert weights."""
     n, _ = flat.shape
@@ -394,11 +395,15 @@ class MoE(nnx.Module):
     c = capacity(n, k, e, DECODE_CAPACITY)
     order, sorted_e, sizes = sort_by_expert(idx, e)
 
-    def capped(_):
-      ys, _ = self._capacity_mlp(flat[order // k], sorted_e, sizes, c, decode_expert_groups(e))
+    def capped(slots: int):
+      ys, _ = self._capacity_mlp(flat[order // k], sorted_e, sizes, slots, decode_expert_groups(e))
       return self._combine(ys, order, w)
 
-    return jax.lax.cond(jnp.max(sizes) <= c, capped, lambda _: self._dense(flat, w, idx), None)
+    # With the weights split per expert (a CPU decode loop), an overflow takes the same per-expert path
+    # with room for every token (an expert gets at most N assignments): the dense path's einsum would
+    # first copy all E experts' stacked weights into its [D, E*2I] layout (~1.1 ms a layer at batch 16).
+    overflow = (lambda _: capped(n)) if self.expert_slices is not None else (lambda _: self._dense(flat, w, idx))
+    return jax.lax.cond(jnp.max(sizes) <= c, lambda _: capped(c), overflow, None)
 
 
 class DenseMLP(nnx.Module):

@@ -1,5 +1,6 @@
 """Helpers shared by several test modules (tiny model config, jitted forward, grid coordinates, a
-scanned step's compiled temporaries, the arguments of the sampler's jitted `_generate`)."""
+scanned step's compiled temporaries, the arguments of the sampler's jitted `_generate`, an MoE input in
+the bounded decode regime)."""
 
 import asyncio
 import time
@@ -88,3 +89,20 @@ def generate_call(policy, toks, mask, pix, max_new_tokens: int):
   kw = dict(graphdef=gd, max_new_tokens=max_new_tokens, temperature=0.0, top_p=1.0, eos_id=EOS, pad_id=PAD,
             image_token_id=None, chunk=1)
   return args, kw
+
+
+def bounded_moe_case(cfg, balanced: bool):
+  """(`MoE` of `cfg` with seed 0, x [2, 8, hidden] float32) whose 16 tokens take the MoE's bounded
+  decode path (`MoE._bounded`): every expert's load within its C slots (balanced), or over them (a zero
+  router sends every token to experts 0..k-1: the overflow branch). Asserts the regime it promises."""
+  from tars_jax.models import moe
+  n, k, e = 16, cfg.top_k, cfg.experts
+  c = moe.capacity(n, k, e, moe.DECODE_CAPACITY)
+  assert moe.block_rows(n * k, e) == 0 and c < n  # this shape takes the bounded path
+  m = moe.MoE(cfg, nnx.Rngs(0))
+  if not balanced:
+    m.router.kernel[...] = jnp.zeros_like(m.router.kernel[...])
+  x = jax.random.normal(jax.random.PRNGKey(3), (2, 8, cfg.hidden))
+  _, _, idx = moe.route(m.router(x.reshape(n, -1)), k, cfg.norm_topk_prob)
+  assert (int(jnp.bincount(idx.reshape(-1), length=e).max()) <= c) == balanced
+  return m, x

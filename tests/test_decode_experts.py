@@ -6,14 +6,13 @@ import dataclasses
 import re
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from tars_jax.models import Policy, moe, sampler
 from tars_jax.models.compile_options import DECODE_CPU_OPTIONS
-from _shared import TINY_CFG, generate_call, left_padded_batch
+from _shared import TINY_CFG, bounded_moe_case, generate_call, left_padded_batch
 
 # 8 experts top-2: at batch 8 the bounded [E, C, D] decode path runs (C = 4 < 8 rows per expert); expert
 # width 48 so that no other weight of the model has an expert slice's shape.
@@ -112,15 +111,7 @@ def test_split_moe_equals_the_dense_reference_in_both_branches(balanced):
   """The bounded decode path with split weights: the [E, C, D] branch when every expert's load fits C,
   the same per-expert path with C = N when one overflows (a zero router sends every token to experts
   0..k-1; without the split that branch is the dense path); both equal the dense reference."""
-  n, k, e = 16, CFG.top_k, CFG.experts
-  c = moe.capacity(n, k, e, moe.DECODE_CAPACITY)
-  assert moe.block_rows(n * k, e) == 0 and c < n  # this shape takes the bounded path
-  m = moe.MoE(CFG, nnx.Rngs(0))
-  if not balanced:
-    m.router.kernel[...] = jnp.zeros_like(m.router.kernel[...])
-  x = jax.random.normal(jax.random.PRNGKey(3), (2, 8, CFG.hidden))
-  _, _, idx = moe.route(m.router(x.reshape(n, -1)), k, CFG.norm_topk_prob)
-  assert (int(jnp.bincount(idx.reshape(-1), length=e).max()) <= c) == balanced
+  m, x = bounded_moe_case(CFG, balanced)
   dense = nnx.merge(nnx.split(moe.MoE(dataclasses.replace(CFG, moe_impl="dense"), nnx.Rngs(0)))[0], nnx.state(m))
   want = dense(x)[0]
 

@@ -110,15 +110,9 @@ def test_bounded_moe_both_branches_equal_dense(balanced):
   """The "blocked" impl's middle regime (decode at batch 16): the [E, C, D] capacity branch when every
   expert's load fits C, the dense branch when one overflows (a zero router sends every token to
   experts 0..k-1); both equal the dense reference in outputs and gradients."""
+  from _shared import bounded_moe_case  # here: the 8-device worker process does not need it
   cfg = _small_cfg(hidden=64, moe_intermediate=48, experts=8, top_k=2)
-  x = jax.random.normal(jax.random.PRNGKey(3), (2, 8, 64))
-  n, c = 16, moe.capacity(16, 2, 8, moe.DECODE_CAPACITY)
-  assert moe.block_rows(n * 2, 8) == 0 and c < n  # this shape takes the bounded path
-  m = MoE(cfg, nnx.Rngs(0))
-  if not balanced:
-    m.router.kernel[...] = jnp.zeros_like(m.router.kernel[...])
-  _, _, idx = moe.route(m.router(x.reshape(n, 64)), 2, True)
-  assert (int(jnp.bincount(idx.reshape(-1), length=8).max()) <= c) == balanced
+  m, x = bounded_moe_case(cfg, balanced)
   gd, st = nnx.split(m)
   blocked = nnx.merge(nnx.split(MoE(dataclasses.replace(cfg, moe_impl="blocked"), nnx.Rngs(0)))[0], st)
 

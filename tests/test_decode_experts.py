@@ -1,6 +1,7 @@
-"""The CPU decode loop's expert weights split once per `generate` (`moe.split_experts_for_decode`):
-the same tokens and log-probs as without the split, the same values as the stacked-weight einsums,
-and no copy of an expert's weight slice left inside the compiled loop."""
+"""The CPU decode loop's expert weights split (XLA's per-expert dots) or packed for the FFI kernel
+(`expert_kernel.py`) once per `generate` (`moe.split_experts_for_decode`): the same tokens and
+log-probs as without either, the same values as the dense reference, and no copy of an expert's weight
+slice left inside the compiled loop (with the kernel: its two custom calls per layer instead)."""
 
 import dataclasses
 import re
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tars_jax.models import Policy, moe, sampler
+from tars_jax.models import Policy, expert_kernel, moe, sampler
 from tars_jax.models.compile_options import DECODE_CPU_OPTIONS
 from _shared import TINY_CFG, bounded_moe_case, generate_call, left_padded_batch
 
@@ -18,11 +19,14 @@ from _shared import TINY_CFG, bounded_moe_case, generate_call, left_padded_batch
 # width 48 so that no other weight of the model has an expert slice's shape.
 CFG = dataclasses.replace(TINY_CFG, experts=8, moe_intermediate=48, moe_impl="grouped")
 N = 6  # new tokens
+KERNEL = {"ffi": True, "xla": False}  # ModelConfig.moe_decode_kernel
 
 
-@pytest.fixture(scope="module")
-def policy():
-  return Policy(CFG, nnx.Rngs(3))
+@pytest.fixture(scope="module", params=list(KERNEL))
+def policy(request):
+  """The same weights (seed 3) with the decode loop's experts on the FFI kernel or on XLA's dots."""
+  assert expert_kernel.supports(CFG.hidden, CFG.moe_intermediate, CFG.jdtype)
+  return Policy(dataclasses.replace(CFG, moe_decode_kernel=KERNEL[request.param]), nnx.Rngs(3))
 
 
 def _args(policy):
@@ -97,6 +101,13 @@ def test_split_decodes_the_same_tokens_and_log_probs(policy, monkeypatch):
   np.testing.assert_allclose(np.asarray(split.logprobs), np.asarray(plain.logprobs), rtol=1e-5, atol=1e-5)
 
 
+def _kernel_calls_in_loop(text: str) -> int:
+  """Custom calls to the FFI kernel's gate|up target inside the decode `while` loop."""
+  loop = re.search(r"= .* while\(.*body=%([\w.\-]+)", text).group(1)
+  bodies = _computations(text)
+  return sum("custom_call_target=\"tars_moe_gate_up\"" in line for c in _reachable(bodies, loop) for line in bodies[c])
+
+
 def test_no_expert_weight_copies_inside_the_decode_loop(policy, monkeypatch):
   args, kw = _args(policy)
   split_text = sampler._generate.cpu.lower(*args, **kw).compile().as_text()
@@ -104,14 +115,18 @@ def test_no_expert_weight_copies_inside_the_decode_loop(policy, monkeypatch):
   # Precondition: without the split the loop copies both weights of every expert of every layer.
   assert _expert_weight_copies_in_loop(plain_text) >= 2 * CFG.experts * CFG.layers
   assert _expert_weight_copies_in_loop(split_text) == 0
+  assert _kernel_calls_in_loop(plain_text) == 0
+  assert _kernel_calls_in_loop(split_text) == (CFG.layers if policy.cfg.moe_decode_kernel else 0)
 
 
+@pytest.mark.parametrize("kernel", list(KERNEL))
 @pytest.mark.parametrize("balanced", [True, False])
-def test_split_moe_equals_the_dense_reference_in_both_branches(balanced):
+def test_split_moe_equals_the_dense_reference_in_both_branches(balanced, kernel):
   """The bounded decode path with split weights: the [E, C, D] branch when every expert's load fits C,
   the same per-expert path with C = N when one overflows (a zero router sends every token to experts
-  0..k-1; without the split that branch is the dense path); both equal the dense reference."""
-  m, x = bounded_moe_case(CFG, balanced)
+  0..k-1; without the split that branch is the dense path); with the FFI kernel, each expert on its
+  routed rows whatever the load. All equal the dense reference."""
+  m, x = bounded_moe_case(dataclasses.replace(CFG, moe_decode_kernel=KERNEL[kernel]), balanced)
   dense = nnx.merge(nnx.split(moe.MoE(dataclasses.replace(CFG, moe_impl="dense"), nnx.Rngs(0)))[0], nnx.state(m))
   want = dense(x)[0]
 

@@ -16,7 +16,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from tars_jax.agent.tokenizer import BOS, IMAGE, PAD, VISION_END, VISION_START  # noqa: E402
-from tars_jax.models import hf_io, rope_positions, sampler  # noqa: E402
+from tars_jax.models import expert_kernel, hf_io, rope_positions, sampler  # noqa: E402
 
 ATOL = 1e-4
 
@@ -222,11 +222,19 @@ def hf_greedy(hf, ids, mask, pix, grid, n: int) -> np.ndarray:
   return out.sequences[:, ids.shape[1]:].numpy()
 
 
-def test_greedy_decoding_matches_generate(pair):
+@pytest.mark.parametrize("moe_impl", ["dense", "grouped"])
+def test_greedy_decoding_matches_generate(pair, moe_impl):
   """32 greedy tokens from our KV-cache sampler (left-padded batch, one image per row) equal
   transformers `generate`; every step's top-2 logit gap is checked to be far above 1e-4, so an
-  equal sequence is not luck and a different one would be a real mismatch."""
-  hf, ours, _ = pair
+  equal sequence is not luck and a different one would be a real mismatch. "grouped": the decode
+  loop's experts run on the FFI kernel (`expert_kernel.py`; its use asserted in
+  `test_decode_experts.py`)."""
+  hf, ours, path = pair
+  if moe_impl != "dense":
+    if ours.cfg.family != "qwen3_vl_moe":
+      pytest.skip("no MoE layers in qwen2_5_vl")
+    ours = hf_io.load_pretrained(path, image_h=56, image_w=84, moe_impl=moe_impl)
+    assert ours.cfg.moe_decode_kernel and expert_kernel.supports(ours.cfg.hidden, ours.cfg.moe_intermediate, jnp.float32)
   rng = np.random.default_rng(4)
   ids, mask, pix, grid, images = _inputs(pair, rng, [[(56, 84)], [(56, 84)]], text_len=(2, 9))
   n = 32

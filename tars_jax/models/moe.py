@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tars_jax import sharding
+from tars_jax.models import expert_kernel
 from tars_jax.models.config import ModelConfig
 from tars_jax.models.grouped_mlp import grouped_swiglu
 from tars_jax.sharding import constrain, param_axes as ax
@@ -202,15 +203,19 @@ def per_expert_swiglu(buf: jax.Array, gate_up: tuple, down: tuple) -> jax.Array:
 
 def split_experts_for_decode(model: nnx.Module) -> int:
   """Before a decode loop on XLA:CPU: gives every (unscanned) `MoE` layer of `model` its experts'
-  weights as E separate arrays in the compute dtype (`MoE.expert_slices`), made once and kept out of
-  the loop by an `optimization_barrier`, so the bounded decode path's per-expert einsums
-  (`decode_expert_groups`) read them in place. Without it XLA:CPU copies each expert's [D, 2, I] and
-  [I, D] slice out of the stacked parameter before its dot at every step (75 MB per step for the
-  decode benchmark's model, 16 copy fusions per layer; batch-16 decode 0.88-0.90x the time with the
-  split, RESULTS.md). Costs one more copy of the expert weights while the loop runs. A no-op for the
-  MoE paths without the bounded decode path ("dense", "ragged"), where that path uses one batched
-  einsum (a mesh, an accelerator), and for scanned layers (stacked [L, E, ...] weights, sliced per
-  layer by the scan anyway). Returns how many layers were split.
+  weights in a decode layout, made once and kept out of the loop by an `optimization_barrier`:
+    - with the FFI kernel (`cfg.moe_decode_kernel` and `expert_kernel.available()`, float32, D a
+      multiple of 16 and I of 8): tile-packed copies (`MoE.decode_packed`) that the kernel streams once
+      per step, each expert on exactly its routed rows (batch-16 decode 0.6x the time, RESULTS.md);
+    - else E separate arrays in the compute dtype (`MoE.expert_slices`), so the bounded decode path's
+      per-expert einsums (`decode_expert_groups`) read them in place. Without it XLA:CPU copies each
+      expert's [D, 2, I] and [I, D] slice out of the stacked parameter before its dot at every step (75
+      MB per step for the decode benchmark's model, 16 copy fusions per layer; batch-16 decode
+      0.88-0.90x the time with the split, RESULTS.md).
+  Either costs one more copy of the expert weights while the loop runs. A no-op for the MoE paths
+  without the bounded decode path ("dense", "ragged"), where that path uses one batched einsum (a mesh,
+  an accelerator), and for scanned layers (stacked [L, E, ...] weights, sliced per layer by the scan
+  anyway). Returns how many layers were split or packed.
   Call it inside the jitted function that runs the loop, on a model that function merged.
   """
   n = 0
@@ -218,8 +223,12 @@ def split_experts_for_decode(model: nnx.Module) -> int:
     if (isinstance(mod, MoE) and mod.impl in ("blocked", "grouped") and mod.w_gate_up.ndim == 4
         and decode_expert_groups(mod.experts) == mod.experts):
       gu, dn = mod.w_gate_up[...].astype(mod.dtype), mod.w_down[...].astype(mod.dtype)
-      mod.expert_slices = nnx.data(jax.lax.optimization_barrier(
-          (tuple(gu[j] for j in range(mod.experts)), tuple(dn[j] for j in range(mod.experts)))))
+      if mod.decode_kernel and expert_kernel.available():
+        mod.decode_packed = nnx.data(jax.lax.optimization_barrier(
+            (expert_kernel.pack_gate_up(gu), expert_kernel.pack_down(dn))))
+      else:
+        mod.expert_slices = nnx.data(jax.lax.optimization_barrier(
+            (tuple(gu[j] for j in range(mod.experts)), tuple(dn[j] for j in range(mod.experts)))))
       n += 1
   return n
 
@@ -283,7 +292,10 @@ class MoE(nnx.Module):
     self.w_gate_up = nnx.Param(init_in(rngs.params(), (e, d, 2 * i)).reshape(e, d, 2, i),
                                **ax("expert", "embed", None, "mlp"))
     self.w_down = nnx.Param(init_in(rngs.params(), (e, i, d)), **ax("expert", "mlp", "embed"))
-    self.expert_slices = None  # per-expert weights during a CPU decode loop (`split_experts_for_decode`)
+    self.decode_kernel = cfg.moe_decode_kernel and expert_kernel.supports(d, i, cfg.jdtype)
+    # During a CPU decode loop (`split_experts_for_decode`): per-expert weights, or the kernel's packing.
+    self.expert_slices = None
+    self.decode_packed = None
 
   def __call__(self, x: jax.Array):
     b, t, d = x.shape
@@ -293,7 +305,9 @@ class MoE(nnx.Module):
       return self._dense(flat, w, idx).reshape(b, t, d), (probs, idx)
     if self.impl in ("blocked", "grouped"):
       n, rows = b * t, block_rows(b * t * self.top_k, self.experts)
-      if rows > 1 and self.impl == "grouped":
+      if self.decode_packed is not None:  # a CPU decode loop with the FFI kernel: any N, dropless
+        y = self._kernel_experts(flat, w, idx)
+      elif rows > 1 and self.impl == "grouped":
         y = self._grouped_loop(flat, w, idx, min(rows, GROUPED_ROWS))
       elif rows:
         y = self._blocked(flat, w, idx, rows)
@@ -383,6 +397,12 @@ class MoE(nnx.Module):
 
   def _combine(self, ys, order, w):
     return combine(ys, order, w, self.dtype)
+
+  def _kernel_experts(self, flat, w, idx):
+    """Exact and dropless: each expert on its routed rows by `expert_kernel.swiglu_experts`."""
+    order, _, sizes = sort_by_expert(idx, self.experts)
+    ys = expert_kernel.swiglu_experts(flat[order // self.top_k].astype(jnp.float32), sizes, *self.decode_packed)
+    return self._combine(ys, order, w)
 
   def _bounded(self, flat, w, idx):
     """Exact and dropless: the [E, C, D] capacity path with C = `capacity(N, k, E, DECODE_CAPACITY)`

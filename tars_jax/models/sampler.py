@@ -11,7 +11,9 @@ is still the un-truncated one (PPO off-policy caveat; training configs keep top_
 exactly plain sampling). temperature = 0 is greedy decoding (argmax of the masked logits) and
 returns temperature-1 log-probs.
 On CPU the loop compiles without XLA:CPU's YNNPACK fusions (`compile_options`: faster few-row dots)
-and reads per-expert copies of the MoE weights made once after the prefill (`moe.split_experts_for_decode`).
+and reads the MoE weights from a decode layout made once after the prefill
+(`moe.split_experts_for_decode`): tile-packed for the FFI expert kernel (`expert_kernel.py`), or
+per-expert copies for XLA's dots.
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ def _generate_fn(params, tokens, attn_mask, pixel_values, image_mask, key, table
   cache = model.init_cache(b, p + n + k)
   logits, _, cache = model(tokens, pos, attn_mask, pixel_values, image_mask, cache=cache, cache_index=0)
   last = logits[:, -1]  # left padding: the last slot is every row's last real token
-  moe.split_experts_for_decode(model)  # CPU: the loop reads each expert's weights in place
+  moe.split_experts_for_decode(model)  # CPU: the loop streams each expert's weights from a decode layout
 
   def cond(c):
     return (c["i"] < n) & ~jnp.all(c["done"] | (c["out"] >= n))

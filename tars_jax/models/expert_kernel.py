@@ -1,0 +1,146 @@
+"""A CPU kernel for the MoE experts of a decode step: XLA FFI custom calls over tile-packed weights.
+
+At decode an expert sees 0-16 rows, so its SwiGLU is bound by streaming the expert's weights from
+memory. XLA:CPU's Eigen dots read them at ~5 GB/s there, and no XLA option changed that
+(`benchmarks/RESULTS.md`, "Tried, no gain"). `csrc/decode_experts.cc` instead keeps a 4-row x
+64-byte block of outputs in vector registers, reads each expert's weights once, front to back, from
+a copy packed in 64-byte column tiles, and shares the (expert, tile) work between the calling thread
+and XLA's intra-op thread pool: ~13 GB/s on the 2-core VM (RESULTS.md, "Decode experts as an FFI
+kernel"). Dropless and exact per expert like the other MoE paths: only the rows really routed to an
+expert are computed (no capacity, no overflow branch).
+
+The C++ source is compiled on first use with the machine's g++ (`-O3 -march=native`, XLA FFI
+headers from jaxlib) into `$TARS_JAX_KERNEL_DIR` (default `~/.cache/tars_jax/kernels`), keyed by a
+hash of the source, the flags and the jaxlib version; `scripts/setup.sh` builds it ahead
+(`expert_kernel.main()`). Where it cannot be built (no g++), `available()` is
+False with the compiler's message in `build_error()`, and the MoE layers keep their XLA decode path.
+
+Layouts (float32; `pack_gate_up`, `pack_down`):
+  gate|up  [E, D, 2, I] (`MoE.w_gate_up`)  -> [E, I/8, D, 2, 8]: per expert and 8-column tile, for each
+           input row d the 8 gate then the 8 up weights (one 64-byte line);
+  down     [E, I, D]    (`MoE.w_down`)     -> [E, D/16, I, 16].
+Source: the packing of GEMM micro-kernels (Goto & van de Geijn 2008, "Anatomy of high-performance
+matrix multiplication"); the JAX FFI tutorial (docs.jax.dev, "Foreign function interface").
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+
+GATE_UP_TILE = 8  # columns of gate (and of up) per packed tile: kGateUpTile in the C++ source
+DOWN_TILE = 16  # columns of down per packed tile: kDownTile
+SOURCE = pathlib.Path(__file__).parent / "csrc" / "decode_experts.cc"
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
+TARGETS = {"tars_moe_gate_up": "TarsMoeGateUp", "tars_moe_down": "TarsMoeDown"}
+
+
+class KernelBuildError(RuntimeError):
+  """The kernel's C++ source did not compile (message: the compiler's command and output)."""
+
+
+def kernel_dir() -> pathlib.Path:
+  return pathlib.Path(os.environ.get("TARS_JAX_KERNEL_DIR", pathlib.Path.home() / ".cache" / "tars_jax" / "kernels"))
+
+
+def library_path() -> pathlib.Path:
+  """Where the shared library for this source, these flags and this jaxlib lives (built or not)."""
+  key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + jaxlib.__version__.encode()).hexdigest()
+  return kernel_dir() / f"decode_experts-{key[:16]}.so"
+
+
+def build() -> pathlib.Path:
+  """Compiles `csrc/decode_experts.cc` if this source/flags/jaxlib has no library yet; returns its path.
+
+  Raises KernelBuildError with the compiler's output when g++ is missing or fails. The library is
+  written to a temporary name and renamed, so concurrent builds (pytest workers) never load a partial
+  file.
+  """
+  out = library_path()
+  if out.exists():
+    return out
+  out.parent.mkdir(parents=True, exist_ok=True)
+  tmp = out.with_suffix(f".{os.getpid()}.tmp")
+  cmd = ["g++", *FLAGS, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", str(tmp)]
+  try:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+  except FileNotFoundError as e:
+    raise KernelBuildError(f"{' '.join(cmd)}: {e}") from e
+  if proc.returncode:
+    tmp.unlink(missing_ok=True)
+    raise KernelBuildError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
+  os.replace(tmp, out)
+  return out
+
+
+@functools.cache
+def _load() -> tuple[bool, str]:
+  """Builds and registers the FFI targets once per process: (ok, error message)."""
+  try:
+    lib = ctypes.cdll.LoadLibrary(str(build()))
+  except (KernelBuildError, OSError) as e:
+    return False, str(e)
+  for name, symbol in TARGETS.items():
+    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+  return True, ""
+
+
+def available() -> bool:
+  """True when the kernel is built and registered (compiles it on the first call, ~5 s)."""
+  return _load()[0]
+
+
+def build_error() -> str:
+  """Why `available()` is False ('' when it is True)."""
+  return _load()[1]
+
+
+def supports(hidden: int, moe_intermediate: int, dtype) -> bool:
+  """Whether a MoE layer's shapes and compute dtype fit the kernel: float32, D a multiple of 16, I of 8."""
+  return (jnp.dtype(dtype) == jnp.float32 and hidden % DOWN_TILE == 0 and moe_intermediate % GATE_UP_TILE == 0)
+
+
+def pack_gate_up(w_gate_up: jax.Array) -> jax.Array:
+  """[E, D, 2, I] float32 (gate at index 0, up at 1) -> [E, I/8, D, 2, 8] (see the module docstring)."""
+  e, d, two, i = w_gate_up.shape
+  return w_gate_up.reshape(e, d, two, i // GATE_UP_TILE, GATE_UP_TILE).transpose(0, 3, 1, 2, 4)
+
+
+def pack_down(w_down: jax.Array) -> jax.Array:
+  """[E, I, D] float32 -> [E, D/16, I, 16]."""
+  e, i, d = w_down.shape
+  return w_down.reshape(e, i, d // DOWN_TILE, DOWN_TILE).transpose(0, 2, 1, 3)
+
+
+def swiglu_experts(xs: jax.Array, sizes: jax.Array, gate_up_packed: jax.Array, down_packed: jax.Array) -> jax.Array:
+  """Each expert's SwiGLU on its group of rows: xs [G, D] float32 sorted by expert (expert e owns the
+  sizes[e] rows after experts < e; `moe.sort_by_expert`), sizes [E] int32, packed weights
+  (`pack_gate_up`, `pack_down`) -> [G, D] float32 (rows past sum(sizes): 0). Equals
+  `moe.ragged_swiglu` on the unpacked weights up to float32 rounding (per-row sums in another order).
+
+  CPU only (XLA FFI custom calls); call `available()` first. Not differentiable (decode only).
+  Raises (at run time, from the kernel) if the shapes disagree or sizes sum past G.
+  """
+  g = xs.shape[0]
+  i = gate_up_packed.shape[1] * GATE_UP_TILE
+  h = jax.ffi.ffi_call("tars_moe_gate_up", jax.ShapeDtypeStruct((g, i), jnp.float32))(xs, sizes, gate_up_packed)
+  return jax.ffi.ffi_call("tars_moe_down", jax.ShapeDtypeStruct(xs.shape, jnp.float32))(h, sizes, down_packed)
+
+
+def main() -> int:
+  """scripts/setup.sh: build ahead of the first decode; prints where the library is (exit 0) or why it
+  is not (exit 1)."""
+  if not available():
+    print(f"[expert_kernel] not built, the MoE decode keeps XLA's path:\n{build_error()}", file=sys.stderr)
+    return 1
+  print(f"[expert_kernel] {library_path()}")
+  return 0

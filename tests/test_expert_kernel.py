@@ -1,0 +1,105 @@
+"""The decode-loop expert kernel (`models/expert_kernel.py`, XLA FFI on CPU): it builds here, its
+packing puts every weight where the C++ source reads it, it equals XLA's `ragged_swiglu` (and a float64
+numpy SwiGLU) for any split of the rows among experts, and bad group sizes raise instead of reading
+past the buffer. The MoE layer and the sampler with the kernel: `test_decode_experts.py`; greedy decode
+against transformers `generate`: `test_hf_parity.py`."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from tars_jax.models import expert_kernel, moe
+
+
+def test_the_kernel_builds_and_registers():
+  # setup.sh builds it; a missing g++ would silently send every decode back to XLA's dots.
+  assert expert_kernel.available(), expert_kernel.build_error()
+  assert expert_kernel.library_path().exists()
+
+
+def test_packing_puts_each_weight_at_its_tile_position():
+  e, d, i = 2, 32, 24
+  gu = jnp.arange(e * d * 2 * i, dtype=jnp.float32).reshape(e, d, 2, i)
+  dn = jnp.arange(e * i * d, dtype=jnp.float32).reshape(e, i, d)
+  pg, pd = np.asarray(expert_kernel.pack_gate_up(gu)), np.asarray(expert_kernel.pack_down(dn))
+  assert pg.shape == (e, i // 8, d, 2, 8) and pd.shape == (e, d // 16, i, 16)
+  # gate|up: tile t, input row r, gate/up p, lane j holds w[e, r, p, 8t + j]; down: lane j of tile t
+  # at row r holds w[e, r, 16t + j]. Both read front to back as the C++ loops do.
+  assert pg[1, 2, 5, 1, 3] == gu[1, 5, 1, 2 * 8 + 3]
+  assert pd[1, 1, 7, 4] == dn[1, 7, 16 + 4]
+  np.testing.assert_array_equal(pg[0, :, 0, 0].reshape(-1), gu[0, 0, 0])
+  np.testing.assert_array_equal(pd[0, :, 3].reshape(-1), dn[0, 3])
+
+
+def _swiglu64(xs, sizes, gu, dn):
+  """float64 numpy: each expert's SwiGLU on its rows, zeros past sum(sizes)."""
+  xs, gu, dn = (np.asarray(a, np.float64) for a in (xs, gu, dn))
+  out, start = np.zeros_like(xs), 0
+  for ex, n in enumerate(np.asarray(sizes)):
+    x = xs[start:start + n]
+    g, u = x @ gu[ex, :, 0], x @ gu[ex, :, 1]
+    out[start:start + n] = (g / (1 + np.exp(-g)) * u) @ dn[ex]
+    start += n
+  return out
+
+
+def _weights(e, d, i, seed=0):
+  k = jax.random.split(jax.random.PRNGKey(seed), 2)
+  return 0.2 * jax.random.normal(k[0], (e, d, 2, i)), 0.2 * jax.random.normal(k[1], (e, i, d))
+
+
+@settings(max_examples=12, deadline=None)
+@given(sizes=st.lists(st.integers(0, 11), min_size=4, max_size=4), spare=st.integers(0, 3))
+def test_kernel_equals_ragged_swiglu_for_any_groups(sizes, spare):
+  """Group sizes with empty experts, row counts off the 4-row blocks, and rows past sum(sizes)."""
+  e, d, i = 4, 32, 24
+  gu, dn = _weights(e, d, i)
+  g = sum(sizes) + spare
+  xs = jax.random.normal(jax.random.PRNGKey(1), (max(g, 1), d))
+  sz = jnp.asarray(sizes, jnp.int32)
+  got = jax.jit(expert_kernel.swiglu_experts)(xs, sz, expert_kernel.pack_gate_up(gu), expert_kernel.pack_down(dn))
+  want = _swiglu64(xs, sz, gu, dn)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(got)[:sum(sizes)], np.asarray(moe.ragged_swiglu(xs, sz, gu, dn))[:sum(sizes)],
+                             rtol=1e-5, atol=1e-5)
+  assert np.abs(want).max() > 0.1 or sum(sizes) == 0  # not a comparison of zeros
+
+
+def test_kernel_at_the_benchmark_shapes():
+  """The 24M benchmark's layer (D 256, I 384, 8 experts) at batch 16: 32 rows, some experts crowded."""
+  e, d, i = 8, 256, 384
+  gu, dn = _weights(e, d, i, seed=2)
+  sizes = jnp.asarray([9, 0, 5, 4, 1, 7, 2, 4], jnp.int32)
+  xs = jax.random.normal(jax.random.PRNGKey(3), (32, d))
+  got = expert_kernel.swiglu_experts(xs, sizes, expert_kernel.pack_gate_up(gu), expert_kernel.pack_down(dn))
+  np.testing.assert_allclose(np.asarray(got), _swiglu64(xs, sizes, gu, dn), rtol=1e-4, atol=1e-4)
+
+
+def test_bad_group_sizes_raise_instead_of_reading_past_the_rows():
+  e, d, i = 4, 32, 24
+  gu, dn = (f(w) for f, w in zip((expert_kernel.pack_gate_up, expert_kernel.pack_down), _weights(e, d, i)))
+  xs = jnp.ones((6, d))
+  with pytest.raises(Exception, match="group sizes sum past the rows"):
+    jax.block_until_ready(expert_kernel.swiglu_experts(xs, jnp.asarray([3, 3, 1, 0], jnp.int32), gu, dn))
+  with pytest.raises(Exception, match="negative group size"):
+    jax.block_until_ready(expert_kernel.swiglu_experts(xs, jnp.asarray([3, -1, 1, 0], jnp.int32), gu, dn))
+  with pytest.raises(Exception, match="TarsMoeGateUp: want"):
+    jax.block_until_ready(expert_kernel.swiglu_experts(jnp.ones((6, 16)), jnp.zeros(4, jnp.int32), gu, dn))
+
+
+def test_supports_only_float32_and_whole_tiles():
+  assert expert_kernel.supports(256, 384, jnp.float32)
+  assert not expert_kernel.supports(256, 384, jnp.bfloat16)
+  assert not expert_kernel.supports(72, 384, jnp.float32)  # D not a multiple of 16
+  assert not expert_kernel.supports(256, 36, jnp.float32)  # I not a multiple of 8
+
+
+def test_a_failed_build_names_the_compiler_command(monkeypatch, tmp_path):
+  """No g++: `build` raises KernelBuildError with the command (the MoE then keeps XLA's path)."""
+  monkeypatch.setenv("TARS_JAX_KERNEL_DIR", str(tmp_path))
+  monkeypatch.setenv("PATH", str(tmp_path))  # no compiler on the PATH
+  with pytest.raises(expert_kernel.KernelBuildError, match="g\\+\\+ .*decode_experts.cc"):
+    expert_kernel.build()
+  assert not list(tmp_path.glob("*.so"))

@@ -208,7 +208,6 @@ def test_gradients_match_torch_autograd(pair, attention_impl):
   assert checked >= 0.9 * len(want), (checked, len(want))
 
 
-@pytest.mark.slow
 def hf_greedy(hf, ids, mask, pix, grid, n: int) -> np.ndarray:
   """transformers `generate`: n greedy tokens [B, n] after the prompts; asserts every step's top-2
   logit gap > 1e-3, so that an equal sequence from our sampler is not luck."""
@@ -222,6 +221,7 @@ def hf_greedy(hf, ids, mask, pix, grid, n: int) -> np.ndarray:
   return out.sequences[:, ids.shape[1]:].numpy()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("moe_impl", ["dense", "grouped"])
 def test_greedy_decoding_matches_generate(pair, moe_impl):
   """32 greedy tokens from our KV-cache sampler (left-padded batch, one image per row) equal

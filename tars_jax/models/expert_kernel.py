@@ -2,7 +2,7 @@
 
 At decode an expert sees 0-16 rows, so its SwiGLU is bound by streaming the expert's weights from
 memory. XLA:CPU's Eigen dots read them at ~5 GB/s there, and no XLA option changed that
-(`benchmarks/RESULTS.md`, "Tried, no gain"). `csrc/decode_experts.cc` instead keeps a 4-row x
+(`benchmarks/RESULTS.md`, "Decode overflow without the dense path ...": tried, no gain). `csrc/decode_experts.cc` instead keeps a 4-row x
 64-byte block of outputs in vector registers, reads each expert's weights once, front to back, from
 a copy packed in 64-byte column tiles, and shares the (expert, tile) work between the calling thread
 and XLA's intra-op thread pool: ~13 GB/s on the 2-core VM (RESULTS.md, "Decode experts as an FFI
@@ -11,9 +11,9 @@ expert are computed (no capacity, no overflow branch).
 
 The C++ source is compiled on first use with the machine's g++ (`-O3 -march=native`, XLA FFI
 headers from jaxlib) into `$TARS_JAX_KERNEL_DIR` (default `~/.cache/tars_jax/kernels`), keyed by a
-hash of the source, the flags and the jaxlib version; `scripts/setup.sh` builds it ahead
-(`expert_kernel.main()`). Where it cannot be built (no g++), `available()` is
-False with the compiler's message in `build_error()`, and the MoE layers keep their XLA decode path.
+hash of the source, the flags, the jaxlib version and the CPU's feature flags; `scripts/setup.sh`
+builds it ahead (`expert_kernel.main()`). Where it cannot be built (no g++), `available()` is False
+with the compiler's message in `build_error()`, and the MoE layers keep their XLA decode path.
 
 Layouts (float32; `pack_gate_up`, `pack_down`):
   gate|up  [E, D, 2, I] (`MoE.w_gate_up`)  -> [E, I/8, D, 2, 8]: per expert and 8-column tile, for each
@@ -30,6 +30,7 @@ import functools
 import hashlib
 import os
 import pathlib
+import platform
 import subprocess
 import sys
 
@@ -52,9 +53,20 @@ def kernel_dir() -> pathlib.Path:
   return pathlib.Path(os.environ.get("TARS_JAX_KERNEL_DIR", pathlib.Path.home() / ".cache" / "tars_jax" / "kernels"))
 
 
+def _cpu_features() -> bytes:
+  """The CPU's feature flags (Linux /proc/cpuinfo; else the processor name): `-march=native` code built
+  on one CPU may not run on another, so a shared cache directory keeps one library per kind of CPU."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      return next((line for line in f if line.startswith("flags")), "").encode()
+  except OSError:
+    return platform.processor().encode()
+
+
 def library_path() -> pathlib.Path:
-  """Where the shared library for this source, these flags and this jaxlib lives (built or not)."""
-  key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + jaxlib.__version__.encode()).hexdigest()
+  """Where the shared library for this source, these flags, this jaxlib and this CPU lives (built or not)."""
+  key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + jaxlib.__version__.encode()
+                       + _cpu_features()).hexdigest()
   return kernel_dir() / f"decode_experts-{key[:16]}.so"
 
 

@@ -1,7 +1,8 @@
 r"""Train-step speed: our jitted forward+backward vs the transformers model in torch, same weights.
 
   source scripts/env.sh   # tcmalloc for both sides, as the trainer runs (the header says which malloc)
-  .venv/bin/python -m benchmarks.train_step [--batch_sizes 4,16] [--seq 64] [--repeats 5] [--recompute_row]
+  .venv/bin/python -m benchmarks.train_step [--batch_sizes 4,16] [--seq 64] [--repeats 5] [--recompute_row] \
+      [--noloop_row]
 
 Builds the ~24M-parameter random-init transformers `Qwen3VLMoeForConditionalGeneration` of
 `benchmarks/decode.py` offline, saves it and loads it with `hf_io.load_pretrained`, so both sides
@@ -14,6 +15,8 @@ then `loss.backward()` (transformers' defaults: sdpa attention, its default expe
   ours bf16    the same float32 parameters with `ModelConfig.dtype = "bfloat16"` (activations and
                matmuls in bfloat16, logits / softmax / loss in float32);
   ours f32 rc  (with --recompute_row) ours f32 with `ModelConfig.attention_impl = "recompute"`;
+  ours f32 loop  (unless --noloop_row; "grouped" only) ours f32 with `moe_grouped_blas = False`: the
+               experts in XLA's while loop instead of the OpenBLAS custom calls (`expert_kernel.py`);
   torch f32    transformers in float32 eager mode.
 Warm-up calls (compilation included) are not timed; then `repeats` rounds each time one step of every
 row in turn (interleaved: the machine may be shared, load changes hit all rows alike), each timed step
@@ -46,6 +49,8 @@ _SEQ = flags.DEFINE_integer("seq", 64, "Tokens per row (including the 16 image t
 _MOE = flags.DEFINE_string("moe_impl", None, "ModelConfig.moe_impl of our model (None: the config default).")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed steps per setting (the median is reported).")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed steps first (compilation, allocator warm-up).")
+_LOOP = flags.DEFINE_bool("loop_row", True, "With --moe_impl grouped, also time our float32 step with "
+                          "moe_grouped_blas=False (XLA's expert loop instead of the OpenBLAS kernel).")
 _RECOMPUTE = flags.DEFINE_bool("recompute_row", False, "Also time our float32 step with attention_impl='recompute' "
                                "(the memory-lean attention backward).")
 
@@ -69,6 +74,10 @@ def main(argv):
   if _RECOMPUTE.value:
     rec_cfg = dataclasses.replace(ours.cfg, attention_impl="recompute")
     rec = (nnx.split(nnx.eval_shape(lambda: Policy(rec_cfg, nnx.Rngs(0))))[0], f32[1])
+  loop = None  # the same float32 parameters with the experts in XLA's loop
+  if _LOOP.value and ours.cfg.moe_impl == "grouped":
+    loop_cfg = dataclasses.replace(ours.cfg, moe_grouped_blas=False)
+    loop = (nnx.split(nnx.eval_shape(lambda: Policy(loop_cfg, nnx.Rngs(0))))[0], f32[1])
   proc = image_processor()
   cfg = ours.cfg
   rng = np.random.default_rng(0)
@@ -80,7 +89,7 @@ def main(argv):
         f"{_WARMUP.value} warm-up; {jax.devices()[0].platform} ({os.cpu_count()} cores visible), "
         f"torch threads {torch.get_num_threads()}, XLA_FLAGS {xla}, malloc {allocator()}, transformers "
         f"{torch_kernels(hf)}, {host_bandwidth()}")
-  print(f"{'batch':>5} {'model':>11} {'tokens/s':>9} {'vs torch':>9} {'loss':>10} {'grad norm':>11}", flush=True)
+  print(f"{'batch':>5} {'model':>13} {'tokens/s':>9} {'vs torch':>9} {'loss':>10} {'grad norm':>11}", flush=True)
   for b in (int(x) for x in _BATCHES.value):
     ids, images = make_batch(rng, b, seq)
     px = proc(images=list(images), return_tensors="np")
@@ -105,6 +114,8 @@ def main(argv):
     fns = {"ours f32": ours_step(*f32), "ours bf16": ours_step(*bf16)}
     if rec is not None:
       fns["ours f32 rc"] = ours_step(*rec)
+    if loop is not None:
+      fns["ours f32 loop"] = ours_step(*loop)
     out, t = interleaved_medians({**fns, "torch f32": torch_step}, _WARMUP.value, _REPEATS.value)
     rows = []
     for name in fns:
@@ -113,7 +124,7 @@ def main(argv):
     gnorm_t = float(torch.sqrt(sum(torch.sum(p.grad.double() ** 2) for p in hf.parameters() if p.grad is not None)))
     rows.append(("torch f32", b * seq / t["torch f32"], 1.0, float(out["torch f32"].detach()), gnorm_t))
     for name, tps, ratio, loss, gn in rows:
-      print(f"{b:>5} {name:>11} {tps:>9.1f} {ratio:>8.2f}x {loss:>10.6f} {gn:>11.5f}", flush=True)
+      print(f"{b:>5} {name:>13} {tps:>9.1f} {ratio:>8.2f}x {loss:>10.6f} {gn:>11.5f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -111,6 +111,10 @@ class ModelConfig:
   24M benchmark model 0.6x the time, RESULTS.md) when it builds and the layer is float32 with hidden
   a multiple of 16 and moe_intermediate of 8; False, or where it does not apply, keeps XLA's
   per-expert dots. Same tokens either way; values differ by float32 rounding (sums in another order).
+  `moe_grouped_blas` ("grouped" on XLA:CPU without a mesh, float32): the experts of the grouped path
+  (train step, prefill) run as one OpenBLAS-backed custom call forward and one backward
+  (`expert_kernel.grouped_swiglu`) instead of XLA's while loop over chunks; same math, float32
+  rounding aside. False, or where it does not apply (bf16, a mesh, an accelerator), keeps the loop.
   The defaults are the `tiny()` preset (1.48M parameters: 0.42M vision, 1.05M text) for RL on CPU.
   """
 
@@ -157,6 +161,7 @@ class ModelConfig:
   moe_capacity_factor: float | None = None
   moe_dispatch: str = "gspmd"
   moe_decode_kernel: bool = True
+  moe_grouped_blas: bool = True
   scan_layers: bool = False
 
   def __post_init__(self):

@@ -1,5 +1,7 @@
-"""A CPU kernel for the MoE experts of a decode step: XLA FFI custom calls over tile-packed weights.
+"""CPU kernels for the MoE experts (XLA FFI custom calls): the decode step over tile-packed weights,
+and the grouped SwiGLU of the train step (forward and backward) on OpenBLAS.
 
+Decode (`swiglu_experts`):
 At decode an expert sees 0-16 rows, so its SwiGLU is bound by streaming the expert's weights from
 memory. XLA:CPU's Eigen dots read them at ~5 GB/s there, and no XLA option changed that
 (`benchmarks/RESULTS.md`, "Decode overflow without the dense path ...": tried, no gain). `csrc/decode_experts.cc` instead keeps a 4-row x
@@ -9,7 +11,14 @@ and XLA's intra-op thread pool: ~13 GB/s on the 2-core VM (RESULTS.md, "Decode e
 kernel"). Dropless and exact per expert like the other MoE paths: only the rows really routed to an
 expert are computed (no capacity, no overflow branch).
 
-The C++ source is compiled on first use with the machine's g++ (`-O3 -march=native`, XLA FFI
+Train step (`grouped_swiglu`, a `jax.custom_vjp`): the "grouped" MoE path's experts, each expert's
+group of rows as OpenBLAS sgemm calls (`csrc/grouped_swiglu.cc`; the `scipy-openblas32` wheel, the
+BLAS numpy ships) with the SwiGLU and its derivative in C++ between them: one custom call forward,
+one backward, instead of XLA:CPU's while loop over chunks (`grouped_mlp.py`), whose dots run the
+benchmark model's MoE shapes at ~45-50 GFLOP/s where OpenBLAS does ~85 (RESULTS.md, "Train-step
+experts on OpenBLAS").
+
+The C++ sources are compiled on first use with the machine's g++ (`-O3 -march=native`, XLA FFI
 headers from jaxlib) into `$TARS_JAX_KERNEL_DIR` (default `~/.cache/tars_jax/kernels`), keyed by a
 hash of the source, the flags, the jaxlib version and the CPU's feature flags; `scripts/setup.sh`
 builds it ahead (`expert_kernel.main()`). Where it cannot be built (no g++), `available()` is False
@@ -40,9 +49,10 @@ import jaxlib
 
 GATE_UP_TILE = 8  # columns of gate (and of up) per packed tile: kGateUpTile in the C++ source
 DOWN_TILE = 16  # columns of down per packed tile: kDownTile
-SOURCE = pathlib.Path(__file__).parent / "csrc" / "decode_experts.cc"
+SOURCES = tuple(pathlib.Path(__file__).parent / "csrc" / f for f in ("decode_experts.cc", "grouped_swiglu.cc"))
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
-TARGETS = {"tars_moe_gate_up": "TarsMoeGateUp", "tars_moe_down": "TarsMoeDown"}
+TARGETS = {"tars_moe_gate_up": "TarsMoeGateUp", "tars_moe_down": "TarsMoeDown",
+           "tars_grouped_swiglu_fwd": "TarsGroupedSwigluFwd", "tars_grouped_swiglu_bwd": "TarsGroupedSwigluBwd"}
 
 
 class KernelBuildError(RuntimeError):
@@ -63,15 +73,36 @@ def _cpu_features() -> bytes:
     return platform.processor().encode()
 
 
+def _blas_version() -> str:
+  try:
+    import scipy_openblas32
+  except ImportError:
+    return ""
+  return scipy_openblas32.__version__
+
+
+def _blas_flags() -> list[str]:
+  """Include and link flags of the scipy-openblas32 wheel (its library found again at load time by rpath).
+  Raises KernelBuildError when the wheel is missing."""
+  try:
+    import scipy_openblas32 as blas
+  except ImportError as e:
+    raise KernelBuildError(f"scipy-openblas32 is not installed (requirements.txt): {e}") from e
+  lib = blas.get_lib_dir()
+  return ["-I", blas.get_include_dir(), "-L", lib, f"-l{blas.get_library()}", f"-Wl,-rpath,{lib}"]
+
+
 def library_path() -> pathlib.Path:
   """Where the shared library for this source, these flags, this jaxlib and this CPU lives (built or not)."""
-  key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + jaxlib.__version__.encode()
-                       + _cpu_features()).hexdigest()
+  files = sorted(SOURCES[0].parent.glob("*.[ch]*"))  # the .cc sources and the headers they include
+  key = hashlib.sha256(b"".join(f.read_bytes() for f in files) + " ".join(FLAGS).encode()
+                       + jaxlib.__version__.encode() + _blas_version().encode() + _cpu_features()).hexdigest()
   return kernel_dir() / f"decode_experts-{key[:16]}.so"
 
 
 def build() -> pathlib.Path:
-  """Compiles `csrc/decode_experts.cc` if this source/flags/jaxlib has no library yet; returns its path.
+  """Compiles the `csrc/` sources into one library if these sources/flags/jaxlib/BLAS/CPU have none
+  yet; returns its path.
 
   Raises KernelBuildError with the compiler's output when g++ is missing or fails. The library is
   written to a temporary name and renamed, so concurrent builds (pytest workers) never load a partial
@@ -82,7 +113,7 @@ def build() -> pathlib.Path:
     return out
   out.parent.mkdir(parents=True, exist_ok=True)
   tmp = out.with_suffix(f".{os.getpid()}.tmp")
-  cmd = ["g++", *FLAGS, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", str(tmp)]
+  cmd = ["g++", *FLAGS, "-I", jax.ffi.include_dir(), *map(str, SOURCES), "-o", str(tmp), *_blas_flags()]
   try:
     proc = subprocess.run(cmd, capture_output=True, text=True)
   except FileNotFoundError as e:
@@ -146,6 +177,50 @@ def swiglu_experts(xs: jax.Array, sizes: jax.Array, gate_up_packed: jax.Array, d
   i = gate_up_packed.shape[1] * GATE_UP_TILE
   h = jax.ffi.ffi_call("tars_moe_gate_up", jax.ShapeDtypeStruct((g, i), jnp.float32))(xs, sizes, gate_up_packed)
   return jax.ffi.ffi_call("tars_moe_down", jax.ShapeDtypeStruct(xs.shape, jnp.float32))(h, sizes, down_packed)
+
+
+def _grouped_call(name: str, outs, *args):
+  # "sequential": under vmap, one call per batch element (the kernels take one group list each).
+  return jax.ffi.ffi_call(name, outs, vmap_method="sequential")(*args)
+
+
+@jax.custom_vjp
+def grouped_swiglu(xs: jax.Array, sizes: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
+  """ys [G, D] = down(silu(x W_gate[e]) * (x W_up[e])) for each row x of expert e's group, on OpenBLAS.
+
+  Args: xs [G, D] float32 sorted by expert (`moe.sort_by_expert`; expert e owns the sizes[e] rows after
+    experts < e); sizes [E] int32; w_gate_up [E, D, 2, I] float32 (gate at [:, :, 0]: `MoE.w_gate_up`);
+    w_down [E, I, D] float32.
+  Returns ys [G, D] float32 (rows past sum(sizes): 0). Differentiable in xs and both weights (reverse
+  mode, `jax.custom_vjp`); the forward keeps the gate|up pre-activations [G, 2I] for the backward, as
+  `grouped_mlp.grouped_swiglu` does. Equals it (and `moe.ragged_swiglu`) up to float32 rounding.
+  CPU only (call `available()` first). Raises at run time if the shapes disagree or sizes sum past G.
+  Source: the "grouped" path's math (`grouped_mlp.py`); transformers `grouped_mm` experts.
+  """
+  return _grouped_fwd(xs, sizes, w_gate_up, w_down)[0]
+
+
+def _grouped_fwd(xs, sizes, w_gate_up, w_down):
+  e, d, _, i = w_gate_up.shape
+  g = xs.shape[0]
+  f32 = jnp.float32
+  ys, ab = _grouped_call("tars_grouped_swiglu_fwd", (jax.ShapeDtypeStruct((g, d), f32), jax.ShapeDtypeStruct((g, 2 * i), f32)),
+                         xs, sizes, w_gate_up.reshape(e, d, 2 * i), w_down)
+  return ys, (xs, sizes, w_gate_up, w_down, ab)
+
+
+def _grouped_bwd(res, dys):
+  xs, sizes, w_gate_up, w_down, ab = res
+  e, d, _, i = w_gate_up.shape
+  dxs, dwgu, dwd = _grouped_call(
+      "tars_grouped_swiglu_bwd",
+      (jax.ShapeDtypeStruct(xs.shape, jnp.float32), jax.ShapeDtypeStruct((e, d, 2 * i), jnp.float32),
+       jax.ShapeDtypeStruct(w_down.shape, jnp.float32)),
+      xs, sizes, w_gate_up.reshape(e, d, 2 * i), w_down, ab, dys.astype(jnp.float32))
+  return dxs, None, dwgu.reshape(w_gate_up.shape), dwd
+
+
+grouped_swiglu.defvjp(_grouped_fwd, _grouped_bwd)
 
 
 def main() -> int:

@@ -293,6 +293,7 @@ class MoE(nnx.Module):
                                **ax("expert", "embed", None, "mlp"))
     self.w_down = nnx.Param(init_in(rngs.params(), (e, i, d)), **ax("expert", "mlp", "embed"))
     self.decode_kernel = cfg.moe_decode_kernel and expert_kernel.supports(d, i, cfg.jdtype)
+    self.grouped_blas = cfg.moe_grouped_blas
     # During a CPU decode loop (`split_experts_for_decode`): per-expert weights, or the kernel's packing.
     self.expert_slices = None
     self.decode_packed = None
@@ -351,11 +352,16 @@ class MoE(nnx.Module):
     return self._combine(ys, order, w)
 
   def _grouped_loop(self, flat, w, idx, rows: int):
-    """The "grouped" path: exact per-expert groups in chunks of `rows` (`grouped_mlp.grouped_swiglu`)."""
+    """The "grouped" path: exact per-expert groups, on OpenBLAS where `_blas_applies` (one custom call
+    forward, one backward: `expert_kernel.grouped_swiglu`), else in chunks of `rows` in an XLA loop
+    (`grouped_mlp.grouped_swiglu`)."""
     k, e, dt = self.top_k, self.experts, self.dtype
     order, _, sizes = sort_by_expert(idx, e)
     xs = flat[order // k].astype(dt)
-    ys = grouped_swiglu(xs, sizes, self.w_gate_up[...], self.w_down[...], rows)  # cast per expert inside
+    if self._blas_applies():
+      ys = expert_kernel.grouped_swiglu(xs, sizes, self.w_gate_up[...], self.w_down[...])
+    else:
+      ys = grouped_swiglu(xs, sizes, self.w_gate_up[...], self.w_down[...], rows)  # cast per expert inside
     return self._combine(ys, order, w)
 
   def _grouped(self, flat, w, idx):
@@ -397,6 +403,13 @@ class MoE(nnx.Module):
 
   def _combine(self, ys, order, w):
     return combine(ys, order, w, self.dtype)
+
+  def _blas_applies(self) -> bool:
+    """`cfg.moe_grouped_blas`, XLA:CPU without a mesh, float32 weights and compute, and the kernels built."""
+    f32 = jnp.float32
+    return (self.grouped_blas and jax.default_backend() == "cpu" and sharding.active() is None
+            and self.dtype == f32 and self.w_gate_up.dtype == f32 and self.w_down.dtype == f32
+            and expert_kernel.available())
 
   def _kernel_experts(self, flat, w, idx):
     """Exact and dropless: each expert on its routed rows by `expert_kernel.swiglu_experts`."""

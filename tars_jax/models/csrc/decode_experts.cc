@@ -5,19 +5,16 @@
 // 1-16 rows; a register-tiled loop over packed weights on both cores streams them at ~13 GB/s).
 //
 // Rows of `xs` are sorted by expert: expert e owns rows [start_e, start_e + sizes[e]).
-// Work is split into (expert, column tile) tasks, claimed with an atomic counter by the calling
-// thread and by helpers on XLA's intra-op thread pool. The caller never waits for a helper to start
-// (it can do every task itself), only for claimed tasks to finish, so a busy pool cannot deadlock it.
+// Work is split into (expert, column tile) tasks shared by the calling thread and helpers on XLA's
+// intra-op thread pool (`parallel.h`).
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <functional>
-#include <memory>
-#include <thread>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -84,39 +81,14 @@ void ForRowBlocks(int64_t n, F4&& four, F1&& one) {
   for (; r < n; ++r) one(r);
 }
 
-struct Job {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  int64_t total = 0;
-  std::vector<int64_t> expert_of_task, tile_of_task;
-  std::function<void(int64_t, int64_t)> run;  // (expert, tile)
-
-  void Work() {
-    for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < total;) {
-      run(expert_of_task[t], tile_of_task[t]);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
-// Runs run(e, t) for every expert e with rows and every tile t < tiles, on the caller and helpers.
+// Runs run(e, t) for every expert e with rows and every tile t < tiles (`tars::ParallelFor`).
 void ParallelTiles(ffi::ThreadPool& pool, const int32_t* sizes, int64_t experts, int64_t tiles,
-                   std::function<void(int64_t, int64_t)> run) {
-  auto job = std::make_shared<Job>();
+                   const std::function<void(int64_t, int64_t)>& run) {
+  std::vector<int64_t> active;
   for (int64_t e = 0; e < experts; ++e)
-    if (sizes[e] > 0)
-      for (int64_t t = 0; t < tiles; ++t) {
-        job->expert_of_task.push_back(e);
-        job->tile_of_task.push_back(t);
-      }
-  job->total = static_cast<int64_t>(job->expert_of_task.size());
-  job->run = std::move(run);
-  // The caller is one of the pool's threads when XLA runs thunks concurrently, else the main thread:
-  // num_threads - 1 helpers either way keeps one worker per core (both measured on 2 cores).
-  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads() - 1, 0), job->total - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->Work(); });
-  job->Work();
-  while (job->done.load(std::memory_order_acquire) < job->total) std::this_thread::yield();
+    if (sizes[e] > 0) active.push_back(e);
+  tars::ParallelFor(pool, static_cast<int64_t>(active.size()) * tiles,
+                    [&](int64_t task) { run(active[task / tiles], task % tiles); });
 }
 
 std::vector<int64_t> GroupStarts(const int32_t* sizes, int64_t experts) {

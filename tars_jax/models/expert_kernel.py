@@ -137,6 +137,13 @@ def _load() -> tuple[bool, str]:
   return True, ""
 
 
+def _require() -> None:
+  """Builds and registers the kernels (once), or raises KernelBuildError saying why they are not."""
+  ok, err = _load()
+  if not ok:
+    raise KernelBuildError(err)
+
+
 def available() -> bool:
   """True when the kernel is built and registered (compiles it on the first call, ~5 s)."""
   return _load()[0]
@@ -170,9 +177,11 @@ def swiglu_experts(xs: jax.Array, sizes: jax.Array, gate_up_packed: jax.Array, d
   (`pack_gate_up`, `pack_down`) -> [G, D] float32 (rows past sum(sizes): 0). Equals
   `moe.ragged_swiglu` on the unpacked weights up to float32 rounding (per-row sums in another order).
 
-  CPU only (XLA FFI custom calls); call `available()` first. Not differentiable (decode only).
-  Raises (at run time, from the kernel) if the shapes disagree or sizes sum past G.
+  CPU only (XLA FFI custom calls). Not differentiable (decode only). Raises KernelBuildError (at
+  trace time) when the kernels cannot be built (`available()` says so first), and at run time, from
+  the kernel, if the shapes disagree or sizes sum past G.
   """
+  _require()
   g = xs.shape[0]
   i = gate_up_packed.shape[1] * GATE_UP_TILE
   h = jax.ffi.ffi_call("tars_moe_gate_up", jax.ShapeDtypeStruct((g, i), jnp.float32))(xs, sizes, gate_up_packed)
@@ -180,6 +189,7 @@ def swiglu_experts(xs: jax.Array, sizes: jax.Array, gate_up_packed: jax.Array, d
 
 
 def _grouped_call(name: str, outs, *args):
+  _require()
   # "sequential": under vmap, one call per batch element (the kernels take one group list each).
   return jax.ffi.ffi_call(name, outs, vmap_method="sequential")(*args)
 
@@ -194,7 +204,8 @@ def grouped_swiglu(xs: jax.Array, sizes: jax.Array, w_gate_up: jax.Array, w_down
   Returns ys [G, D] float32 (rows past sum(sizes): 0). Differentiable in xs and both weights (reverse
   mode, `jax.custom_vjp`); the forward keeps the gate|up pre-activations [G, 2I] for the backward, as
   `grouped_mlp.grouped_swiglu` does. Equals it (and `moe.ragged_swiglu`) up to float32 rounding.
-  CPU only (call `available()` first). Raises at run time if the shapes disagree or sizes sum past G.
+  CPU only. Raises KernelBuildError (at trace time) when the kernels cannot be built, and at run time
+  if the shapes disagree or sizes sum past G.
   Source: the "grouped" path's math (`grouped_mlp.py`); transformers `grouped_mm` experts.
   """
   return _grouped_fwd(xs, sizes, w_gate_up, w_down)[0]

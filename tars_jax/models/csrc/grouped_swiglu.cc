@@ -6,8 +6,8 @@
 //
 // Rows of `xs` are sorted by expert: expert e owns rows [start_e, start_e + sizes[e]). Weights:
 // gate|up [E, D, 2I] (gate columns first: `MoE.w_gate_up` [E, D, 2, I] reshaped), down [E, I, D].
-// Experts run in parallel on XLA's intra-op pool (`parallel.h`), each expert's sgemm calls on one
-// thread: OpenBLAS is set to one thread, so no second thread pool competes with XLA's (with OpenBLAS
+// Row chunks of the experts' groups (and, for the weight gradients, blocks of output columns) run in
+// parallel on XLA's intra-op pool (`parallel.h`), each sgemm on one thread: OpenBLAS is set to one thread, so no second thread pool competes with XLA's (with OpenBLAS
 // threading its own calls the train step was no faster than XLA's loop).
 
 #include <cmath>
@@ -65,6 +65,27 @@ ffi::Error CheckShapes(const char* who, ffi::Buffer<ffi::F32>& xs, ffi::Buffer<f
   return ffi::Error::Success();
 }
 
+// Tasks of at most kChunkRows rows of one expert's group: both cores stay busy whatever the group
+// sizes, and a helper that starts late still finds work. (Fewer rows per sgemm repack the expert's
+// weights more often: 128 rows keep that under ~10 % of the product.)
+constexpr int64_t kChunkRows = 128;
+
+struct RowChunk {
+  int64_t expert, start, rows;
+};
+
+std::vector<RowChunk> RowChunks(const int32_t* sizes, const std::vector<int64_t>& start, int64_t experts) {
+  std::vector<RowChunk> chunks;
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t n = sizes[e], pieces = (n + kChunkRows - 1) / kChunkRows;
+    for (int64_t c = 0; c < pieces; ++c) {  // pieces of near-equal size
+      const int64_t lo = n * c / pieces, hi = n * (c + 1) / pieces;
+      chunks.push_back({e, start[e] + lo, hi - lo});
+    }
+  }
+  return chunks;
+}
+
 // ys [G, D] and the gate|up pre-activations ab [G, 2I] (kept for the backward).
 ffi::Error FwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xs, ffi::Buffer<ffi::S32> sizes, ffi::Buffer<ffi::F32> wgu,
                    ffi::Buffer<ffi::F32> wd, ffi::ResultBuffer<ffi::F32> ys, ffi::ResultBuffer<ffi::F32> ab) {
@@ -77,10 +98,9 @@ ffi::Error FwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xs, ffi::Buffer<f
   const float* x = xs.typed_data();
   float* y = ys->typed_data();
   float* p = ab->typed_data();
-  const auto start = GroupStarts(sz, experts);
-  tars::ParallelFor(pool, experts, [&](int64_t e) {
-    const int64_t n = sz[e], s = start[e];
-    if (!n) return;
+  const auto chunks = RowChunks(sz, GroupStarts(sz, experts), experts);
+  tars::ParallelFor(pool, static_cast<int64_t>(chunks.size()), [&](int64_t t) {
+    const auto [e, s, n] = chunks[t];
     std::vector<float> h(n * i);
     float* pe = p + s * 2 * i;
     Gemm(false, false, n, 2 * i, d, x + s * d, d, wgu.typed_data() + e * d * 2 * i, 2 * i, pe, 2 * i);
@@ -97,6 +117,8 @@ ffi::Error FwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xs, ffi::Buffer<f
 }
 
 // (dxs [G, D], d w_gate_up [E, D, 2I], d w_down [E, I, D]) from xs, sizes, weights, ab, dys [G, D].
+// Two parallel phases: per row chunk, h, the SwiGLU derivative dab and dx (rows independent); then
+// per expert and block of output columns, the weight gradients (sums over the expert's rows).
 ffi::Error BwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xs, ffi::Buffer<ffi::S32> sizes, ffi::Buffer<ffi::F32> wgu,
                    ffi::Buffer<ffi::F32> wd, ffi::Buffer<ffi::F32> ab, ffi::Buffer<ffi::F32> dys,
                    ffi::ResultBuffer<ffi::F32> dxs, ffi::ResultBuffer<ffi::F32> dwgu, ffi::ResultBuffer<ffi::F32> dwd) {
@@ -112,31 +134,44 @@ ffi::Error BwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xs, ffi::Buffer<f
   const float* dy = dys.typed_data();
   float* dx = dxs->typed_data();
   const auto start = GroupStarts(sz, experts);
-  tars::ParallelFor(pool, experts, [&](int64_t e) {
-    const int64_t n = sz[e], s = start[e];
-    float* dwgu_e = dwgu->typed_data() + e * d * 2 * i;
-    float* dwd_e = dwd->typed_data() + e * i * d;
-    if (!n) {  // no rows: zero gradients (an sgemm with K = 0 would leave them unwritten)
-      std::memset(dwgu_e, 0, d * 2 * i * sizeof(float));
-      std::memset(dwd_e, 0, i * d * sizeof(float));
-      return;
-    }
-    const float* wgu_e = wgu.typed_data() + e * d * 2 * i;
-    const float* wd_e = wd.typed_data() + e * i * d;
+  std::vector<float> h(total * i), dab(total * 2 * i);  // per routed row, for the weight gradients
+
+  const auto chunks = RowChunks(sz, start, experts);
+  tars::ParallelFor(pool, static_cast<int64_t>(chunks.size()), [&](int64_t t) {
+    const auto [e, s, n] = chunks[t];
     const float* pe = ab.typed_data() + s * 2 * i;
-    std::vector<float> h(n * i), dh(n * i), dab(n * 2 * i);
-    Gemm(false, true, n, i, d, dy + s * d, d, wd_e, d, dh.data(), i);  // dh = dy wd^T
+    float* he = h.data() + s * i;
+    float* de = dab.data() + s * 2 * i;
+    std::vector<float> dh(n * i);
+    Gemm(false, true, n, i, d, dy + s * d, d, wd.typed_data() + e * i * d, d, dh.data(), i);  // dh = dy wd^T
     for (int64_t r = 0; r < n; ++r)
       for (int64_t j = 0; j < i; ++j) {
         const float a = pe[r * 2 * i + j], b = pe[r * 2 * i + i + j], sig = Sigmoid(a), silu = a * sig,
                     g_ = dh[r * i + j];
-        h[r * i + j] = silu * b;
-        dab[r * 2 * i + j] = g_ * b * sig * (1.0f + a * (1.0f - sig));  // d/da: silu'(a) = sig (1 + a (1 - sig))
-        dab[r * 2 * i + i + j] = g_ * silu;                                // d/db
+        he[r * i + j] = silu * b;
+        de[r * 2 * i + j] = g_ * b * sig * (1.0f + a * (1.0f - sig));  // d/da: silu'(a) = sig (1 + a (1 - sig))
+        de[r * 2 * i + i + j] = g_ * silu;                                // d/db
       }
-    Gemm(false, true, n, d, 2 * i, dab.data(), 2 * i, wgu_e, 2 * i, dx + s * d, d);  // dx = dab wgu^T
-    Gemm(true, false, d, 2 * i, n, x + s * d, d, dab.data(), 2 * i, dwgu_e, 2 * i);  // dwgu = x^T dab
-    Gemm(true, false, i, d, n, h.data(), i, dy + s * d, d, dwd_e, d);                 // dwd = h^T dy
+    Gemm(false, true, n, d, 2 * i, de, 2 * i, wgu.typed_data() + e * d * 2 * i, 2 * i, dx + s * d, d);  // dab wgu^T
+  });
+
+  // Weight gradients: per expert, dwgu = x^T dab in kBlocks column blocks of 2I, and dwd = h^T dy.
+  constexpr int64_t kBlocks = 3;  // + 1 task for dwd: four tasks of similar cost (2I / 3 ~ D columns)
+  tars::ParallelFor(pool, experts * (kBlocks + 1), [&](int64_t t) {
+    const int64_t e = t / (kBlocks + 1), blk = t % (kBlocks + 1), n = sz[e], s = start[e];
+    float* dwgu_e = dwgu->typed_data() + e * d * 2 * i;
+    float* dwd_e = dwd->typed_data() + e * i * d;
+    if (blk == kBlocks) {
+      if (n) Gemm(true, false, i, d, n, h.data() + s * i, i, dy + s * d, d, dwd_e, d);  // h^T dy
+      else std::memset(dwd_e, 0, i * d * sizeof(float));  // an sgemm with K = 0 leaves C unwritten
+      return;
+    }
+    const int64_t lo = 2 * i * blk / kBlocks, hi = 2 * i * (blk + 1) / kBlocks;
+    if (n) {
+      Gemm(true, false, d, hi - lo, n, x + s * d, d, dab.data() + s * 2 * i + lo, 2 * i, dwgu_e + lo, 2 * i);
+    } else {
+      for (int64_t r = 0; r < d; ++r) std::memset(dwgu_e + r * 2 * i + lo, 0, (hi - lo) * sizeof(float));
+    }
   });
   std::memset(dx + total * d, 0, (g - total) * d * sizeof(float));
   return ffi::Error::Success();

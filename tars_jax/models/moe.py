@@ -276,6 +276,9 @@ class MoE(nnx.Module):
       needs, weights indexed once per expert, with a custom VJP (`grouped_mlp.grouped_swiglu`): exact like the
       others, without "blocked"'s static block bound (3840 computed rows for 2048 assignments in
       `benchmarks/train_step.py`) or its per-block weight gathers.
+  On XLA:CPU without a mesh, in float32, two C++ kernels take the experts (`expert_kernel.py`): the
+  "grouped" loop runs as OpenBLAS custom calls forward and backward (`cfg.moe_grouped_blas`), and the
+  sampler's decode loop ("blocked" / "grouped") streams tile-packed weights (`cfg.moe_decode_kernel`).
   Source: maxtext `MaxText/layers/moe.py` (`sparse_matmul` with `ragged_dot`, `dense_matmul` with
   capacity); Fedus et al. 2021 (capacity factor).
   """

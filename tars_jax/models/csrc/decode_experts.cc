@@ -6,15 +6,16 @@
 //
 // Rows of `xs` are sorted by expert: expert e owns rows [start_e, start_e + sizes[e]).
 // Work is split into (expert, column tile) tasks shared by the calling thread and helpers on XLA's
-// intra-op thread pool (`parallel.h`).
+// intra-op thread pool (`common.h`).
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <type_traits>
 #include <vector>
 
-#include "parallel.h"
+#include "common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -91,19 +92,25 @@ void ParallelTiles(ffi::ThreadPool& pool, const int32_t* sizes, int64_t experts,
                     [&](int64_t task) { run(active[task / tiles], task % tiles); });
 }
 
-std::vector<int64_t> GroupStarts(const int32_t* sizes, int64_t experts) {
-  std::vector<int64_t> start(experts + 1, 0);
-  for (int64_t e = 0; e < experts; ++e) start[e + 1] = start[e] + sizes[e];
-  return start;
-}
-
-ffi::Error CheckGroups(const int32_t* sizes, int64_t experts, int64_t rows) {
-  int64_t total = 0;
-  for (int64_t e = 0; e < experts; ++e) {
-    if (sizes[e] < 0) return ffi::Error::InvalidArgument("negative group size");
-    total += sizes[e];
-  }
-  if (total > rows) return ffi::Error::InvalidArgument("group sizes sum past the rows of xs");
+// The rows of each expert's group through its packed weight tiles: kernel(rows tag R, R input rows,
+// weight tile, R output rows, first output column) for every (expert, tile) and block of R = kRows
+// (then 1) rows; output rows past sum(sizes) are zeroed.
+template <typename Kernel>
+ffi::Error Tiled(ffi::ThreadPool& pool, const int32_t* sz, int64_t experts, int64_t tiles, int64_t g, const float* in,
+                 int64_t in_ld, const float* wp, int64_t tile_size, int64_t tile_cols, float* out, int64_t out_ld,
+                 Kernel kernel) {
+  if (auto err = tars::CheckGroups(sz, experts, g); err.failure()) return err;
+  const auto start = tars::GroupStarts(sz, experts);
+  std::fill(out + start[experts] * out_ld, out + g * out_ld, 0.0f);
+  ParallelTiles(pool, sz, experts, tiles, [&](int64_t e, int64_t t) {
+    const float* wt = wp + (e * tiles + t) * tile_size;
+    auto rows = [&](auto tag, int64_t r) {
+      kernel(tag, in + (start[e] + r) * in_ld, wt, out + (start[e] + r) * out_ld, t * tile_cols);
+    };
+    ForRowBlocks(
+        sz[e], [&](int64_t r) { rows(std::integral_constant<int, kRows>{}, r); },
+        [&](int64_t r) { rows(std::integral_constant<int, 1>{}, r); });
+  });
   return ffi::Error::Success();
 }
 
@@ -114,22 +121,11 @@ ffi::Error GateUpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xs, ffi::Buffe
   if (xd.size() != 2 || wd.size() != 5 || wd[3] != 2 || wd[4] != kGateUpTile || wd[2] != xd[1] ||
       wd[0] != sizes.element_count())
     return ffi::Error::InvalidArgument("TarsMoeGateUp: want xs [G, D], sizes [E], w [E, I/8, D, 2, 8]");
-  const int64_t g = xd[0], d = xd[1], experts = wd[0], tiles = wd[1], i_dim = tiles * kGateUpTile;
-  const int32_t* sz = sizes.typed_data();
-  if (auto err = CheckGroups(sz, experts, g); err.failure()) return err;
-  const auto start = GroupStarts(sz, experts);
-  const float* x = xs.typed_data();
-  const float* wp = w.typed_data();
-  float* out = h->typed_data();
-  std::fill(out + start[experts] * i_dim, out + g * i_dim, 0.0f);
-  ParallelTiles(pool, sz, experts, tiles, [&](int64_t e, int64_t t) {
-    const float* wt = wp + (e * tiles + t) * d * 2 * kGateUpTile;
-    const int64_t col = t * kGateUpTile;
-    ForRowBlocks(
-        sz[e], [&](int64_t r) { GateUpRows<kRows>(x + (start[e] + r) * d, d, wt, out + (start[e] + r) * i_dim, i_dim, col); },
-        [&](int64_t r) { GateUpRows<1>(x + (start[e] + r) * d, d, wt, out + (start[e] + r) * i_dim, i_dim, col); });
-  });
-  return ffi::Error::Success();
+  const int64_t d = xd[1], tiles = wd[1], i_dim = tiles * kGateUpTile;
+  return Tiled(pool, sizes.typed_data(), wd[0], tiles, xd[0], xs.typed_data(), d, w.typed_data(), d * 2 * kGateUpTile,
+               kGateUpTile, h->typed_data(), i_dim, [&](auto tag, const float* x, const float* wt, float* o, int64_t col) {
+                 GateUpRows<decltype(tag)::value>(x, d, wt, o, i_dim, col);
+               });
 }
 
 // h [G, I], sizes [E] int32, w_down packed [E, D/16, I, 16] -> y [G, D] (rows past sum(sizes): 0).
@@ -138,22 +134,11 @@ ffi::Error DownImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ffi::Buffer<f
   const auto hd = h.dimensions(), wd = w.dimensions();
   if (hd.size() != 2 || wd.size() != 4 || wd[3] != kDownTile || wd[2] != hd[1] || wd[0] != sizes.element_count())
     return ffi::Error::InvalidArgument("TarsMoeDown: want h [G, I], sizes [E], w [E, D/16, I, 16]");
-  const int64_t g = hd[0], i_dim = hd[1], experts = wd[0], tiles = wd[1], d = tiles * kDownTile;
-  const int32_t* sz = sizes.typed_data();
-  if (auto err = CheckGroups(sz, experts, g); err.failure()) return err;
-  const auto start = GroupStarts(sz, experts);
-  const float* hp = h.typed_data();
-  const float* wp = w.typed_data();
-  float* out = y->typed_data();
-  std::fill(out + start[experts] * d, out + g * d, 0.0f);
-  ParallelTiles(pool, sz, experts, tiles, [&](int64_t e, int64_t t) {
-    const float* wt = wp + (e * tiles + t) * i_dim * kDownTile;
-    const int64_t col = t * kDownTile;
-    ForRowBlocks(
-        sz[e], [&](int64_t r) { DownRows<kRows>(hp + (start[e] + r) * i_dim, i_dim, wt, out + (start[e] + r) * d, d, col); },
-        [&](int64_t r) { DownRows<1>(hp + (start[e] + r) * i_dim, i_dim, wt, out + (start[e] + r) * d, d, col); });
-  });
-  return ffi::Error::Success();
+  const int64_t i_dim = hd[1], tiles = wd[1], d = tiles * kDownTile;
+  return Tiled(pool, sizes.typed_data(), wd[0], tiles, hd[0], h.typed_data(), i_dim, w.typed_data(), i_dim * kDownTile,
+               kDownTile, y->typed_data(), d, [&](auto tag, const float* hr, const float* wt, float* o, int64_t col) {
+                 DownRows<decltype(tag)::value>(hr, i_dim, wt, o, d, col);
+               });
 }
 
 }  // namespace

@@ -7,7 +7,7 @@
 // Rows of `xs` are sorted by expert: expert e owns rows [start_e, start_e + sizes[e]). Weights:
 // gate|up [E, D, 2I] (gate columns first: `MoE.w_gate_up` [E, D, 2, I] reshaped), down [E, I, D].
 // Row chunks of the experts' groups (and, for the weight gradients, blocks of output columns) run in
-// parallel on XLA's intra-op pool (`parallel.h`), each sgemm on one thread: OpenBLAS is set to one thread, so no second thread pool competes with XLA's (with OpenBLAS
+// parallel on XLA's intra-op pool (`common.h`), each sgemm on one thread: OpenBLAS is set to one thread, so no second thread pool competes with XLA's (with OpenBLAS
 // threading its own calls the train step was no faster than XLA's loop).
 
 #include <cmath>
@@ -17,14 +17,14 @@
 #include <vector>
 
 #include "cblas.h"  // scipy-openblas32: scipy_cblas_* symbols
-#include "parallel.h"
+#include "common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-// C[M, N] = op(A) op(B) (+ C if accumulate), row-major.
+// C[M, N] = op(A) op(B), row-major.
 void Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
           int64_t ldb, float* c, int64_t ldc) {
   scipy_cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, m, n, k,
@@ -37,24 +37,15 @@ const bool kOneBlasThread = [] {
   return true;
 }();
 
-// Start row of each expert's group.
-std::vector<int64_t> GroupStarts(const int32_t* sizes, int64_t experts) {
-  std::vector<int64_t> start(experts + 1, 0);
-  for (int64_t e = 0; e < experts; ++e) start[e + 1] = start[e] + sizes[e];
-  return start;
+// C[M, N] = A^T B over K rows (a weight gradient); K = 0 (an expert with no rows): C = 0 (an sgemm
+// with K = 0 would leave C unwritten). C may be a column block of a wider matrix (row stride ldc).
+void GemmTN(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
+            int64_t ldc) {
+  if (k) return Gemm(true, false, m, n, k, a, lda, b, ldb, c, ldc);
+  for (int64_t r = 0; r < m; ++r) std::memset(c + r * ldc, 0, n * sizeof(float));
 }
 
 inline float Sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
-
-ffi::Error CheckGroups(const int32_t* sizes, int64_t experts, int64_t rows, int64_t* total) {
-  *total = 0;
-  for (int64_t e = 0; e < experts; ++e) {
-    if (sizes[e] < 0) return ffi::Error::InvalidArgument("negative group size");
-    *total += sizes[e];
-  }
-  if (*total > rows) return ffi::Error::InvalidArgument("group sizes sum past the rows of xs");
-  return ffi::Error::Success();
-}
 
 ffi::Error CheckShapes(const char* who, ffi::Buffer<ffi::F32>& xs, ffi::Buffer<ffi::S32>& sizes,
                        ffi::Buffer<ffi::F32>& wgu, ffi::Buffer<ffi::F32>& wd) {
@@ -93,12 +84,13 @@ ffi::Error FwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xs, ffi::Buffer<f
   const int64_t g = xs.dimensions()[0], d = xs.dimensions()[1], experts = wgu.dimensions()[0],
                 i = wd.dimensions()[1];
   const int32_t* sz = sizes.typed_data();
-  int64_t total;
-  if (auto err = CheckGroups(sz, experts, g, &total); err.failure()) return err;
+  if (auto err = tars::CheckGroups(sz, experts, g); err.failure()) return err;
+  const auto start = tars::GroupStarts(sz, experts);
+  const int64_t total = start[experts];
   const float* x = xs.typed_data();
   float* y = ys->typed_data();
   float* p = ab->typed_data();
-  const auto chunks = RowChunks(sz, GroupStarts(sz, experts), experts);
+  const auto chunks = RowChunks(sz, start, experts);
   tars::ParallelFor(pool, static_cast<int64_t>(chunks.size()), [&](int64_t t) {
     const auto [e, s, n] = chunks[t];
     std::vector<float> h(n * i);
@@ -128,12 +120,12 @@ ffi::Error BwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xs, ffi::Buffer<f
   if (ab.dimensions()[0] != g || ab.dimensions()[1] != 2 * i || dys.dimensions()[0] != g || dys.dimensions()[1] != d)
     return ffi::Error::InvalidArgument("TarsGroupedSwigluBwd: want ab [G, 2I] and dys [G, D]");
   const int32_t* sz = sizes.typed_data();
-  int64_t total;
-  if (auto err = CheckGroups(sz, experts, g, &total); err.failure()) return err;
+  if (auto err = tars::CheckGroups(sz, experts, g); err.failure()) return err;
+  const auto start = tars::GroupStarts(sz, experts);
+  const int64_t total = start[experts];
   const float* x = xs.typed_data();
   const float* dy = dys.typed_data();
   float* dx = dxs->typed_data();
-  const auto start = GroupStarts(sz, experts);
   std::vector<float> h(total * i), dab(total * 2 * i);  // per routed row, for the weight gradients
 
   const auto chunks = RowChunks(sz, start, experts);
@@ -159,19 +151,13 @@ ffi::Error BwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xs, ffi::Buffer<f
   constexpr int64_t kBlocks = 3;  // + 1 task for dwd: four tasks of similar cost (2I / 3 ~ D columns)
   tars::ParallelFor(pool, experts * (kBlocks + 1), [&](int64_t t) {
     const int64_t e = t / (kBlocks + 1), blk = t % (kBlocks + 1), n = sz[e], s = start[e];
-    float* dwgu_e = dwgu->typed_data() + e * d * 2 * i;
-    float* dwd_e = dwd->typed_data() + e * i * d;
-    if (blk == kBlocks) {
-      if (n) Gemm(true, false, i, d, n, h.data() + s * i, i, dy + s * d, d, dwd_e, d);  // h^T dy
-      else std::memset(dwd_e, 0, i * d * sizeof(float));  // an sgemm with K = 0 leaves C unwritten
+    if (blk == kBlocks) {  // dwd = h^T dy
+      GemmTN(i, d, n, h.data() + s * i, i, dy + s * d, d, dwd->typed_data() + e * i * d, d);
       return;
     }
-    const int64_t lo = 2 * i * blk / kBlocks, hi = 2 * i * (blk + 1) / kBlocks;
-    if (n) {
-      Gemm(true, false, d, hi - lo, n, x + s * d, d, dab.data() + s * 2 * i + lo, 2 * i, dwgu_e + lo, 2 * i);
-    } else {
-      for (int64_t r = 0; r < d; ++r) std::memset(dwgu_e + r * 2 * i + lo, 0, (hi - lo) * sizeof(float));
-    }
+    const int64_t lo = 2 * i * blk / kBlocks, hi = 2 * i * (blk + 1) / kBlocks;  // dwgu[:, lo:hi] = x^T dab[:, lo:hi]
+    GemmTN(d, hi - lo, n, x + s * d, d, dab.data() + s * 2 * i + lo, 2 * i, dwgu->typed_data() + e * d * 2 * i + lo,
+           2 * i);
   });
   std::memset(dx + total * d, 0, (g - total) * d * sizeof(float));
   return ffi::Error::Success();

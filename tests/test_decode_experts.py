@@ -22,7 +22,8 @@ N = 6  # new tokens
 KERNEL = {"ffi": True, "xla": False}  # ModelConfig.moe_decode_kernel
 
 
-@pytest.fixture(scope="module", params=list(KERNEL))
+# XLA's per-expert path (kernel off) in the slow suite: the kernel is the default decode path.
+@pytest.fixture(scope="module", params=["ffi", pytest.param("xla", marks=pytest.mark.slow)])
 def policy(request):
   """The same weights (seed 3) with the decode loop's experts on the FFI kernel or on XLA's dots."""
   assert expert_kernel.supports(CFG.hidden, CFG.moe_intermediate, CFG.jdtype)

@@ -4,25 +4,27 @@ and the grouped SwiGLU of the train step (forward and backward) on OpenBLAS.
 Decode (`swiglu_experts`):
 At decode an expert sees 0-16 rows, so its SwiGLU is bound by streaming the expert's weights from
 memory. XLA:CPU's Eigen dots read them at ~5 GB/s there, and no XLA option changed that
-(`benchmarks/RESULTS.md`, "Decode overflow without the dense path ...": tried, no gain). `csrc/decode_experts.cc` instead keeps a 4-row x
-64-byte block of outputs in vector registers, reads each expert's weights once, front to back, from
-a copy packed in 64-byte column tiles, and shares the (expert, tile) work between the calling thread
-and XLA's intra-op thread pool: ~13 GB/s on the 2-core VM (RESULTS.md, "Decode experts as an FFI
-kernel"). Dropless and exact per expert like the other MoE paths: only the rows really routed to an
-expert are computed (no capacity, no overflow branch).
+(`benchmarks/RESULTS.md`, "Decode overflow without the dense path ...": tried, no gain).
+`csrc/decode_experts.cc` instead keeps a 4-row x 64-byte block of outputs in vector registers,
+reads each expert's weights once, front to back, from a copy packed in 64-byte column tiles, and
+shares the (expert, tile) work between the calling thread and XLA's intra-op thread pool: ~13 GB/s
+on the 2-core VM (RESULTS.md, "Decode experts as an FFI kernel"). Dropless and exact per expert like
+the other MoE paths: only the rows really routed to an expert are computed (no capacity, no overflow
+branch).
 
 Train step (`grouped_swiglu`, a `jax.custom_vjp`): the "grouped" MoE path's experts, each expert's
 group of rows as OpenBLAS sgemm calls (`csrc/grouped_swiglu.cc`; the `scipy-openblas32` wheel, the
 BLAS numpy ships) with the SwiGLU and its derivative in C++ between them: one custom call forward,
 one backward, instead of XLA:CPU's while loop over chunks (`grouped_mlp.py`), whose dots run the
-benchmark model's MoE shapes at ~45-50 GFLOP/s where OpenBLAS does ~85 (RESULTS.md, "Train-step
+benchmark model's MoE shapes at ~45-70 GFLOP/s where OpenBLAS does ~80-90 (RESULTS.md, "Train-step
 experts on OpenBLAS").
 
 The C++ sources are compiled on first use with the machine's g++ (`-O3 -march=native`, XLA FFI
 headers from jaxlib) into `$TARS_JAX_KERNEL_DIR` (default `~/.cache/tars_jax/kernels`), keyed by a
-hash of the source, the flags, the jaxlib version and the CPU's feature flags; `scripts/setup.sh`
-builds it ahead (`expert_kernel.main()`). Where it cannot be built (no g++), `available()` is False
-with the compiler's message in `build_error()`, and the MoE layers keep their XLA decode path.
+hash of the sources, the flags, the jaxlib and OpenBLAS versions and the CPU's feature flags;
+`scripts/setup.sh` builds it ahead (`expert_kernel.main()`). Where it cannot be built (no g++, no
+scipy-openblas32), `available()` is False with the compiler's message in `build_error()`, and the MoE
+layers keep their XLA paths.
 
 Layouts (float32; `pack_gate_up`, `pack_down`):
   gate|up  [E, D, 2, I] (`MoE.w_gate_up`)  -> [E, I/8, D, 2, 8]: per expert and 8-column tile, for each
@@ -97,7 +99,7 @@ def library_path() -> pathlib.Path:
   files = sorted(SOURCES[0].parent.glob("*.[ch]*"))  # the .cc sources and the headers they include
   key = hashlib.sha256(b"".join(f.read_bytes() for f in files) + " ".join(FLAGS).encode()
                        + jaxlib.__version__.encode() + _blas_version().encode() + _cpu_features()).hexdigest()
-  return kernel_dir() / f"decode_experts-{key[:16]}.so"
+  return kernel_dir() / f"expert_kernels-{key[:16]}.so"
 
 
 def build() -> pathlib.Path:

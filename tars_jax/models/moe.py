@@ -201,6 +201,15 @@ def per_expert_swiglu(buf: jax.Array, gate_up: tuple, down: tuple) -> jax.Array:
   return jnp.stack([jnp.einsum("ci,id->cd", hj, d) for hj, d in zip(h, down)])
 
 
+def decode_kernel_applies(cfg: ModelConfig) -> bool:
+  """Whether `cfg`'s MoE layers take the FFI decode kernel in a CPU decode loop, as far as the config
+  decides: `moe_decode_kernel`, a path with the bounded decode ("blocked" / "grouped"), and shapes and
+  dtype the kernel supports (`expert_kernel.supports`). The loop also needs `expert_kernel.available()`,
+  XLA:CPU without a mesh, and unscanned layers (`split_experts_for_decode`)."""
+  return (cfg.moe_decode_kernel and cfg.moe_impl in ("blocked", "grouped")
+          and expert_kernel.supports(cfg.hidden, cfg.moe_intermediate, cfg.jdtype))
+
+
 def split_experts_for_decode(model: nnx.Module) -> int:
   """Before a decode loop on XLA:CPU: gives every (unscanned) `MoE` layer of `model` its experts'
   weights in a decode layout, made once and kept out of the loop by an `optimization_barrier`:
@@ -295,7 +304,7 @@ class MoE(nnx.Module):
     self.w_gate_up = nnx.Param(init_in(rngs.params(), (e, d, 2 * i)).reshape(e, d, 2, i),
                                **ax("expert", "embed", None, "mlp"))
     self.w_down = nnx.Param(init_in(rngs.params(), (e, i, d)), **ax("expert", "mlp", "embed"))
-    self.decode_kernel = cfg.moe_decode_kernel and expert_kernel.supports(d, i, cfg.jdtype)
+    self.decode_kernel = decode_kernel_applies(cfg)
     self.grouped_blas = cfg.moe_grouped_blas
     # During a CPU decode loop (`split_experts_for_decode`): per-expert weights, or the kernel's packing.
     self.expert_slices = None

@@ -1,9 +1,10 @@
 // Shared by the FFI handlers of this folder: ParallelFor over XLA's intra-op thread pool, and the
 // expert groups (rows sorted by expert, sizes [E] int32) with their checks.
 //
-// ParallelFor: tasks are claimed with an atomic counter by the calling thread and by helpers scheduled on the pool.
-// The caller never waits for a helper to start (it can run every task itself), only for claimed tasks
-// to finish, so a busy pool cannot deadlock it; the shared state lives as long as the last helper.
+// ParallelFor: tasks are claimed with an atomic counter by the calling thread and by helpers
+// scheduled on the pool. The caller never waits for a helper to start (it can run every task
+// itself), only for claimed tasks to finish, so a busy pool cannot deadlock it; the shared state
+// lives as long as the last helper.
 #ifndef TARS_JAX_CSRC_COMMON_H_
 #define TARS_JAX_CSRC_COMMON_H_
 

@@ -7,8 +7,9 @@
 // Rows of `xs` are sorted by expert: expert e owns rows [start_e, start_e + sizes[e]). Weights:
 // gate|up [E, D, 2I] (gate columns first: `MoE.w_gate_up` [E, D, 2, I] reshaped), down [E, I, D].
 // Row chunks of the experts' groups (and, for the weight gradients, blocks of output columns) run in
-// parallel on XLA's intra-op pool (`common.h`), each sgemm on one thread: OpenBLAS is set to one thread, so no second thread pool competes with XLA's (with OpenBLAS
-// threading its own calls the train step was no faster than XLA's loop).
+// parallel on XLA's intra-op pool (`common.h`), each sgemm on one thread: OpenBLAS is set to one
+// thread, so no second thread pool competes with XLA's (with OpenBLAS threading its own calls the
+// train step was no faster than XLA's loop).
 
 #include <cmath>
 #include <cstdint>

@@ -1,10 +1,11 @@
 r"""Supervised pointing probe: how fast does the demo's policy learn to point with *perfect* labels?
 
-An upper bound on what the RL signal could teach per update (README, "Result"): the same model,
-config and optimiser as `experiments/configs/miniwob_ppo.py`, trained by cross-entropy on replies
-`click(start_box='(x,y)')` whose (x, y) is the centre of the correct button, read from the DOM through
-the sandbox's debug endpoint (never shown to agents). Prints the single-click hit rate of the policy's
-own sampled clicks on 100 held-out screens per task at a few update counts.
+An upper bound on what the RL signal could teach per update (README, "Main job"; measured runs in
+benchmarks/RESULTS.md): the same model, config and optimiser as
+`experiments/configs/miniwob_ppo.py`, trained by cross-entropy on replies `click(start_box='(x,y)')`
+whose (x, y) is the centre of the correct button, read from the DOM through the sandbox's debug
+endpoint (never shown to agents). Prints the single-click hit rate of the policy's own sampled
+clicks on 100 held-out screens per task at a few update counts.
 
   PYTHONPATH=. .venv/bin/python -m experiments.pointing_probe 1024 800   # N_TRAIN screens, updates
 """

@@ -319,11 +319,12 @@ def _partition(table, acc, exact: bool):
 def _minimise(table, start, acc):
   """Moore partition refinement: merges states with the same future (language-preserving).
 
-  Rounds use `_refine`'s row hash (the full SDK grammar: 33 rounds over 4542 states, 0.2 s instead
-  of 1.7 s with exact rows). The result is then checked to be a congruence that keeps accepting and
-  other states apart (one exact round splits nothing, each class is all accepting or all not); if a
-  hash collision broke that, the exact rounds are run instead. A congruence that respects acceptance
-  preserves the language, and Moore's is the coarsest one: the hash only changes the cost.
+  Rounds use `_refine`'s row hash, several times cheaper than comparing exact rows on the full SDK
+  grammar (benchmarks/RESULTS.md). The result is then checked to be a congruence that keeps
+  accepting and other states apart (one exact round splits nothing, each class is all accepting or
+  all not); if a hash collision broke that, the exact rounds are run instead. A congruence that
+  respects acceptance preserves the language, and Moore's is the coarsest one: the hash only changes
+  the cost.
   """
   cls = _partition(table, acc, exact=False)
   n = int(cls.max()) + 1
@@ -387,12 +388,12 @@ def free_grammar(tokenizer: ByteTokenizer = ByteTokenizer()) -> Grammar:
   """The unconstrained reply language (`config.grammar.constrained = False`): any byte string, then
   EOS. State 0 allows the 256 byte ids (-> 0) and EOS (-> done); done allows only PAD.
 
-  Why not "no table" at all: a free-running sampler also emits the special ids (19 of 32 replies of
-  a fresh smoke-config policy held IMAGE, VISION_START or VISION_END, 2026-11-24), and an IMAGE id in
-  a reply is read as an image placeholder by every later forward of the episode (`Policy`
-  splices image features into IMAGE positions in order), shifting the next screenshots onto the wrong
-  tokens and making the trainer's log-probs differ from the sampler's. With this table the sampler
-  and the PPO loss mask the same tokens, so the log-probs agree.
+  Why not "no table" at all: a free-running sampler also emits the special ids (many replies of a
+  fresh random-init policy hold IMAGE, VISION_START or VISION_END), and an IMAGE id in a reply is
+  read as an image placeholder by every later forward of the episode (`Policy` splices image
+  features into IMAGE positions in order), shifting the next screenshots onto the wrong tokens and
+  making the trainer's log-probs differ from the sampler's. With this table the sampler and the PPO
+  loss mask the same tokens, so the log-probs agree.
   Returns: Grammar with table [2, V] int32 (read-only; cached).
   """
   v = tokenizer.vocab_size

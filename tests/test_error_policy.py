@@ -136,3 +136,27 @@ def test_all_lost_iteration_is_skipped_not_collated(caplog):
   assert trainable(eps + [kept], stats, "iteration 6") == [kept]
   with pytest.raises(ValueError, match="no episodes"):
     collate([], pad_id=0, max_images=1, image_hw=(4, 4))
+
+
+@pytest.mark.slow  # ~1-2.5 min: builds the smoke trainer; the skip rule itself is tested above, fast
+def test_trainer_skips_iterations_whose_episodes_are_all_lost(tmp_path):
+  """The real trainer against a server that never answers: each iteration's episodes are lost on every
+  attempt, the iteration is logged and skipped (a metrics row with the counts, no update), and the run
+  ends normally instead of crashing in collate."""
+  import json
+  import os
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+  cmd = [sys.executable, "-m", "experiments.train", "--config",
+         os.path.join(root, "experiments/configs/miniwob_ppo.py:smoke"), "--workdir", str(tmp_path / "run"),
+         f"--config.env.servers=('{url}',)", "--config.iterations=2"]
+  p = subprocess.run(cmd, cwd=root, env=dict(os.environ, PYTHONPATH=root), capture_output=True, text=True,
+                     timeout=600)
+  assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+  rows = [json.loads(l) for l in open(tmp_path / "run" / "metrics.jsonl")]
+  n = rows[0]["episodes_failed"]
+  assert n > 0 and [r["step"] for r in rows] == [1, 2]
+  assert all(r["episodes_failed"] == n and r["episodes_lost"] == 3 * n for r in rows)  # 1 + max_retries=2
+  assert "iteration 1 skipped: all" in p.stderr and "iteration 2 skipped: all" in p.stderr

@@ -207,3 +207,29 @@ def test_no_chromium_outlives_a_server_stopped_during_a_relaunch(how, tmp_path, 
     h.stop()
     for p in _marked(mark):  # never leave Chromium behind, also when the test fails
       os.kill(p, signal.SIGKILL)
+
+
+def test_pdeathsig_wrapper_passes_arguments_and_dies_with_its_parent(tmp_path, monkeypatch):
+  """The wrapper Chromium is started through (browser/launcher.py), on `sleep` and `printf`: arguments
+  reach the program unchanged, and the program is killed when the process that started it is."""
+  from envs_bridge.browser.launcher import pdeathsig_wrapper
+  monkeypatch.setenv("TARS_JAX_CHROMIUM_DIR", str(tmp_path))
+  out = subprocess.run([pdeathsig_wrapper("/usr/bin/printf"), "%s|", "a b", "", "c'd"], capture_output=True,
+                       text=True, timeout=30)
+  assert (out.returncode, out.stdout) == (0, "a b||c'd|")
+  parent = subprocess.Popen(["/bin/sh", "-c", f"{pdeathsig_wrapper('/bin/sleep')} 600 & echo $!; wait"],
+                            stdout=subprocess.PIPE, text=True)
+  pid = int(parent.stdout.readline())
+  try:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # the wrapper's two passes end in exec of sleep (same pid)
+      with open(f"/proc/{pid}/cmdline", "rb") as f:
+        if f.read().startswith(b"/bin/sleep\0"):
+          break
+      time.sleep(0.02)
+    parent.kill()
+    parent.wait()
+    assert _wait_gone(pid), "the program outlived the process that started it"
+  finally:
+    if _alive(pid):
+      os.kill(pid, signal.SIGKILL)

@@ -49,7 +49,8 @@ def pdeathsig_wrapper(executable: str) -> str:
   """Path of an executable script that runs `executable` (with the same arguments) under
   PR_SET_PDEATHSIG = SIGKILL; written once per content into `wrapper_dir()` (atomically, so servers
   starting together share it). Returns `executable` itself, with a warning, where `setpriv` is missing
-  (not Linux / no util-linux): then only Playwright's own clean-up stops the browser."""
+  (not Linux / no util-linux) or the script cannot be written: then only Playwright's own clean-up
+  stops the browser."""
   setpriv = shutil.which("setpriv")
   if setpriv is None:
     log.warning("setpriv (util-linux) not found: Chromium may outlive a server killed with SIGKILL")
@@ -58,9 +59,13 @@ def pdeathsig_wrapper(executable: str) -> str:
   d = wrapper_dir()
   path = d / f"chromium-{hashlib.sha256(text.encode()).hexdigest()[:16]}.sh"
   if not path.exists():
-    d.mkdir(parents=True, exist_ok=True)
-    tmp = d / f".{path.name}.{os.getpid()}"
-    tmp.write_text(text)
-    tmp.chmod(0o755)
-    os.replace(tmp, path)
+    try:
+      d.mkdir(parents=True, exist_ok=True)
+      tmp = d / f".{path.name}.{os.getpid()}"
+      tmp.write_text(text)
+      tmp.chmod(0o755)
+      os.replace(tmp, path)
+    except OSError as e:  # e.g. a read-only home: set TARS_JAX_CHROMIUM_DIR
+      log.warning("cannot write %s (%s): Chromium may outlive a server killed with SIGKILL", path, e)
+      return executable
   return str(path)

@@ -176,6 +176,7 @@ def test_no_chromium_outlives_a_server_stopped_during_a_relaunch(how, tmp_path, 
   from envs_bridge.launch import launch_server
   mark = f"{os.getpid()}-{time.monotonic_ns()}"
   monkeypatch.setenv(MARK_ENV, mark)
+  monkeypatch.setenv("TARS_JAX_CHROMIUM_DIR", str(tmp_path))  # the server's wrapper of this one-off executable
   flag, exe = tmp_path / "slow", tmp_path / "chromium"
   exe.write_text(_SLOW_CHROMIUM.format(flag=flag, exe=DEFAULT_CHROMIUM, python=sys.executable))
   exe.chmod(0o755)

@@ -7,7 +7,8 @@
 
 `SessionPool(urls)` spreads sessions over several servers (round-robin) for rollouts;
 `SessionPool.run_episode(task, seed, policy)` plays one episode and, when its session is lost
-(SessionLost, LeaseExpired, an unreachable server), replays it from its seed on the next server,
+(`protocol.is_retryable`: SessionLost, LeaseExpired, ServerBusy, an unreachable server), replays it
+from its seed on the next server,
 counting `episodes_lost` / `episodes_retried` (`.stats`, and Prometheus text via `.metrics_text()`).
 """
 
@@ -167,10 +168,6 @@ class RemoteSession:
 
 # policy(session) -> the next action text, or None to stop; session.observation is the latest one.
 Policy = Callable[[RemoteSession], Awaitable[str | None]]
-# Errors after which an episode is replayed from its seed (its session or its server is gone).
-LOST_ERRORS = (P.SessionLost, P.LeaseExpired, httpx.TransportError)
-
-
 @dataclasses.dataclass
 class PoolStats:
   episodes: int = 0  # episodes finished (not lost)
@@ -232,11 +229,11 @@ class SessionPool:
                         **open_kw) -> EpisodeResult:
     """Plays `task`/`seed` with `policy` until done, the policy returns None, or `max_steps`.
 
-    A lost session (LOST_ERRORS) loses the attempt: it is counted (`episodes_lost`) and the episode
+    A lost session (`protocol.is_retryable`) loses the attempt: it is counted (`episodes_lost`) and the episode
     is replayed from its seed on the next server (`episodes_retried`), at most `max_retries` times;
     after that it is returned with `lost=True` (`episodes_failed`). The policy is called afresh on
     every attempt, so it must depend only on the observations of the attempt it is given.
-    Raises: other SandboxErrors (UnknownTask, TaskError, ...), which no replay would fix.
+    Raises: other errors at once (UnknownTask, Unauthorized, TaskError, ...), which no replay would fix.
     """
     reasons: list[str] = []
     for attempt in range(1, self.max_retries + 2):
@@ -252,7 +249,9 @@ class SessionPool:
             break
           actions.append(a)
           obs.append(await sess.step(a))
-      except LOST_ERRORS as e:
+      except Exception as e:
+        if not P.is_retryable(e):
+          raise
         reasons.append(f"{type(e).__name__}: {getattr(e, 'reason', None) or e}")
         logging.warning("episode %s/%d lost on attempt %d: %s", task, seed, attempt, reasons[-1])
         self._count("episodes_lost")

@@ -3,8 +3,10 @@
   with launch_server(step_ms=1000) as h:      # h.url == 'http://127.0.0.1:<port>'
     ...SandboxClient(h.url)...
 
-The server runs in its own process group, so `stop()` also takes down its Chromium if the server
-does not exit cleanly; servers still running when the interpreter exits are stopped.
+The server runs in its own process group, so `stop()` also takes down Playwright's driver if the server
+does not exit cleanly; its Chromium, which Playwright starts in process groups of their own, dies with
+the driver (parent-death signal, envs_bridge/browser/launcher.py). Servers still running when the
+interpreter exits are stopped.
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ class ServerHandle:
       return ""
 
   def stop(self, timeout: float = 10.0) -> None:
-    """SIGTERM (graceful: the server closes Chromium), then SIGKILL to the process group."""
+    """SIGTERM (graceful: the server closes Chromium), then SIGKILL to the process group (the server and
+    Playwright's driver; the driver's Chromium dies with it, `browser/launcher.py`)."""
     _RUNNING.discard(self)
     if self.proc.poll() is None:
       self.proc.terminate()

@@ -185,6 +185,23 @@ class PayloadTooLarge(SandboxError):
   status = 413
 
 
+# Errors after which an episode is "lost and retried": its session or its server went away (or the
+# server is full for now), so a replay of the same seed, on this server or another, can succeed.
+# Everything else (UnknownTask, Unauthorized, PayloadTooLarge, InvalidAction, TaskError, UnknownSession,
+# 422 validation errors, a server's 500) is a mistake of the caller or a bug that no replay fixes: it
+# propagates at once with its reason. httpx's TransportError (refused, reset, timed out) is retryable
+# too; see `is_retryable`.
+RETRYABLE = (SessionLost, LeaseExpired, ServerBusy)
+
+
+def is_retryable(exc: BaseException) -> bool:
+  """True if `exc` loses the episode but a replay from its seed may succeed: one of `RETRYABLE`, or an
+  `httpx.TransportError` (the server cannot be reached: refused, reset, timed out). The one rule of the
+  client's `SessionPool.run_episode` and the trainer's `rollout.agent_loop.run_episodes`."""
+  import httpx  # local: servers import this module and never need it
+  return isinstance(exc, RETRYABLE + (httpx.TransportError,))
+
+
 ERRORS = {c.__name__: c for c in (UnknownTask, UnknownSession, LeaseExpired, SessionLost, InvalidAction,
                                   TaskError, ServerBusy, Unauthorized, PayloadTooLarge)}
 

@@ -48,8 +48,13 @@ def evaluate(run: str, tasks: list[str] | None, episodes: int, step: int | None 
   run started from (`init_state(config.seed)`, what iteration 1 sampled with): the untrained
   baseline the trained checkpoints are compared with.
 
+  Episodes lost on every attempt (the sandbox went away: `rollout.agent_loop.run_episodes`) are not
+  scored: each task's `lost` counts them and `episodes` counts only the scored ones.
+
   Raises:
     FileNotFoundError: the run has no config.json or no checkpoint.
+    envs_bridge.protocol.SandboxError: a sandbox error no retry fixes, at once (UnknownTask for a
+      misspelt task name, Unauthorized for a wrong token, ...).
   """
   with open(os.path.join(run, "config.json")) as f:
     config = mlc.ConfigDict(json.load(f))
@@ -88,6 +93,10 @@ def main(argv):
                            _SESSIONS.value, episodes_out=eps)
   print(f"checkpoint {step} of {_RUN.value}, {_EPISODES.value} held-out seeds per task")
   print(format_table(summary))
+  lost = {task: r["lost"] for task, r in summary.items() if r["lost"]}
+  if lost:
+    print(f"[eval] lost (sandbox unavailable on every attempt; not scored): "
+          f"{', '.join(f'{t} {n}' for t, n in lost.items())}")
   games = game_scores(eps)
   if games:
     print(format_games(games))

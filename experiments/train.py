@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from envs_bridge.launch import env_fleet
 from tars_jax.agent.trajectory import collate
-from tars_jax.rollout.agent_loop import RolloutStats, run_episodes
+from tars_jax.rollout.agent_loop import RolloutStats, run_episodes, trainable
 from tars_jax.rollout.jobs import group_ids, rollout_jobs
 from tars_jax.train import checkpoint as ckpt
 from tars_jax.train import state as state_lib
@@ -93,7 +93,10 @@ def main(argv):
         stats = RolloutStats()
         episodes = loop.run_until_complete(
             run_episodes(policy.act, clients, jobs, parts.loop_cfg, parts.tokenizer, version=it, stats=stats))
-        episodes = [e for e in episodes if not e.lost]
+        episodes = trainable(episodes, stats, f"iteration {it + 1}")
+        if not episodes:  # logged by trainable; the metrics row says why nothing was trained
+          writer.write(it + 1, {"episodes_lost": stats.episodes_lost, "episodes_failed": stats.episodes_failed})
+          continue
         t_roll = time.perf_counter() - t0
         batch = collate(episodes, pad_id=parts.tokenizer.pad_id, max_images=config.env.max_turns,
                         image_hw=parts.image_hw, length_multiple=config.length_multiple,
@@ -119,6 +122,7 @@ def main(argv):
             "perf/rollout_s": t_roll, "perf/train_s": t_train,
             "perf/env_wait_s": stats.env_time_s, "perf/policy_s": stats.policy_time_s,
             "episodes_lost": stats.episodes_lost, "episodes_retried": stats.episodes_retried,
+            "episodes_failed": stats.episodes_failed,
             "episodes_total": (it + 1) * n,
             "perf/wall_min": (time.time() - t_start) / 60,  # since this (possibly resumed) process started
         })

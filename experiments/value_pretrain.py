@@ -29,7 +29,7 @@ import numpy as np
 
 from envs_bridge.launch import env_fleet
 from tars_jax.agent.trajectory import collate
-from tars_jax.rollout.agent_loop import RolloutStats, run_episodes
+from tars_jax.rollout.agent_loop import RolloutStats, run_episodes, trainable
 from tars_jax.rollout.jobs import rollout_jobs
 from tars_jax.train import checkpoint as ckpt
 from tars_jax.train import ppo
@@ -84,7 +84,10 @@ def main(argv):
         stats = RolloutStats()
         episodes = loop.run_until_complete(
             run_episodes(policy.act, clients, jobs, parts.loop_cfg, parts.tokenizer, version=0, stats=stats))
-        episodes = [e for e in episodes if not e.lost]
+        episodes = trainable(episodes, stats, f"value pretraining iteration {it + 1}")
+        if not episodes:  # logged by trainable
+          writer.write(it + 1, {"episodes_lost": stats.episodes_lost, "episodes_failed": stats.episodes_failed})
+          continue
         batch = collate(episodes, pad_id=parts.tokenizer.pad_id, max_images=config.env.max_turns,
                         image_hw=parts.image_hw, length_multiple=config.length_multiple, batch_size=n).as_dict()
         state, train_m = vpt.value_update(state, batch, critic_gd=parts.critic_gd, copt=copt, hp=hp,

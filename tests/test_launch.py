@@ -133,3 +133,104 @@ def test_chromium_flag_picks_the_servers_browser():
       assert f.read().split(b"\0")[0] == b"/usr/lib/chromium/chromium"
   with pytest.raises(RuntimeError, match="not an executable file"):
     launch_server(step_ms=1000, lease_s=60.0, chromium="/nonexistent/chromium")
+
+
+MARK_ENV = "TARS_TEST_CHROMIUM_MARK"  # set for one server: its Chromium inherits it (/proc/<pid>/environ)
+_SLOW_CHROMIUM = """#!/bin/sh
+# The real browser; once {flag} exists, a launch first waits 60 s in a process whose command line
+# names the browser (so a relaunch can be caught in flight; it counts as a survivor if it lives on).
+[ -e {flag} ] || exec {exe} "$@"
+exec {python} -c "import os, sys, time; time.sleep(60); os.execv(sys.argv[1], sys.argv[1:])" {exe} "$@"
+"""
+
+
+def _marked(mark: str) -> list[int]:
+  """Live (non-zombie) processes started by the server tagged `mark` whose command line names Chromium."""
+  pids = []
+  for d in os.listdir("/proc"):
+    if not d.isdigit():
+      continue
+    try:
+      with open(f"/proc/{d}/environ", "rb") as f:
+        if f"{MARK_ENV}={mark}".encode() not in f.read().split(b"\0"):
+          continue
+      with open(f"/proc/{d}/cmdline", "rb") as f:
+        if b"chromium" not in f.read():
+          continue
+      if _alive(int(d)):
+        pids.append(int(d))
+    except (OSError, ProcessLookupError):  # gone meanwhile, or not ours
+      continue
+  return pids
+
+
+@pytest.mark.parametrize("how", ["SIGKILL to the group", "SIGTERM", "SIGINT to the group"])
+def test_no_chromium_outlives_a_server_stopped_during_a_relaunch(how, tmp_path, monkeypatch):
+  """Two browsers; one is killed with kill -9 and its relaunch is held in flight (a slow executable);
+  then the server is stopped. Whatever the way, no process of its Chromium survives it: the browser
+  that was up, its renderers and zygotes, and the relaunch (Playwright puts each browser in a process
+  group of its own, out of reach of the server's group)."""
+  import httpx
+
+  from envs_bridge.browser.sessions import DEFAULT_CHROMIUM
+  from envs_bridge.launch import launch_server
+  mark = f"{os.getpid()}-{time.monotonic_ns()}"
+  monkeypatch.setenv(MARK_ENV, mark)
+  monkeypatch.setenv("TARS_JAX_CHROMIUM_DIR", str(tmp_path))  # the server's wrapper of this one-off executable
+  flag, exe = tmp_path / "slow", tmp_path / "chromium"
+  exe.write_text(_SLOW_CHROMIUM.format(flag=flag, exe=DEFAULT_CHROMIUM, python=sys.executable))
+  exe.chmod(0o755)
+  h = launch_server(step_ms=1000, lease_s=60.0, n_browsers=2, chromium=str(exe))
+  try:
+    health = httpx.get(h.url + "/health", timeout=10).json()
+    pids = [b["pid"] for b in health["browsers"]]
+    assert len(set(pids)) == 2 and set(pids) <= set(_marked(mark)), (pids, _marked(mark))
+    flag.touch()
+    os.kill(pids[0], signal.SIGKILL)
+    relaunch = lambda: [p for p in _marked(mark) if b"time.sleep" in open(f"/proc/{p}/cmdline", "rb").read()]
+    deadline = time.monotonic() + 60  # only so a broken test cannot hang
+    while not relaunch() and time.monotonic() < deadline:
+      time.sleep(0.05)
+    assert relaunch(), "the relaunch did not start"
+    assert _alive(pids[1])  # the other browser is up: it must go with the server too
+    if how == "SIGKILL to the group":
+      os.killpg(h.proc.pid, signal.SIGKILL)
+    elif how == "SIGTERM":
+      h.proc.terminate()
+    else:
+      os.killpg(h.proc.pid, signal.SIGINT)
+    h.proc.wait(60)
+    deadline = time.monotonic() + 30  # the kernel's parent-death signal takes a moment to land
+    while _marked(mark) and time.monotonic() < deadline:
+      time.sleep(0.1)
+    assert _marked(mark) == []
+  finally:
+    h.stop()
+    for p in _marked(mark):  # never leave Chromium behind, also when the test fails
+      os.kill(p, signal.SIGKILL)
+
+
+def test_pdeathsig_wrapper_passes_arguments_and_dies_with_its_parent(tmp_path, monkeypatch):
+  """The wrapper Chromium is started through (browser/launcher.py), on `sleep` and `printf`: arguments
+  reach the program unchanged, and the program is killed when the process that started it is."""
+  from envs_bridge.browser.launcher import pdeathsig_wrapper
+  monkeypatch.setenv("TARS_JAX_CHROMIUM_DIR", str(tmp_path))
+  out = subprocess.run([pdeathsig_wrapper("/usr/bin/printf"), "%s|", "a b", "", "c'd"], capture_output=True,
+                       text=True, timeout=30)
+  assert (out.returncode, out.stdout) == (0, "a b||c'd|")
+  parent = subprocess.Popen(["/bin/sh", "-c", f"{pdeathsig_wrapper('/bin/sleep')} 600 & echo $!; wait"],
+                            stdout=subprocess.PIPE, text=True)
+  pid = int(parent.stdout.readline())
+  try:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # the wrapper's two passes end in exec of sleep (same pid)
+      with open(f"/proc/{pid}/cmdline", "rb") as f:
+        if f.read().startswith(b"/bin/sleep\0"):
+          break
+      time.sleep(0.02)
+    parent.kill()
+    parent.wait()
+    assert _wait_gone(pid), "the program outlived the process that started it"
+  finally:
+    if _alive(pid):
+      os.kill(pid, signal.SIGKILL)

@@ -26,6 +26,8 @@ session never interleave) and nothing locks across sessions, so N sessions step 
 Failures (each one is an event, a metric, and a `SessionLost` with the reason for the sessions hit):
   - Chromium dies (e.g. kill -9): Playwright's `disconnected` event -> every session on that browser
     is lost, the browser is relaunched at once (`recoveries`, `sandbox_recovery_seconds`).
+  - the server or Playwright's driver dies, by any signal, even in the middle of a relaunch: every
+    Chromium goes with it (started through `launcher.pdeathsig_wrapper`, parent-death signal SIGKILL).
   - a page's renderer crashes: the page's `crash` event -> its session is lost, its context closed.
   - a page stops answering: every page call of a request runs under `page_timeout_s`; past it the
     session is lost and its context closed; if even closing does not answer in time, its Chromium
@@ -77,6 +79,7 @@ from playwright.async_api import async_playwright
 
 from envs_bridge import protocol as P
 from envs_bridge.browser import executor
+from envs_bridge.browser import launcher
 from envs_bridge.browser import tasks
 from envs_bridge.browser.telemetry import EventLog, SandboxMetrics
 from tars_jax.agent import actions as A
@@ -251,6 +254,7 @@ class BrowserSandbox:
 
   # -- lifecycle --------------------------------------------------------------------------------
   async def start(self) -> None:
+    self._launch_path = launcher.pdeathsig_wrapper(self.executable)  # Playwright's executable_path
     self._pw = await async_playwright().start()
     await asyncio.gather(*[self._ensure(s) for s in self.slots])
     if self.spare_pages:
@@ -290,7 +294,7 @@ class BrowserSandbox:
         browser = slot.browser
         self._spawn(self._launch_spare())  # the next standby
       else:
-        browser = await self._pw.chromium.launch(executable_path=self.executable, args=CHROMIUM_ARGS)
+        browser = await self._pw.chromium.launch(executable_path=self._launch_path, args=CHROMIUM_ARGS)
         slot.browser, slot.generation = browser, slot.generation + 1
         slot.pid = await _browser_pid(browser)
         gen = slot.generation
@@ -313,7 +317,7 @@ class BrowserSandbox:
     if self._stopping:
       return
     try:
-      browser = await self._pw.chromium.launch(executable_path=self.executable, args=CHROMIUM_ARGS)
+      browser = await self._pw.chromium.launch(executable_path=self._launch_path, args=CHROMIUM_ARGS)
     except PlaywrightError as e:
       log.error("standby browser launch failed: %s", e)
       self.events.add("spare_launch_failed", error=str(e)[:300])

@@ -145,8 +145,11 @@ def collate(episodes: list[Episode], *, pad_id: int, max_images: int, image_hw: 
   len(episodes) (up to `batch_size`) are all-padding with zero masks, so jit sees fixed shapes.
 
   Raises:
-    ValueError: an episode has more turns than `max_images`.
+    ValueError: no episodes (an iteration whose episodes were all lost is skipped by the caller,
+      `rollout.agent_loop.trainable`), or an episode has more turns than `max_images`.
   """
+  if not episodes:
+    raise ValueError("collate got no episodes (were they all lost? skip the update instead)")
   arrs = [episode_arrays(e) for e in episodes]
   b = batch_size or len(episodes)
   t = bucket(max(len(a["tokens"]) for a in arrs), length_multiple)

@@ -2,9 +2,12 @@
 
 Each turn, every live episode's full history (prefix, past turns, new screenshot) is sent to the
 policy in one batch; the replies go to their sessions concurrently over HTTP. An episode ends when
-the page says done, or after `max_turns` (truncated, step-budget penalty). A session that dies
-(`SessionLost`, `LeaseExpired`, transport errors) loses its episode, which is retried from the same
-seed and counted — nothing disappears silently (DESIGN.md, "Bad input").
+the page says done, or after `max_turns` (truncated, step-budget penalty). An episode whose session
+cannot be opened or dies (`envs_bridge.protocol.is_retryable`: SessionLost, LeaseExpired, ServerBusy,
+an unreachable server) is lost: it is retried from the same seed, counted, and returned with
+`lost=True` when every attempt was lost — nothing disappears silently. Any other sandbox error (an
+unknown task, a wrong token, ...) is raised at once: no replay would fix it (DESIGN.md, "Bad input").
+A malformed action is not an error: the server answers it with an observation (`info.error`).
 """
 
 from __future__ import annotations
@@ -28,8 +31,6 @@ from tars_jax.rl.rewards import RewardConfig, thought_of, turn_reward_terms
 # act(prompts, images) -> [(reply_ids incl. EOS, logprobs [n], states [n])], one per prompt.
 ActFn = Callable[[list[list[int]], list[list[np.ndarray]]], list[tuple[list[int], np.ndarray, np.ndarray]]]
 
-_LOST_ERRORS = (protocol.SandboxError,)
-
 
 @dataclasses.dataclass
 class LoopConfig:
@@ -43,9 +44,10 @@ class LoopConfig:
 
 @dataclasses.dataclass
 class RolloutStats:
-  episodes: int = 0
-  episodes_lost: int = 0
-  episodes_retried: int = 0
+  episodes: int = 0  # episodes finished (not lost)
+  episodes_lost: int = 0  # attempts that lost their session (or could not open one)
+  episodes_retried: int = 0  # replays from the seed after a loss
+  episodes_failed: int = 0  # lost on every attempt: returned with lost=True
   env_steps: int = 0
   env_time_s: float = 0.0
   policy_time_s: float = 0.0
@@ -82,10 +84,16 @@ async def run_episodes(act: ActFn, clients: Sequence[SandboxClient], jobs: Seque
                        cfg: LoopConfig, tok: ByteTokenizer, version: int = 0,
                        stats: RolloutStats | None = None,
                        on_turn: Callable[[int], None] | None = None) -> list[Episode]:
-  """Plays every (task, seed) job to the end, all concurrently; returns episodes in job order.
+  """Plays every (task, seed) job to the end, all concurrently; returns one Episode per job, in job
+  order (never None).
 
-  Episodes whose session is lost are retried from their seed up to `cfg.max_retries` times; if still
-  lost they are returned with `lost=True` (callers must not train on them).
+  Episodes lost to a retryable error (`protocol.is_retryable`) are retried from their seed up to
+  `cfg.max_retries` times; if still lost they are returned with `lost=True` and the turns of their
+  last attempt, if any (callers must not train on them; `trainable` filters them). Counted in `stats`:
+  episodes_lost (lost attempts), episodes_retried, episodes_failed (lost on every attempt).
+
+  Raises: any other error (UnknownTask, Unauthorized, TaskError, a 422, ...) at once, after closing
+  the sessions this round opened.
   """
   stats = stats if stats is not None else RolloutStats()
   results: list[Episode | None] = [None] * len(jobs)
@@ -100,8 +108,20 @@ async def run_episodes(act: ActFn, clients: Sequence[SandboxClient], jobs: Seque
     stats.episodes_retried += len(lost_now)
     logging.warning("retrying %d lost episodes (attempt %d)", len(lost_now), attempt)
     pending = lost_now
-  stats.episodes += sum(1 for r in results if r is not None and not r.lost)
+  stats.episodes += sum(1 for r in results if not r.lost)
+  stats.episodes_failed += sum(1 for r in results if r.lost)
   return results  # type: ignore[return-value]
+
+
+def trainable(episodes: Sequence[Episode], stats: RolloutStats, what: str) -> list[Episode]:
+  """The episodes of `episodes` that were not lost. When every one was lost, logs a warning naming
+  `what` (e.g. 'iteration 7') and the counts of `stats`, and returns []: the caller skips that
+  update instead of collating an empty batch."""
+  kept = [e for e in episodes if not e.lost]
+  if episodes and not kept:
+    logging.warning("%s skipped: all %d episodes lost (%d lost attempts, %d retries); check the sandbox "
+                    "servers", what, len(episodes), stats.episodes_lost, stats.episodes_retried)
+  return kept
 
 
 async def _run_round(act, clients, jobs, idxs, cfg, tok, version, stats, results, on_turn) -> list[int]:
@@ -110,16 +130,17 @@ async def _run_round(act, clients, jobs, idxs, cfg, tok, version, stats, results
       *[_open(clients[k % len(clients)], *jobs[i], tok, cfg, version) for k, i in enumerate(idxs)],
       return_exceptions=True)
   stats.env_time_s += time.perf_counter() - t0
-  live: dict[int, _Live] = {}
+  live: dict[int, _Live] = {i: o for i, o in zip(idxs, opened) if not isinstance(o, BaseException)}
   lost: list[int] = []
   for i, o in zip(idxs, opened):
     if isinstance(o, BaseException):
-      if not isinstance(o, _LOST_ERRORS + (OSError,)) and not _is_transport_error(o):
+      if not protocol.is_retryable(o):
+        await _close_all(live.values())
         raise o
-      logging.warning("open %s failed: %r", jobs[i], o)
+      logging.warning("open %s failed: %s: %s", jobs[i], type(o).__name__, getattr(o, "reason", o))
+      task, seed = jobs[i]
+      results[i] = Episode(task=task, seed=seed, instruction="", prefix_ids=[], lost=True, policy_version=version)
       lost.append(i)
-    else:
-      live[i] = o
 
   for turn_idx in range(cfg.max_turns):
     if not live:
@@ -150,9 +171,11 @@ async def _run_round(act, clients, jobs, idxs, cfg, tok, version, stats, results
     for i, (ids, lp, st), txt, out in zip(order, replies, texts, outs):
       lv = live[i]
       if isinstance(out, BaseException):
-        if not isinstance(out, _LOST_ERRORS) and not _is_transport_error(out):
+        if not protocol.is_retryable(out):
+          await _close_all(live.values())
           raise out
-        logging.warning("episode %s lost at turn %d: %s", jobs[i], turn_idx, out)
+        logging.warning("episode %s lost at turn %d: %s: %s", jobs[i], turn_idx, type(out).__name__,
+                        getattr(out, "reason", out))
         lv.ep.lost = True
         results[i] = lv.ep
         lost.append(i)
@@ -183,6 +206,5 @@ async def _run_round(act, clients, jobs, idxs, cfg, tok, version, stats, results
   return lost
 
 
-def _is_transport_error(e: BaseException) -> bool:
-  import httpx  # local: only needed on the error path
-  return isinstance(e, httpx.TransportError)
+async def _close_all(lives) -> None:
+  await asyncio.gather(*[_safe_close(lv) for lv in lives])

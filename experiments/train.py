@@ -58,7 +58,7 @@ def main(argv):
   state = parts.init_state(config.seed)
   # KL reference = the initial policy (rebuilt from the seed on resume, so it never changes).
   ref_params = jax.tree.map(jnp.copy, state["policy"]) if parts.hparams.kl_coef > 0 else None
-  mngr = ckpt.manager(workdir, config.keep_checkpoints)
+  mngr = ckpt.manager(workdir, config.keep_checkpoints, cleanup_tmp=True)
   start_iter = 0
   critic_init = config.get("critic", {}).get("init", "")
   if critic_init and mngr.latest_step() is None:  # a resumed run has its own (trained) critic
@@ -70,10 +70,11 @@ def main(argv):
     print(f"[train] resumed from {mngr.directory}/{step} (iteration {start_iter})")
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(config.to_json_best_effort(indent=2))
-  writer = MetricsWriter(workdir, resume_step=start_iter if start_iter else None)
-  policy = parts.batched_policy(state["policy"], batch_size=config.env.num_sessions,
-                                seed=config.seed * 100_003 + start_iter)
-  hp, rng = parts.hparams, np.random.default_rng([config.seed, start_iter])
+  writer = MetricsWriter(workdir, resume_step=start_iter)  # drops rows a killed run wrote after it
+  # Randomness of iteration `it` (sampling keys, minibatch shuffles) derives from (seed, it) only,
+  # so a resumed run repeats what an uninterrupted one would have done.
+  policy = parts.batched_policy(state["policy"], batch_size=config.env.num_sessions, seed=config.seed)
+  hp = parts.hparams
 
   # ----------------------------------------------------------------------------------------------
   # Training loop.
@@ -89,6 +90,7 @@ def main(argv):
           print(f"[train] wall-clock budget of {config.max_minutes} min reached at iteration {it}")
           break
         t0 = time.perf_counter()
+        policy.start_iteration(it)
         jobs = rollout_jobs(tasks, n, config.rl.group_size, it, config.env.train_seed_offset)
         stats = RolloutStats()
         episodes = loop.run_until_complete(
@@ -106,7 +108,7 @@ def main(argv):
           state, train_m = ppo.ppo_update(state, batch, parts.table, policy_gd=parts.policy_gd,
                                           critic_gd=parts.critic_gd, popt=parts.popt, copt=parts.copt, hp=hp,
                                           epochs=config.rl.epochs, minibatch_size=config.rl.minibatch_size,
-                                          rng=rng, n_real=len(episodes),
+                                          rng=np.random.default_rng([config.seed, it]), n_real=len(episodes),
                                           scores=np.array([e.shaped_return for e in episodes], np.float32),
                                           group_ids=group_ids(episodes), ref_params=ref_params)
         policy.params = state["policy"]

@@ -101,10 +101,16 @@ def test_two_turns_values_carry_across_observation_gap():
   np.testing.assert_allclose(adv[0, [0, 1, 4, 5]], [a0, a1, a4, a5], atol=1e-6)
 
 
-def test_fully_masked_row_is_zero():
-  adv, ret = A.gae(np.ones((1, 3)), np.full((1, 3), 2.0), np.zeros((1, 3)), 1.0, 0.95)
-  np.testing.assert_allclose(adv, 0.0)
-  np.testing.assert_allclose(ret, 2.0)  # = adv + values
+def test_fully_masked_row_is_zero_and_leaves_other_rows_alone():
+  # row 0 has no model token (a padding row); row 1 is the hand-worked case of
+  # test_single_turn_gamma1_lam1_is_return_minus_value
+  r = np.array([[1.0, 1.0, 1.0, 1.0], [0, 0, 0, 1.0]])
+  v = np.array([[2.0, 2.0, 2.0, 2.0], [0.1, 0.2, 0.3, 0.4]])
+  m = np.array([[0, 0, 0, 0], [1, 1, 1, 1.0]])
+  adv, ret = A.gae(r, v, m, 1.0, 1.0)
+  np.testing.assert_array_equal(adv[0], 0.0)  # no model token: no advantage, whatever r and V hold
+  np.testing.assert_allclose(adv[1], [0.9, 0.8, 0.7, 0.6], atol=1e-6)
+  np.testing.assert_allclose(ret[1], [1, 1, 1, 1], atol=1e-6)
 
 
 # ---------------------------------------------------------------- GAE vs the verl port
@@ -143,16 +149,26 @@ def test_gae_per_row_gamma_and_lambda_match_reference(seed):
   np.testing.assert_allclose(_gae_jit(r, v, m, gammas, lams)[0], want, atol=1e-4, rtol=1e-4)
 
 
-def test_per_sequence_lambda_equals_rowwise():
+def test_per_sequence_lambda_matches_closed_forms():
+  # one batch, one lambda per row, each row against a closed form of Schulman et al. 2016:
+  # lam = 0: A_t = delta_t (eq. 11); lam = 1: A_t = sum_l gamma^l r_{t+l} - V_t (eq. 15);
+  # lam = 0.5: A_t = sum_l (gamma lam)^l delta_{t+l} (eq. 16); delta_t = r_t + gamma V_{t+1} - V_t,
+  # V = 0 after the last model token. Row 2 ends with two padding tokens.
   rng = np.random.default_rng(0)
-  r, v = rng.normal(size=(3, 7)), rng.normal(size=(3, 7))
-  m = (rng.random((3, 7)) < 0.7).astype(np.float32)
-  lams = np.array([0.0, 0.5, 0.99])
-  adv, ret = jax.jit(A.gae)(r, v, m, 1.0, lams)
-  for i in range(3):
-    row, row_ret = A.gae(r[i:i + 1], v[i:i + 1], m[i:i + 1], 1.0, lams[i])
-    np.testing.assert_allclose(adv[i], row[0], atol=1e-5)
-    np.testing.assert_allclose(ret[i], row_ret[0], atol=1e-5)
+  r, v = rng.normal(size=(3, 6)), rng.normal(size=(3, 6))
+  m = np.ones((3, 6), np.float32)
+  m[2, 4:] = 0
+  gamma, lams = 0.9, np.array([0.0, 1.0, 0.5])
+  adv, _ = jax.jit(A.gae)(r, v, m, gamma, lams)
+  for i, lam in enumerate(lams):
+    n = int(m[i].sum())
+    v_next = np.append(v[i, 1:n], 0.0)
+    delta = r[i, :n] + gamma * v_next - v[i, :n]
+    if lam == 1.0:
+      want = [sum(gamma ** l * r[i, t + l] for l in range(n - t)) - v[i, t] for t in range(n)]
+    else:
+      want = [sum((gamma * lam) ** l * delta[t + l] for l in range(n - t)) for t in range(n)]
+    np.testing.assert_allclose(adv[i, :n], want, atol=1e-5)
 
 
 def test_gae_jit_and_vmap_over_leading_axis_equals_loop():

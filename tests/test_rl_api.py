@@ -41,7 +41,15 @@ def test_gae_reproduces_rlax_truncated_gae(lam):
   np.testing.assert_allclose(adv[0], want[0], atol=1e-3)
   np.testing.assert_allclose(adv[1, :4], want[1, :4], atol=1e-3)
   np.testing.assert_allclose(adv[2, 0], want[1, 4], atol=1e-3)
-  np.testing.assert_allclose(ret * m, (adv + v) * m, atol=1e-6)
+  # returns = lambda-returns, from their own recursion (Sutton & Barto eq. 12.18; value 0 after the
+  # last token): G_t = r_t + gamma ((1 - lam) V_{t+1} + lam G_{t+1})
+  for i, n in enumerate(m.sum(-1).astype(int)):
+    g, want_ret = 0.0, np.zeros(n)
+    for t in reversed(range(n)):
+      v_next = v[i, t + 1] if t + 1 < n else 0.0
+      g = r[i, t] + gamma[i] * ((1 - lam) * v_next + lam * g) if t + 1 < n else r[i, t]
+      want_ret[t] = g
+    np.testing.assert_allclose(ret[i, :n], want_ret, atol=1e-5)
   adv_scalar, _ = A.gae(r, v, m, gamma, lam)  # scalar lambda gives the same
   np.testing.assert_allclose(adv_scalar, adv, atol=1e-6)
 

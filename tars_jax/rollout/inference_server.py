@@ -57,6 +57,10 @@ class BatchedPolicy:
     graphdef, params: the NNX policy split (`nnx.split`); replace `params` after each update.
     grammar: constrained-decoding automaton, or None for free text.
     max_images: image slots per row (= max turns of an episode).
+    seed: sampling keys derive from (seed, iteration, call): `start_iteration(it)` sets the key to
+      fold_in(PRNGKey(seed), it) and each batch of `act` splits it, so an iteration's samples depend
+      only on the seed, the iteration and the calls made in it, never on when the process started
+      (a run resumed at iteration `it` draws what an uninterrupted run draws there).
   """
 
   graphdef: object
@@ -74,8 +78,13 @@ class BatchedPolicy:
   jump_forward: int = 1  # tokens per decode step incl. grammar-forced ones (`sampler.generate`)
 
   def __post_init__(self):
-    self._key = jax.random.PRNGKey(self.seed)
     self._table = None if self.grammar is None else jnp.asarray(self.grammar.table)
+    self.start_iteration(0)
+
+  def start_iteration(self, iteration: int) -> None:
+    """Resets the sampling key to fold_in(PRNGKey(seed), iteration); call at the start of each
+    training iteration."""
+    self._key = jax.random.fold_in(jax.random.PRNGKey(self.seed), int(iteration))
 
   def act(self, prompts: list[list[int]], images: list[list[np.ndarray]]
           ) -> list[tuple[list[int], np.ndarray, np.ndarray]]:

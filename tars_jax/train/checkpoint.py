@@ -13,10 +13,15 @@ import jax
 import orbax.checkpoint as ocp
 
 
-def manager(workdir: str, max_to_keep: int = 3) -> ocp.CheckpointManager:
-  """CheckpointManager over `<workdir>/checkpoints` keeping the last `max_to_keep` steps."""
+def manager(workdir: str, max_to_keep: int = 3, cleanup_tmp: bool = False) -> ocp.CheckpointManager:
+  """CheckpointManager over `<workdir>/checkpoints` keeping the last `max_to_keep` steps.
+
+  cleanup_tmp: delete the temporary directories of saves that never finished (a writer killed
+    mid-save). Only for the process that writes the run: in a reader (eval of a run still training)
+    it would delete the writer's save in progress.
+  """
   path = os.path.abspath(os.path.join(workdir, "checkpoints"))
-  opts = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
+  opts = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True, cleanup_tmp_directories=cleanup_tmp)
   return ocp.CheckpointManager(path, options=opts)
 
 

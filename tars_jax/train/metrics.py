@@ -17,7 +17,8 @@ class MetricsWriter:
   """Appends `{"step": s, **scalars}` lines to `<workdir>/metrics.jsonl` and TensorBoard events.
 
   On resume from step `resume_step`, lines of later steps (written after that checkpoint by the run
-  that died) are dropped so each step appears once.
+  that died) are dropped so each step appears once, and so is a last line cut short by a kill -9
+  in the middle of a write (it does not parse and has no newline).
   """
 
   def __init__(self, workdir: str, resume_step: int | None = None):
@@ -25,7 +26,7 @@ class MetricsWriter:
     self.tb_dir = os.path.join(workdir, "tensorboard")
     if resume_step is not None and os.path.exists(self.path):
       with open(self.path) as f:
-        keep = [l for l in f if l.strip() and json.loads(l)["step"] <= resume_step]
+        keep = [l for l in f if l.endswith("\n") and l.strip() and json.loads(l)["step"] <= resume_step]
       with open(self.path, "w") as f:
         f.writelines(keep)
     self._tb = SummaryWriter(self.tb_dir)

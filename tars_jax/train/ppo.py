@@ -25,7 +25,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from tars_jax.models import rope_positions
+from tars_jax.models import rope_positions, sampler
 from tars_jax.rl import advantages as adv_lib
 from tars_jax.rl import losses
 from tars_jax.rl import metrics as rl_metrics
@@ -139,8 +139,10 @@ def compute_advantages(values: jax.Array, batch: dict, hp: PPOHparams) -> tuple[
 
 
 def _token_logp(params, gd, table, mb, hp: PPOHparams):
-  """(log-probs [B,T-1] of the target tokens under the sampled distribution, logits, allowed, aux,
-  fraction of MoE top-k assignments dropped over expert capacity (0 unless `moe_capacity_factor`))."""
+  """(log-probs [B,T-1] float32 of the target tokens under the distribution the sampler drew from
+  (`sampler.token_logprobs`: grammar-masked, temperature-scaled), logits [B,T-1,V] float32, allowed
+  [B,T-1,V] bool or None, MoE aux loss, fraction of MoE top-k assignments dropped over expert
+  capacity (0 unless `moe_capacity_factor`))."""
   policy = nnx.merge(gd, params)
   pos = _positions(mb["tokens"], mb["attn_mask"], hp)
   logits, aux, st = policy(mb["tokens"], pos, mb["attn_mask"], mb["pixel_values"], mb["image_mask"],
@@ -148,8 +150,8 @@ def _token_logp(params, gd, table, mb, hp: PPOHparams):
   dropped = st["moe_dropped"] / jnp.maximum(st["moe_assignments"], 1.0)
   logits = logits[:, :-1].astype(jnp.float32)
   allowed = _allowed(table, mb["states"], mb["loss_mask"])
-  logp_all = losses.masked_log_softmax(logits, allowed, hp.temperature)
-  logp = jnp.take_along_axis(logp_all, mb["tokens"][:, 1:, None], axis=-1)[..., 0]
+  # The sampler's own function: the ratio's denominator (old_logp) came from the same formula.
+  logp = sampler.token_logprobs(logits, mb["tokens"][:, 1:], allowed, hp.temperature)
   return logp, logits, allowed, aux, dropped
 
 

@@ -1,0 +1,107 @@
+"""A training run killed with kill -9 and started again with the same command continues as if it had
+never stopped: the smoke config (real sandbox server, real Chromium, real Orbax) run for 3 iterations
+in one go, and again killed right after its first checkpoint and restarted, write the same
+`metrics.jsonl` rows, bit for bit, except wall-clock timings (`perf/*`).
+
+Why exact equality holds: every random draw of iteration `it` (sampling keys, minibatch shuffles)
+derives from (config.seed, it); the train state comes back from Orbax bit for bit; the tasks' seeds
+and the sandbox's virtual clock make the pages the same; and both processes run the same jitted
+programs on the same shapes, which XLA:CPU evaluates deterministically."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tars_jax.train import checkpoint as ckpt
+from tars_jax.train.metrics import MetricsWriter, read_metrics
+from _shared import poll
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ITERATIONS = 3
+
+
+def _cmd(workdir):
+  return [sys.executable, "-m", "experiments.train", "--config",
+          os.path.join(ROOT, "experiments/configs/miniwob_ppo.py:smoke"), "--workdir", str(workdir),
+          f"--config.iterations={ITERATIONS}"]
+
+
+def _run(workdir):
+  p = subprocess.run(_cmd(workdir), cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True,
+                     text=True, timeout=900)
+  assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+  return p.stdout
+
+
+def _rows(workdir):
+  with open(workdir / "metrics.jsonl") as f:
+    rows = [json.loads(l) for l in f]
+  # wall-clock timings (and the throughputs made of them) are the only fields allowed to differ
+  return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
+
+
+@pytest.mark.slow  # ~4 min: three runs of the trainer against real Chromium
+@pytest.mark.browser
+def test_run_killed_after_a_checkpoint_resumes_as_if_never_stopped(tmp_path):
+  straight, killed = tmp_path / "straight", tmp_path / "killed"
+  _run(straight)
+
+  # Same command, killed with SIGKILL as soon as checkpoint 1 is complete (Orbax renames the
+  # directory into place when written), i.e. during iteration 2.
+  log = open(tmp_path / "killed.log", "w")
+  proc = subprocess.Popen(_cmd(killed), cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), stdout=log,
+                          stderr=subprocess.STDOUT)
+  try:
+    done = poll(lambda: os.path.isdir(killed / "checkpoints" / "1") or proc.poll() is not None, 600, 0.05)
+  finally:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    log.close()
+  assert done and proc.returncode == -signal.SIGKILL, open(tmp_path / "killed.log").read()[-3000:]
+  assert not os.path.isdir(killed / "checkpoints" / str(ITERATIONS))  # it really stopped mid-run
+
+  out = _run(killed)
+  assert "resumed from" in out and "(iteration 1)" in out, out[-3000:]
+  want, got = _rows(straight), _rows(killed)
+  assert [r["step"] for r in got] == list(range(1, ITERATIONS + 1))
+  assert all(r["train/policy_grad_norm"] > 0 for r in want)  # the weights moved between iterations
+  for w, g in zip(want, got):
+    assert g == w, {k: (w.get(k), g.get(k)) for k in set(w) | set(g) if w.get(k) != g.get(k)}
+
+
+# ---------------------------------------------------------------- what a kill -9 leaves behind
+
+
+def test_metrics_writer_resume_drops_later_and_cut_rows(tmp_path):
+  with open(tmp_path / "metrics.jsonl", "w") as f:  # rows 1..3, then a row cut by the kill
+    f.write("".join(json.dumps({"step": s, "reward": s / 10}) + "\n" for s in (1, 2, 3)) + '{"step": 4, "rew')
+  w = MetricsWriter(str(tmp_path), resume_step=2)
+  w.write(3, {"reward": 0.5})
+  w.close()
+  assert read_metrics(str(tmp_path)) == [{"step": 1, "reward": 0.1}, {"step": 2, "reward": 0.2},
+                                         {"step": 3, "reward": 0.5}]
+  MetricsWriter(str(tmp_path), resume_step=0).close()  # killed before its first checkpoint: start over
+  assert read_metrics(str(tmp_path)) == []
+
+
+def test_checkpoint_manager_of_the_writer_removes_unfinished_saves(tmp_path):
+  mngr = ckpt.manager(str(tmp_path))
+  ckpt.save(mngr, 1, {"w": np.arange(3.0)}, {"iteration": 1})
+  mngr.close()
+  # what Orbax leaves when its writer dies mid-save: a temporary directory, never renamed to "2"
+  tmp = tmp_path / "checkpoints" / "2.orbax-checkpoint-tmp-1700000000000000"
+  (tmp / "state").mkdir(parents=True)
+  reader = ckpt.manager(str(tmp_path))
+  assert reader.latest_step() == 1 and tmp.is_dir()  # a reader ignores it and leaves it alone
+  reader.close()
+  writer = ckpt.manager(str(tmp_path), cleanup_tmp=True)
+  writer.wait_until_finished()
+  step, state, meta = ckpt.restore(writer, {"w": np.zeros(3)})
+  assert (step, meta, state["w"].tolist()) == (1, {"iteration": 1}, [0.0, 1.0, 2.0])
+  assert not tmp.exists()
+  writer.close()

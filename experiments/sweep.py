@@ -74,7 +74,7 @@ def plan(config: str, variants: list[str], seeds: list[int], suffix: str, overri
   vpt, iters = {}, {}
   for variant in variants:
     cfg = load_config(config, variant + suffix)
-    vpt[variant] = bool(cfg.get("vpt", {}).get("enabled", False))
+    vpt[variant] = bool(cfg.vpt.enabled)
     iters[variant] = int(cfg.iterations)
     for o in overrides:
       key, val = o.split("=", 1)

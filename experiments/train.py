@@ -7,6 +7,10 @@ r"""PPO trainer for GUI agents against sandbox servers (one linear script; big_v
 
 Re-running the same command resumes from the last complete checkpoint in `--workdir`.
 Layout of the run dir: config.json, metrics.jsonl, tensorboard/, checkpoints/, trajectories/.
+Every `eval_every` iterations the policy plays `eval_episodes` held-out seeds per task
+(env.eval_seed_offset + k) through the same rollout path, logged as eval/<task>/success.
+A config with `vpt.enabled` (value pretraining first) is refused unless `critic.init` holds the
+pretrained critic: experiments/sweep.py runs both stages.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from tqdm import tqdm
 
 from envs_bridge.launch import env_fleet
 from tars_jax.agent.trajectory import collate
+from tars_jax.rollout import evaluation
 from tars_jax.rollout.agent_loop import RolloutStats, run_episodes, trainable
 from tars_jax.rollout.jobs import group_ids, rollout_jobs
 from tars_jax.train import checkpoint as ckpt
@@ -45,6 +50,10 @@ def main(argv):
   config, workdir = _CONFIG.value, _WORKDIR.value
   if not workdir:
     raise app.UsageError("--workdir is required")
+  if config.vpt.enabled and not config.critic.init:  # PPO alone would silently skip the stage
+    raise app.UsageError("config has vpt.enabled=True: value pretraining must run before PPO; use "
+                         "experiments/sweep.py (runs both stages), or run experiments/value_pretrain.py "
+                         "and pass --config.critic.init=<its workdir>/critic")
   os.makedirs(workdir, exist_ok=True)
   logging.getLogger().setLevel(logging.WARNING)
   # SIGTERM (pkill, a scheduler's pre-emption) unwinds through `finally`: the sandbox server is
@@ -60,7 +69,7 @@ def main(argv):
   ref_params = jax.tree.map(jnp.copy, state["policy"]) if parts.hparams.kl_coef > 0 else None
   mngr = ckpt.manager(workdir, config.keep_checkpoints, cleanup_tmp=True)
   start_iter = 0
-  critic_init = config.get("critic", {}).get("init", "")
+  critic_init = config.critic.init
   if critic_init and mngr.latest_step() is None:  # a resumed run has its own (trained) critic
     state = state_lib.load_critic(state, critic_init, parts.copt)
     print(f"[train] critic initialised from {critic_init}")
@@ -128,6 +137,16 @@ def main(argv):
             "episodes_total": (it + 1) * n,
             "perf/wall_min": (time.time() - t_start) / 60,  # since this (possibly resumed) process started
         })
+        if config.eval_every and (it + 1) % config.eval_every == 0:
+          t2 = time.perf_counter()
+          ev = evaluation.play(loop, policy.act, clients,
+                               evaluation.eval_jobs(list(tasks), config.eval_episodes, config.env.eval_seed_offset),
+                               parts.loop_cfg, parts.tokenizer, sessions=n, version=it + 1)
+          m.update(evaluation.metrics(evaluation.summarize(ev)))
+          m["perf/eval_s"] = time.perf_counter() - t2
+          if config.log_trajectories:
+            save_episodes(os.path.join(workdir, "trajectories", f"eval_{it + 1:05d}"),
+                          ev[: config.log_trajectories])
         writer.write(it + 1, m)
         if config.log_trajectories and (it % config.save_trajectories_every == 0 or it + 1 == config.iterations):
           save_episodes(os.path.join(workdir, "trajectories", f"iter_{it + 1:05d}"),

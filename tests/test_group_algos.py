@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from experiments.configs import miniwob_ppo
+from tars_jax.rl import advantages as adv_lib
 from tars_jax.rollout.jobs import group_ids, rollout_jobs
 from tars_jax.train import ppo
 from tars_jax.train import state as state_lib
@@ -49,7 +50,7 @@ def test_outcome_advantages_by_hand():
 
 def _tiny_parts(algo):
   cfg = miniwob_ppo.get_config("smoke")
-  cfg.rl.algo = algo
+  cfg.rl.algo, cfg.rl.group_size = algo, 2
   return state_lib.build(cfg), cfg
 
 
@@ -97,3 +98,36 @@ def test_group_update_skips_groups_without_signal_and_learns_otherwise():
 def test_unknown_algo_rejected():
   with pytest.raises(ValueError, match="unknown rl.algo"):
     _tiny_parts("a2c")
+
+
+@pytest.mark.parametrize("algo", ["grpo", "drgrpo", "rloo"])
+def test_group_algo_refuses_groups_of_one(algo):
+  cfg = miniwob_ppo.get_config("smoke")
+  cfg.rl.algo, cfg.rl.group_size = algo, 1  # would be REINFORCE on raw returns
+  with pytest.raises(ValueError, match="rl.group_size must be >= 2"):
+    state_lib.build(cfg)
+  cfg.rl.algo = "ppo"  # the critic is the baseline: one episode per seed is right
+  assert state_lib.build(cfg).hparams.algo == "ppo"
+
+
+def test_group_sizes_by_hand():
+  np.testing.assert_array_equal(adv_lib.group_sizes(np.array([7, 7, 3, 9, 7, 3])), [3, 3, 2, 1, 3, 2])
+
+
+@pytest.mark.parametrize("epochs", [0, pytest.param(1, marks=pytest.mark.slow)])
+def test_group_update_drops_and_counts_singleton_groups(epochs):
+  # Three real episodes: group 0 = (1, 0), group 1 = one episode whose partner was lost (score 1).
+  parts, cfg = _tiny_parts("grpo")
+  batch = _fake_batch(parts, cfg)  # 4 rows: the last is padding (n_real = 3)
+  state, out = ppo.ppo_update(parts.init_state(0), batch, None, policy_gd=parts.policy_gd,
+                              critic_gd=parts.critic_gd, popt=parts.popt, copt=parts.copt, hp=parts.hparams,
+                              epochs=epochs, minibatch_size=2, rng=np.random.default_rng(0), n_real=3,
+                              scores=np.array([1.0, 0.0, 1.0, 0.0], np.float32),
+                              group_ids=np.array([0, 0, 1, 0], np.int32))
+  assert out["groups_dropped_singleton"] == 1
+  # group 0: mean 0.5, unbiased std sqrt(0.5): advantages +-0.5 / sqrt(0.5) = +-sqrt(0.5); the
+  # singleton gets 0 (not its raw score 1), so |adv| averages 2 sqrt(0.5) / 3 over the 3 episodes
+  assert out["advantage_abs_mean"] == pytest.approx(2 * np.sqrt(0.5) / 3, rel=1e-4)
+  assert out["informative_fraction"] == pytest.approx(2 / 3)
+  # only group 0's two rows are trained: one minibatch of 2 per epoch (three rows would make two)
+  assert int(state["step"]) == epochs

@@ -1,6 +1,8 @@
 """Issue #4 public RL API: GAE against rlax's published numbers, bad input (NaN/inf positions, empty
 rows, unknown names), reward shaping by hand (DAPO overlong ramp, step budget)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +13,15 @@ from tars_jax.rl import losses as L
 from tars_jax.rl.checks import NonFiniteError, check_finite
 from tars_jax.rl.metrics import explained_variance
 from tars_jax.rl.rewards import RewardConfig, overlong_penalty, thought_of, turn_reward_terms
+from experiments.configs import miniwob_ppo
 from tars_jax.train import ppo
+from tars_jax.train import state as state_lib
+
+
+def _hp(**overrides) -> ppo.PPOHparams:
+  """The smoke config's hyper-parameters (PPOHparams has no defaults) with `overrides`; replace()
+  runs the validation again."""
+  return dataclasses.replace(state_lib.hparams(miniwob_ppo.get_config("smoke"), 259, (8, 6)), **overrides)
 
 # ---------------------------------------------------------------- GAE vs rlax's test numbers
 
@@ -77,7 +87,7 @@ def test_ppo_update_rejects_nan_rewards_before_training():
   batch = {"rewards": np.array([[0.0, np.nan]], np.float32), "old_logp": np.zeros((1, 2), np.float32)}
   with pytest.raises(NonFiniteError, match=r"rewards\[0,1\]=nan"):
     ppo.ppo_update({}, batch, None, policy_gd=None, critic_gd=None, popt=None, copt=None,
-                   hp=ppo.PPOHparams(), epochs=1, minibatch_size=1, rng=np.random.default_rng(0), n_real=1)
+                   hp=_hp(), epochs=1, minibatch_size=1, rng=np.random.default_rng(0), n_real=1)
 
 
 @pytest.mark.parametrize("agg", L.AGG_MODES)
@@ -111,15 +121,15 @@ def test_unknown_names_list_the_known_ones():
   with pytest.raises(ValueError, match=r"'k1', 'k2', 'k3', 'abs'"):
     L.kl_penalty(jnp.zeros(2), jnp.zeros(2), "k4")
   with pytest.raises(ValueError, match=r"unknown rl.algo 'a2c'.*'drgrpo'"):
-    ppo.PPOHparams(algo="a2c")
+    _hp(algo="a2c")
   with pytest.raises(ValueError, match=r"unknown rl.loss_agg 'sum'.*'token-mean'"):
-    ppo.PPOHparams(loss_agg="sum")
+    _hp(loss_agg="sum")
   with pytest.raises(ValueError, match=r"unknown rl.kl_kind 'js'.*'abs'"):
-    ppo.PPOHparams(kl_kind="js")
-  assert ppo.PPOHparams(kl_kind="low_var_kl").kl_kind == "low_var_kl"  # verl alias accepted
+    _hp(kl_kind="js")
+  assert _hp(kl_kind="low_var_kl").kl_kind == "low_var_kl"  # verl alias accepted
   for bad in (dict(clip_c=1.0), dict(length_adaptive_alpha=0.0), dict(lam_policy=1.5), dict(kl_coef=-1)):
     with pytest.raises(ValueError):
-      ppo.PPOHparams(**bad)
+      _hp(**bad)
 
 
 # ---------------------------------------------------------------- length-adaptive lambda in the update
@@ -131,7 +141,7 @@ def test_compute_advantages_uses_per_sequence_length_adaptive_lambda():
   m = np.zeros((3, 10), np.float32)
   m[0, :8], m[1, 2:4], m[1, 6:9] = 1, 1, 1  # 8 and 5 model tokens; row 2 empty (padding)
   batch = {"rewards": jnp.asarray(r), "loss_mask": jnp.asarray(m)}
-  hp = ppo.PPOHparams(gamma=0.9, lam_critic=1.0, length_adaptive_alpha=0.5, whiten_advantages=False)
+  hp = _hp(gamma=0.9, lam_critic=1.0, length_adaptive_alpha=0.5, whiten_advantages=False)
   lam = [1 - 1 / 4, 1 - 1 / 2.5, 0.0]  # 1 - 1/(0.5 * 8), 1 - 1/(0.5 * 5)
   np.testing.assert_allclose(ppo.policy_lambda(jnp.asarray(m), hp), lam, atol=1e-6)
   adv, ret = ppo.compute_advantages(jnp.asarray(v), batch, hp)
@@ -139,7 +149,7 @@ def test_compute_advantages_uses_per_sequence_length_adaptive_lambda():
   _, want_ret = A.gae(r, v, m, 0.9, 1.0)
   np.testing.assert_allclose(adv, want_adv * m, atol=1e-5)
   np.testing.assert_allclose(ret, want_ret * m, atol=1e-5)
-  off = ppo.PPOHparams(gamma=0.9, lam_policy=0.3, lam_critic=1.0, whiten_advantages=False)
+  off = _hp(gamma=0.9, lam_policy=0.3, lam_critic=1.0, whiten_advantages=False)
   np.testing.assert_allclose(ppo.compute_advantages(jnp.asarray(v), batch, off)[0],
                              A.gae(r, v, m, 0.9, 0.3)[0] * m, atol=1e-5)
 

@@ -407,6 +407,16 @@ def test_trainer_state_on_mesh_from_config(mesh_results):
 
 # --- the 8-device worker -----------------------------------------------------------------------------
 
+def _grpo_hp(cfg, aux_loss_coef=0.01, ent_coef=0.0):
+  """PPOHparams of a critic-free update of `cfg`'s model, every field given (PPOHparams has no defaults)."""
+  from tars_jax.train import ppo
+  return ppo.PPOHparams(algo="grpo", gamma=1.0, lam_policy=0.95, lam_critic=1.0, length_adaptive_alpha=None,
+                        whiten_advantages=True, clip_low=0.2, clip_high=0.28, clip_c=None, value_clip=0.2,
+                        vf_coef=1.0, ent_coef=ent_coef, aux_loss_coef=aux_loss_coef, loss_agg="token-mean",
+                        kl_kind="k3", kl_coef=0.0, temperature=1.0, image_token_id=cfg.image_token_id,
+                        grid_hw=cfg.merged_grid)
+
+
 def _batch(cfg, b=8, t=12, seed=0):
   from tars_jax.agent.tokenizer import BOS
   rng = np.random.default_rng(seed)
@@ -442,8 +452,7 @@ def _worker(out_path, full: bool):
   results = {"runs": {}}
   cfg = _small_cfg()
   gd, params = nnx.split(Policy(cfg, nnx.Rngs(0)))
-  hp = ppo.PPOHparams(algo="grpo", aux_loss_coef=0.1, ent_coef=0.01, image_token_id=cfg.image_token_id,
-                      grid_hw=cfg.merged_grid)
+  hp = _grpo_hp(cfg, aux_loss_coef=0.1, ent_coef=0.01)
   popt = ppo.make_optimizer(1e-3, 1, 1.0, 0.0)
   batch = {k: jnp.asarray(v) for k, v in _batch(cfg).items()}
 
@@ -615,7 +624,7 @@ def test_ppo_metrics_report_the_fraction_of_moe_assignments_dropped():
   for factor in (0.5, None):
     cfg = _small_cfg(moe_impl="ragged", moe_capacity_factor=factor)
     gd, params = nnx.split(Policy(cfg, nnx.Rngs(0)))
-    hp = ppo.PPOHparams(algo="grpo", image_token_id=cfg.image_token_id, grid_hw=cfg.merged_grid)
+    hp = _grpo_hp(cfg)
     mb = {k: jnp.asarray(v) for k, v in _batch(cfg).items()}
     _, m = jax.jit(lambda p: ppo._policy_loss(p, gd, None, mb, hp))(params)
     pol = nnx.merge(gd, params)

@@ -11,9 +11,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _train(workdir, *extra):
+def _train(workdir, *extra, config="miniwob_ppo.py:smoke"):
   cmd = [sys.executable, "-m", "experiments.train", "--config",
-         os.path.join(ROOT, "experiments/configs/miniwob_ppo.py:smoke"), "--workdir", str(workdir), *extra]
+         os.path.join(ROOT, "experiments/configs", config), "--workdir", str(workdir), *extra]
   env = dict(os.environ, PYTHONPATH=ROOT)
   return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
@@ -47,13 +47,31 @@ def test_smoke_run_checkpoints_and_resumes(tmp_path):
 
 
 @pytest.mark.browser
-def test_smoke_run_grpo_groups_share_a_screen(tmp_path):
+def test_smoke_run_grpo_groups_share_a_screen_and_evaluates_held_out_seeds(tmp_path):
   run = tmp_path / "grpo"
-  p = _train(run, "--config.rl.algo=grpo", "--config.rl.group_size=2", "--config.iterations=1")
+  p = _train(run, "--config.rl.algo=grpo", "--config.rl.group_size=2", "--config.iterations=1",
+             "--config.eval_every=1", "--config.eval_episodes=2", "--config.log_trajectories=4")
   assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
   row = json.loads(open(run / "metrics.jsonl").readline())
   assert 0.0 <= row["train/informative_fraction"] <= 1.0 and "train/explained_variance" not in row
+  assert row["train/groups_dropped_singleton"] == 0  # no episode lost: both groups are pairs
   assert sorted(os.listdir(run / "checkpoints")) == ["1"]
   # the two episodes of a group saw the same page (same task, same seed)
   ep = json.load(open(run / "trajectories" / "iter_00001" / "ep_0" / "episode.json"))
   assert ep["seed"] == 0 and ep["task"] == "miniwob/click-test"
+  # In-training eval after iteration 1: 2 held-out seeds per task (env.eval_seed_offset + k), played
+  # through the rollout path; eval/<task>/success is the mean of the success the page reported.
+  d = run / "trajectories" / "eval_00001"
+  evs = [json.load(open(d / f"ep_{i}" / "episode.json")) for i in range(4)]
+  assert [(e["task"], e["seed"]) for e in evs] == [(t, 10_000_000 + k) for t in
+                                                   ("miniwob/click-test", "miniwob/click-test-2") for k in (0, 1)]
+  for task in ("miniwob/click-test", "miniwob/click-test-2"):
+    assert row[f"eval/{task}/episodes"] == 2 and row[f"eval/{task}/lost"] == 0
+    assert row[f"eval/{task}/success"] == sum(e["success"] for e in evs if e["task"] == task) / 2
+
+
+def test_vpt_config_refused_without_pretrained_critic(tmp_path):
+  # ppo_vpt needs value pretraining first: plain PPO would silently skip it
+  p = _train(tmp_path / "vpt", config="miniwob_ablations.py:ppo_vpt+smoke")
+  assert p.returncode != 0 and "experiments/sweep.py" in p.stderr and "vpt.enabled" in p.stderr
+  assert not os.path.exists(tmp_path / "vpt")  # refused before anything was written

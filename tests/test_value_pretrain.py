@@ -46,7 +46,9 @@ def test_stop_rule_streak_and_hparams():
     assert s == want
   with pytest.raises(ValueError):
     vpt.StopRule(0.1, 0.5, patience=0)
-  hp = vpt.pretrain_hparams(ppo.PPOHparams(algo="grpo", lam_critic=0.9, value_clip=0.2))
+  cfg = miniwob_ppo.get_config("smoke")
+  cfg.rl.update(algo="grpo", group_size=2, lam_critic=0.9, value_clip=0.2)
+  hp = vpt.pretrain_hparams(state_lib.hparams(cfg, 259, (8, 6)))
   assert (hp.algo, hp.lam_critic, hp.value_clip) == ("ppo", 1.0, None)
 
 

@@ -18,7 +18,8 @@ learns to play, then to stop. Critic-based PPO (decoupled GAE) as in the MiniWoB
 eval prints and writes each game's normalised score (100 x mean score / reference score over the
 held-out episodes, the score being the game's at the end of the episode) beside success and reward.
 Args: "" (default), "smoke" (tiny model, 1 iteration, 2 games), or a comma list of game names
-(e.g. "2048,snake"; "+smoke" appended for the tiny budget).
+(e.g. "2048,snake"; "+smoke" appended for the tiny budget). `ARGS` lists them for every game of
+`GAMES` (the test of every config loads each).
 """
 
 import ml_collections as mlc
@@ -27,6 +28,7 @@ from experiments.configs import miniwob_ppo
 
 GAMES = ("2048", "same-game", "shapes")
 SMOKE_GAMES = ("same-game", "shapes")
+ARGS = ("", "smoke", *GAMES, *(g + "+smoke" for g in GAMES), ",".join(GAMES))
 
 
 def get_config(arg: str | None = None) -> mlc.ConfigDict:
@@ -53,8 +55,6 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.rl.truncation_reward = 0.0
   c.rl.group_size = 1
   c.rl.minibatch_size = 4 if smoke else 8
-  c.rl.lam_policy = 0.95
-  c.rl.lam_critic = 1.0
   c.iterations = 1 if smoke else 150
   c.max_minutes = 5.0 if smoke else 60.0
   c.length_multiple = 128

@@ -6,7 +6,9 @@ Variants (the config arg), identical in tasks, model, episodes per iteration, bu
   ppo_vpt       ppo + value pretraining first (vpt.enabled; experiments/sweep.py runs it)
   ppo_coupled   ppo with coupled lambda (lam_policy = lam_critic = 0.95)
   ppo_lenadapt  ppo with length-adaptive lam_policy (VAPO alpha = 0.05)
-Append "+smoke" for a tiny model and budget (tests, dry runs): e.g. "grpo+smoke".
+Append "+smoke" for a tiny model and budget (tests, dry runs): e.g. "grpo+smoke"; "" = "ppo".
+`ARGS` lists every accepted arg. `ppo_vpt` needs its value-pretraining stage: experiments/train.py
+refuses it without `critic.init` (experiments/sweep.py runs the stage and passes its critic).
 
   python -m experiments.sweep --config experiments/configs/miniwob_ablations.py \
       --variants ppo,grpo,ppo_vpt,ppo_coupled,ppo_lenadapt --seeds 0,1,2 --workdir runs/ablations
@@ -19,9 +21,9 @@ grammar allows `click` and `type` and episodes get up to 5 steps: credit assignm
 import ml_collections as mlc
 
 from experiments.configs import miniwob_ppo
-from experiments.configs.value_pretrain import add_vpt
 
 VARIANTS = ("ppo", "grpo", "ppo_vpt", "ppo_coupled", "ppo_lenadapt")
+ARGS = ("", *VARIANTS, *(v + "+smoke" for v in VARIANTS))
 TASKS = ("miniwob/click-dialog", "miniwob/enter-text", "miniwob/focus-text", "miniwob/click-checkboxes")
 
 
@@ -38,12 +40,9 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.env.num_sessions = 4 if smoke else 16
   c.rl.group_size = 1
   c.rl.minibatch_size = 4 if smoke else 8
-  c.rl.lam_policy = 0.95
-  c.rl.lam_critic = 1.0
   c.iterations = 1 if smoke else 300
   c.max_minutes = 5.0 if smoke else 90.0
   c.length_multiple = 128
-  add_vpt(c, smoke)
 
   if variant == "grpo":
     c.rl.algo = "grpo"

@@ -13,9 +13,35 @@ report section 2.5.4) is the `:ppo` arg.
 Exploration aids (documented in README, "Main job"): the constrained grammar allows only `click`
 and writes coordinates as three digits ending in 0 (`coord_format='tens3'`), so a random policy clicks
 uniformly over the screen; the thought is capped at `grammar.max_thought_bytes` bytes.
+
+Args (`ARGS`): "" (GRPO), "ppo" (critic + decoupled GAE), "smoke" (tiny model and budget, PPO).
+This file is where every field's default lives: the code that reads a config has no fallbacks.
 """
 
 import ml_collections as mlc
+
+ARGS = ("", "ppo", "smoke")
+
+
+def vpt_section(smoke: bool) -> mlc.ConfigDict:
+  """The `vpt` section: the value-pretraining stage (experiments/value_pretrain.py; report 2.5.4)."""
+  v = mlc.ConfigDict()
+  # True: experiments/sweep.py runs value pretraining before PPO and passes its critic as
+  # critic.init; experiments/train.py refuses such a config without critic.init.
+  v.enabled = False
+  v.policy_run = ""  # run dir whose latest checkpoint is the fixed policy; "" = initial policy
+  v.max_iterations = 2 if smoke else 30
+  v.max_minutes = 5.0 if smoke else 20.0
+  # Stop when `patience` consecutive fresh batches have value loss <= .. and explained var >= ..
+  v.stop_value_loss = 0.02
+  v.stop_explained_variance = 0.6
+  v.patience = 2
+  v.lr = 1e-3  # critic learning rate of this stage (rl.critic_lr is the PPO stage's)
+  v.epochs = 1 if smoke else 2
+  v.minibatch_size = 4 if smoke else 8
+  v.value_clip = 0.0  # <= 0: no value clipping (the policy is fixed, no trust region needed)
+  v.seed_offset = 5_000_000  # rollout seeds apart from training and evaluation seeds
+  return v
 
 
 def get_config(arg: str | None = None) -> mlc.ConfigDict:
@@ -92,15 +118,18 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   # --- RL ------------------------------------------------------------------------------------------
   c.rl = mlc.ConfigDict()
   c.rl.algo = "grpo"  # "ppo" (critic + GAE) | "grpo" | "drgrpo" | "rloo" (group-relative, no critic)
-  c.rl.group_size = 4  # episodes per (task, seed) group, i.e. per screen; 1 for ppo
+  # episodes per (task, seed) group, i.e. per screen: >= 2 for the group-relative algos, 1 for ppo
+  c.rl.group_size = 4
   c.rl.lr = 5e-4
   c.rl.critic_lr = 1e-3
   c.rl.warmup_steps = 10
   c.rl.weight_decay = 0.0
   c.rl.max_grad_norm = 1.0
   c.rl.gamma = 1.0
-  c.rl.lam_policy = 1.0
-  c.rl.lam_critic = 0.95
+  # Decoupled GAE (report section 2.5.4, VC-PPO): lambda_critic = 1 gives unbiased value targets,
+  # lambda_policy < 1 lowers the variance of the policy's advantages. Used by algo "ppo" only.
+  c.rl.lam_policy = 0.95
+  c.rl.lam_critic = 1.0
   # VAPO length-adaptive lam_policy = 1 - 1/(alpha * model tokens); unset (None) = off.
   c.rl.length_adaptive_alpha = mlc.config_dict.placeholder(float)
   c.rl.whiten_advantages = True
@@ -139,7 +168,10 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.keep_checkpoints = 3
   c.log_trajectories = 4  # episodes (with screenshots) saved per iteration for inspection
   c.save_trajectories_every = 5
-  c.eval_every = 0  # 0 = no in-training eval (experiments/eval.py does the held-out eval)
+  # In-training eval every `eval_every` iterations (0 = off): `eval_episodes` held-out seeds per task
+  # (env.eval_seed_offset + k), logged as eval/<task>/success; experiments/eval.py does the full one.
+  c.eval_every = 25
+  c.eval_episodes = 16
   c.length_multiple = 64
 
   if arg in ("ppo", "smoke"):  # critic-based PPO: GAE with decoupled lambdas, one episode per seed
@@ -162,6 +194,9 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
     c.model.vision_depth = 1
     c.log_trajectories = 1
     c.save_trajectories_every = 1
+    c.eval_every = 0
+    c.eval_episodes = 2
   elif arg not in ("", "ppo"):
-    raise ValueError(f"unknown config arg {arg!r}; expected '', 'ppo' or 'smoke'")
+    raise ValueError(f"unknown config arg {arg!r}; expected one of {ARGS}")
+  c.vpt = vpt_section(smoke=arg == "smoke")
   return c

@@ -142,6 +142,17 @@ def _group_stats(scores: jax.Array, group_ids: jax.Array):
   return cnt, s, mean, std
 
 
+def group_sizes(group_ids: jax.Array) -> jax.Array:
+  """[B] int32: the number of elements sharing each element's group id (any int ids).
+
+  A group-relative baseline needs size >= 2; callers drop elements of size-1 groups (e.g. a group
+  whose other episodes were lost) instead of training on their raw score.
+  """
+  ids = jnp.asarray(group_ids)
+  cnt, _, _, _ = _group_stats(jnp.zeros(ids.shape, jnp.float32), ids)
+  return cnt.astype(jnp.int32)
+
+
 def grpo_advantages(scores: jax.Array, group_ids: jax.Array, eps: float = 1e-6,
                     normalize_std: bool = True) -> jax.Array:
   """GRPO outcome advantages: (score - group mean) / (unbiased group std + eps).

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+from typing import Sequence
+
 import numpy as np
 
 from tars_jax.agent.trajectory import Episode
+from tars_jax.rollout.agent_loop import RolloutStats, run_episodes
 
 
 def eval_jobs(tasks: list[str], episodes: int, seed_offset: int) -> list[tuple[str, int]]:
@@ -14,6 +18,25 @@ def eval_jobs(tasks: list[str], episodes: int, seed_offset: int) -> list[tuple[s
   far above any seed a run can reach, so evaluation seeds are held out.
   """
   return [(t, seed_offset + k) for t in tasks for k in range(episodes)]
+
+
+def play(loop: asyncio.AbstractEventLoop, act, clients, jobs: Sequence[tuple[str, int]], loop_cfg, tok,
+         sessions: int, version: int) -> list[Episode]:
+  """Plays `jobs` through `run_episodes` (the training rollout path) `sessions` at a time, on the
+  event loop `loop` of the sandbox clients; returns the episodes in job order (lost ones included,
+  flagged `lost`)."""
+  out: list[Episode] = []
+  for s in range(0, len(jobs), sessions):
+    out += loop.run_until_complete(run_episodes(act, clients, jobs[s:s + sessions], loop_cfg, tok,
+                                                version=version, stats=RolloutStats()))
+  return out
+
+
+def metrics(summary: dict[str, dict[str, float]]) -> dict[str, float]:
+  """Flat `eval/<task>/<key>` scalars (success, episodes, mean_reward, lost) of a `summarize` output,
+  for a metrics writer."""
+  return {f"eval/{task}/{k}": float(r[k]) for task, r in summary.items()
+          for k in ("success", "episodes", "mean_reward", "lost")}
 
 
 def summarize(episodes: list[Episode]) -> dict[str, dict[str, float]]:

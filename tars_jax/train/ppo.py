@@ -7,7 +7,8 @@ Pipeline of one iteration (UI-TARS-2 report section 2.5.4; verl `ray_trainer` or
 `algo` other than "ppo" ("grpo", "drgrpo", "rloo"; the report's PPO-vs-GRPO comparison) replaces the
 critic by group-relative outcome advantages over episodes that share a task and seed (the same
 screen), broadcast to every model-written token; groups whose episodes all score the same carry no
-signal and are left out of the update (DAPO's dynamic-sampling filter, arXiv 2503.14476).
+signal and are left out of the update (DAPO's dynamic-sampling filter, arXiv 2503.14476), as are
+groups left with one episode (no baseline).
 
 The policy log-probs are those of the grammar-constrained, temperature-scaled distribution the
 sampler drew from (`models.sampler.generate`), rebuilt here from the grammar states of the batch.
@@ -36,8 +37,11 @@ from tars_jax.rl.checks import check_finite
 class PPOHparams:
   """Static hyper-parameters of the update (hashable: part of the jit cache key).
 
+  No field has a default: a run builds them from its config (`train.state.hparams`), the one place
+  defaults live; tests pass every field.
   length_adaptive_alpha: None, or VAPO's alpha: then lam_policy of each sequence is
     `length_adaptive_lambda(number of its model tokens, alpha)` instead of `lam_policy`.
+  value_clip: None (off) or the PPO value-clip range; clip_c: None (off) or the dual-clip constant.
   kl_kind, kl_coef: KL(policy || reference) penalty added to the policy loss as
     kl_coef * aggregate(kl_penalty(logp, ref_logp, kl_kind)) (verl `use_kl_loss`); the reference is
     the initial policy (`ppo_update(ref_params=...)`); kl_coef = 0 turns it off.
@@ -45,25 +49,25 @@ class PPOHparams:
     out-of-range constants.
   """
 
-  algo: str = "ppo"
-  gamma: float = 1.0
-  lam_policy: float = 0.95
-  lam_critic: float = 0.95
-  length_adaptive_alpha: float | None = None
-  whiten_advantages: bool = True
-  clip_low: float = 0.2
-  clip_high: float = 0.28
-  clip_c: float | None = None
-  value_clip: float | None = 0.2
-  vf_coef: float = 1.0
-  ent_coef: float = 0.0
-  aux_loss_coef: float = 0.01
-  loss_agg: str = "token-mean"
-  kl_kind: str = "k3"
-  kl_coef: float = 0.0
-  temperature: float = 1.0
-  image_token_id: int = 259
-  grid_hw: tuple[int, int] = (8, 6)
+  algo: str
+  gamma: float
+  lam_policy: float
+  lam_critic: float
+  length_adaptive_alpha: float | None
+  whiten_advantages: bool
+  clip_low: float
+  clip_high: float
+  clip_c: float | None
+  value_clip: float | None
+  vf_coef: float
+  ent_coef: float
+  aux_loss_coef: float
+  loss_agg: str
+  kl_kind: str
+  kl_coef: float
+  temperature: float
+  image_token_id: int
+  grid_hw: tuple[int, int]
 
   def __post_init__(self):
     if self.algo not in ALGOS:
@@ -253,7 +257,8 @@ def ppo_update(state: dict, batch: dict[str, np.ndarray], table, *, policy_gd, c
 
   Only the first `n_real` rows are real episodes; padding rows have zero masks and are never
   placed in a minibatch of their own. `hp.algo != "ppo"` needs `scores` [n_real] (episode returns)
-  and `group_ids` [n_real] (same id = same task and seed); rows with zero advantage are skipped.
+  and `group_ids` [n_real] (same id = same task and seed); rows with zero advantage are skipped, and
+  episodes alone in their group get zero advantage (metric `groups_dropped_singleton`).
   `hp.kl_coef > 0` needs `ref_params` (the reference policy's nnx.State, e.g. the initial policy).
   Raises: ValueError if a group-relative algo gets no scores/group_ids or a KL penalty gets no
     reference; NonFiniteError (a ValueError) naming the positions of NaN/inf in rewards,
@@ -277,12 +282,17 @@ def ppo_update(state: dict, batch: dict[str, np.ndarray], table, *, policy_gd, c
       raise ValueError(f"algo {hp.algo!r} needs episode scores and group_ids")
     check_finite(scores=scores[:n_real])
     ep_adv = outcome_advantages(scores[:n_real], group_ids[:n_real], hp.algo)
+    # A group left with one episode (lost episodes) has no baseline: drop it rather than train on
+    # its raw score (what grpo/rloo_advantages give a singleton, verl's convention).
+    single = np.asarray(adv_lib.group_sizes(group_ids[:n_real])) < 2 if n_real else np.zeros(0, bool)
+    ep_adv = np.where(single, 0.0, ep_adv).astype(np.float32)
     full = np.zeros((batch["tokens"].shape[0],), np.float32)
     full[:n_real] = ep_adv
     batch["advantages"] = jnp.asarray(full)[:, None] * batch["loss_mask"]
     rows = np.nonzero(np.abs(ep_adv) > 1e-6)[0]
     diag = {"informative_fraction": len(rows) / max(1, n_real), "advantage_abs_mean":
-            float(np.abs(ep_adv).mean()) if n_real else 0.0}
+            float(np.abs(ep_adv).mean()) if n_real else 0.0,
+            "groups_dropped_singleton": int(single.sum())}  # a singleton group is one episode
     step = functools.partial(policy_step, policy_gd=policy_gd, popt=popt, hp=hp)
   collected: list[dict] = []
   tokens = 0.0

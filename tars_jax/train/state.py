@@ -85,7 +85,7 @@ class Parts:
                          grammar=self.grammar, batch_size=batch_size, max_images=c.env.max_turns,
                          image_hw=self.image_hw, max_new_tokens=self.max_new_tokens,
                          temperature=c.sampling.temperature, top_p=c.sampling.top_p,
-                         jump_forward=c.sampling.get("jump_forward", 1),
+                         jump_forward=c.sampling.jump_forward,
                          length_multiple=c.length_multiple, seed=seed)
 
 
@@ -97,30 +97,34 @@ def load_critic(state: dict, path: str, copt) -> dict:
 
 
 def hparams(config, image_token_id: int, grid_hw: tuple[int, int]) -> ppo.PPOHparams:
-  """`PPOHparams` from `config.rl` (fields added after the demo config default to "off").
+  """`PPOHparams` from `config.rl` and `config.sampling.temperature`; every field must be set.
 
   `rl.value_clip <= 0` disables value clipping; `rl.clip_c` / `rl.length_adaptive_alpha` unset (None)
-  disable dual-clip / length-adaptive lambda. Raises: ValueError for unknown names (see PPOHparams).
+  disable dual-clip / length-adaptive lambda.
+  Raises: AttributeError naming a missing config field; ValueError for unknown names or out-of-range
+    values (see PPOHparams), and for `rl.group_size < 2` with a group-relative `rl.algo` (a group
+    of one has no baseline: its advantage would be the raw return, i.e. REINFORCE).
   """
   r = config.rl
+  if r.algo in ppo.ALGOS and r.algo != "ppo" and r.group_size < 2:
+    raise ValueError(f"rl.group_size must be >= 2 for rl.algo={r.algo!r} (group-relative advantages), "
+                     f"got {r.group_size}")
   vclip = r.value_clip if r.value_clip is not None and r.value_clip > 0 else None
   return ppo.PPOHparams(algo=r.algo, gamma=r.gamma, lam_policy=r.lam_policy, lam_critic=r.lam_critic,
-                        length_adaptive_alpha=r.get("length_adaptive_alpha"),
+                        length_adaptive_alpha=r.length_adaptive_alpha,
                         whiten_advantages=r.whiten_advantages, clip_low=r.clip_low, clip_high=r.clip_high,
                         clip_c=r.clip_c, value_clip=vclip, vf_coef=r.vf_coef, ent_coef=r.ent_coef,
-                        aux_loss_coef=r.aux_loss_coef, loss_agg=r.loss_agg,
-                        kl_kind=r.get("kl_kind", "k3"), kl_coef=r.get("kl_coef", 0.0),
-                        temperature=config.sampling.temperature, image_token_id=image_token_id,
-                        grid_hw=grid_hw)
+                        aux_loss_coef=r.aux_loss_coef, loss_agg=r.loss_agg, kl_kind=r.kl_kind,
+                        kl_coef=r.kl_coef, temperature=config.sampling.temperature,
+                        image_token_id=image_token_id, grid_hw=grid_hw)
 
 
 def reward_config(r) -> RewardConfig:
-  """`RewardConfig` from `config.rl` (shaping fields absent from older configs are off)."""
+  """`RewardConfig` from `config.rl`; every field must be set (AttributeError names a missing one)."""
   return RewardConfig(outcome_weight=r.outcome_weight, format_penalty=r.format_penalty,
-                      truncation_reward=r.truncation_reward, step_penalty=r.get("step_penalty", 0.0),
-                      overlong_weight=r.get("overlong_weight", 0.0),
-                      overlong_max_tokens=r.get("overlong_max_tokens", 0),
-                      overlong_buffer=r.get("overlong_buffer", 0))
+                      truncation_reward=r.truncation_reward, step_penalty=r.step_penalty,
+                      overlong_weight=r.overlong_weight, overlong_max_tokens=r.overlong_max_tokens,
+                      overlong_buffer=r.overlong_buffer)
 
 
 def build(config) -> Parts:
@@ -149,7 +153,7 @@ def build(config) -> Parts:
                         rewards=reward_config(r))
   max_new = max_reply_tokens(grammar) if g.constrained else 64
   table = jnp.asarray(grammar.table)
-  mesh_cfg = config.get("mesh")  # absent / shape () = one device, today's behaviour
+  mesh_cfg = config.mesh  # shape () = one device
   mesh = sharding.mesh_from_config(mesh_cfg)
   rules = sharding.rules_from_config(mesh_cfg) if mesh is not None else None
   return Parts(config, tok, mcfg, grammar, table, policy_gd, critic_gd, popt, copt, hp, loop_cfg,

@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from envs_bridge.launch import env_fleet
 from tars_jax.agent.trajectory import collate
+from tars_jax.analysis.image_dependence import image_dependence
 from tars_jax.rollout import evaluation
 from tars_jax.rollout.agent_loop import RolloutStats, run_episodes, trainable
 from tars_jax.rollout.jobs import group_ids, rollout_jobs
@@ -112,6 +113,12 @@ def main(argv):
         batch = collate(episodes, pad_id=parts.tokenizer.pad_id, max_images=config.env.max_turns,
                         image_hw=parts.image_hw, length_multiple=config.length_multiple,
                         batch_size=n).as_dict()
+        image_dep = {}
+        if config.image_dependence_every and it % config.image_dependence_every == 0 and len(episodes) > 1:
+          # the policy that played this batch (before its update); screenshots swapped between rows
+          image_dep = image_dependence(parts.policy_gd, state["policy"], _real_rows(batch, len(episodes)),
+                                       parts.table, temperature=config.sampling.temperature,
+                                       image_token_id=hp.image_token_id, grid_hw=hp.grid_hw)
         t1 = time.perf_counter()
         with parts.activate():  # activation sharding constraints of config.mesh (no-op without one)
           state, train_m = ppo.ppo_update(state, batch, parts.table, policy_gd=parts.policy_gd,
@@ -126,6 +133,7 @@ def main(argv):
         m = episode_metrics(episodes, tasks, parts.tokenizer)
         m.update({f"train/{k}": v for k, v in train_m.items()})
         m.update({f"reward_terms/{k}": v / max(1, len(episodes)) for k, v in stats.reward_terms.items()})
+        m.update({f"image_dependence/{k}": v for k, v in image_dep.items() if k not in ("embed", "decisions")})
         m.update({
             "perf/env_steps_per_s": stats.env_steps / max(t_roll, 1e-9),
             "perf/gen_tokens_per_s": stats.generated_tokens / max(stats.policy_time_s, 1e-9),
@@ -168,6 +176,11 @@ def main(argv):
         f"checkpoints: {mngr.directory} (latest {mngr.latest_step()}) | "
         f"metrics: {writer.path} | tensorboard --logdir {writer.tb_dir} | "
         f"trajectories: {os.path.join(workdir, 'trajectories')}")
+
+
+def _real_rows(batch: dict, n: int) -> dict:
+  """The first `n` rows of a collated batch (the rest is padding up to the bucketed batch size)."""
+  return {k: v[:n] if getattr(v, "ndim", 0) and v.shape[0] >= n else v for k, v in batch.items()}
 
 
 if __name__ == "__main__":

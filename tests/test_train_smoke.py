@@ -32,6 +32,10 @@ def test_smoke_run_checkpoints_and_resumes(tmp_path):
     assert key in rows[0], key
   # every smoke episode plays at least one turn, so entropy of the constrained policy is positive
   assert rows[0]["train/entropy"] > 0
+  # image dependence of the initial policy's decisions (smoke: every iteration), per decoder layer
+  for r in rows:
+    assert 0.0 < r["image_dependence/tv"] <= 1.0 and r["image_dependence/layer0"] > 0
+    assert "image_dependence/layer1" in r and "image_dependence/final" in r
   ep = json.load(open(run / "trajectories" / "iter_00001" / "ep_0" / "episode.json"))
   assert ep["turns"] and os.path.exists(run / "trajectories" / "iter_00001" / "ep_0" / "turn_0.png")
   assert "Action:" in ep["turns"][0]["reply"]

@@ -172,6 +172,10 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   # (env.eval_seed_offset + k), logged as eval/<task>/success; experiments/eval.py does the full one.
   c.eval_every = 25
   c.eval_episodes = 16
+  # Image dependence of the policy's decisions (tars_jax/analysis/image_dependence.py), measured on
+  # the iteration's rollout batch before its update, every this many iterations (iteration 1 = the
+  # initial policy; 0 = off): logged as image_dependence/{layer<i>,final,tv,max_dlogit}.
+  c.image_dependence_every = 10
   c.length_multiple = 64
 
   if arg in ("ppo", "smoke"):  # critic-based PPO: GAE with decoupled lambdas, one episode per seed
@@ -196,6 +200,7 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
     c.save_trajectories_every = 1
     c.eval_every = 0
     c.eval_episodes = 2
+    c.image_dependence_every = 1
   elif arg not in ("", "ppo"):
     raise ValueError(f"unknown config arg {arg!r}; expected one of {ARGS}")
   c.vpt = vpt_section(smoke=arg == "smoke")

@@ -605,7 +605,6 @@ def _a2a_capacity_run(cfg):
 
 
 if __name__ == "__main__":
-  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   _worker(sys.argv[1], full=sys.argv[2:] == ["full"])
 
 

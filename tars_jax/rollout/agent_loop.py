@@ -4,7 +4,7 @@ Each turn, every live episode's full history (prefix, past turns, new screenshot
 policy in one batch; the replies go to their sessions concurrently over HTTP. An episode ends when
 the page says done, or after `max_turns` (truncated, step-budget penalty). A session that dies
 (`SessionLost`, `LeaseExpired`, transport errors) loses its episode, which is retried from the same
-seed and counted — nothing disappears silently (DESIGN.md, "Bad input").
+seed and counted — nothing disappears silently (docs/ARCHITECTURE.md, "Sandbox protocol").
 """
 
 from __future__ import annotations

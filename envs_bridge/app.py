@@ -1,4 +1,4 @@
-"""The sandbox protocol as a FastAPI app, shared by every sandbox server (DESIGN.md, "Sandbox protocol").
+"""The sandbox protocol as a FastAPI app, shared by every sandbox server (docs/ARCHITECTURE.md, "Sandbox protocol").
 
 `protocol_app(...)` wires what all sandboxes have in common — lifespan (start/stop the sandbox), typed
 errors as JSON (`SandboxError.status` + `.body()`), a 500 for bugs that costs one request and not the

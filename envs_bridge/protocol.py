@@ -1,4 +1,4 @@
-"""Sandbox protocol shared by servers and clients (DESIGN.md "Sandbox protocol", docs/INTERFACES.md).
+"""Sandbox protocol shared by servers and clients (docs/ARCHITECTURE.md "Sandbox protocol", docs/INTERFACES.md).
 
 HTTP/JSON over FastAPI; the OpenAPI schema is served at `/openapi.json`.
   POST   /sessions              OpenRequest  -> OpenResponse   (404 UnknownTask with the task list)

@@ -1,5 +1,8 @@
 # Sourced by the other scripts (and by you, for your own commands: `source scripts/env.sh`):
 # PYTHONPATH = the checkout, and tcmalloc as the allocator of the processes started from here.
+# Why PYTHONPATH when setup.sh installs the project editable: that install points at the checkout that
+# ran setup.sh; a second checkout or git worktree sharing the same .venv must import its own code, and
+# PYTHONPATH comes before site-packages.
 # Why tcmalloc: XLA:CPU allocates each step's buffers with malloc and glibc hands large blocks back to
 # the kernel on free, so every train step faults its ~400 MB of temporaries in again (~100k page
 # faults per step of benchmarks/train_step.py at batch 16); tcmalloc keeps them (benchmarks/RESULTS.md,

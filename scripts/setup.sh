@@ -27,12 +27,19 @@ if [[ ! -x .venv/bin/python ]]; then
   echo "[setup] creating .venv"
   python3 -m venv .venv
 fi
+# The stamp covers both files: a changed pin or a changed package list (pyproject.toml) reinstalls.
 stamp=.venv/.requirements.sha
-want=$(sha256sum requirements.txt | cut -d' ' -f1)
+want=$(cat requirements.txt pyproject.toml | sha256sum | cut -d' ' -f1)
 if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
-  echo "[setup] installing requirements.txt into .venv"
+  echo "[setup] installing requirements.txt and the project (editable) into .venv"
   .venv/bin/pip install -q --upgrade pip
   .venv/bin/pip install -q -r requirements.txt
+  # This checkout as an editable package (tars_jax, envs_bridge, experiments, benchmarks importable from
+  # any directory). Built with the venv's setuptools (>= 70.1 writes wheels without the `wheel` package),
+  # so nothing is downloaded for an isolated build environment.
+  .venv/bin/python -c 'import setuptools, sys; sys.exit(tuple(map(int, setuptools.__version__.split(".")[:2])) < (70, 1))' \
+    || .venv/bin/pip install -q 'setuptools>=70.1'
+  .venv/bin/pip install -q --no-deps --no-build-isolation -e .
   echo "$want" > "$stamp"
 fi
 # The FFI kernels of the CPU MoE experts (decode loop, grouped train step), built once per source /

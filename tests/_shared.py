@@ -1,12 +1,13 @@
-"""Helpers shared by several test modules (tiny model config, jitted forward, grid coordinates, a
-scanned step's compiled temporaries, the arguments of the sampler's jitted `_generate`, an MoE input in
-the bounded decode regime)."""
+"""Helpers shared by several test modules (float32 tolerances, tiny model config, jitted forward, grid
+coordinates, a scanned step's compiled temporaries, the arguments of the sampler's jitted `_generate`,
+an MoE input in the bounded decode regime)."""
 
 import asyncio
 import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from envs_bridge.browser import miniwob_tasks as mw
@@ -15,6 +16,69 @@ from tars_jax.models import ModelConfig
 TINY_CFG = ModelConfig(image_h=56, image_w=84, patch_size=14, vision_hidden=32, vision_depth=1, vision_heads=2,
                        vision_mlp=64, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, experts=4, top_k=2,
                        moe_intermediate=32)  # merged grid 2 x 3
+
+
+F32_EPS = float(np.finfo(np.float32).eps)  # 2**-23 = 2 u, u the unit roundoff of float32
+
+
+def f32_atol(scale: float, terms: int, factor: float = 4.0) -> float:
+  """Absolute tolerance between two float32 computations of the same quantity (two code paths: XLA vs
+  a kernel, sharded vs one device, scanned vs unrolled, ours vs torch) or one against a float64
+  reference: `factor * F32_EPS * sqrt(terms) * scale`.
+
+  The rule: each rounding along a computation of K accumulated terms errs by at most u of the running
+  value (~ the result's magnitude); the errors are independent and add in quadrature, so the result
+  is off by ~sqrt(K) u |result| (the probabilistic bound of Higham & Mary, "A new approach to
+  probabilistic rounding error analysis", SIAM J. Sci. Comput. 41(5), 2019: lambda sqrt(K) u per
+  term magnitude with high probability; the worst case K u is never approached by the blocked and
+  pairwise sums of BLAS and XLA). Two paths that order, block or fuse (FMA, vector width: kernels built
+  with -march=native) their sums differently each carry such an error; `factor` 4 on eps = 8 u covers
+  both and the tail.
+
+  scale: the magnitude of the result: max |expected| of the tensor compared (`assert_close_f32` takes
+    that by default); for a scalar sum of many mixed-sign terms, which may cancel by chance, their root
+    sum of squares (the typical size of such a sum; its rounding errors do not cancel with it).
+  terms: the summation length along the computation: the sum of the contraction lengths on the way
+    from the inputs to the compared value (e.g. D + I for a SwiGLU MLP's output; plus the same again
+    for the backward pass and the rows summed for a weight gradient; a model forward: `forward_terms`).
+  Returns a float >= 0 (0 for scale 0: equal zeros are exact). Raises ValueError for terms < 1 or
+  factor <= 0."""
+  if terms < 1 or factor <= 0:
+    raise ValueError(f"terms must be >= 1 and factor > 0, got terms={terms}, factor={factor}")
+  return factor * F32_EPS * float(np.sqrt(terms)) * float(scale)
+
+
+def assert_close_f32(actual, expected, *, terms: int, scale: float | None = None, factor: float = 4.0,
+                     err_msg: str = "") -> None:
+  """`np.testing.assert_allclose(actual, expected, rtol=0, atol=f32_atol(scale, terms, factor))` with
+  scale = max |expected| unless given (see `f32_atol` for the rule). actual, expected: arrays of the
+  same shape (any float dtype; compared in float64). Raises AssertionError naming the tolerance."""
+  actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+  if scale is None:
+    scale = float(np.abs(expected).max()) if expected.size else 0.0
+  atol = f32_atol(scale, terms, factor)
+  np.testing.assert_allclose(actual, expected, rtol=0, atol=atol,
+                             err_msg=f"{err_msg} (float32 tolerance {atol:.3g}: {terms} terms, scale {scale:.3g})")
+
+
+def vision_terms(cfg) -> int:
+  """Summation length (`f32_atol`) of the vision tower of `cfg` (`ModelConfig`): the patch embedding
+  (3 t p^2), per block the q/k/v (vision_hidden), attention (its patches), output (vision_hidden),
+  MLP (vision_hidden, vision_mlp) contractions, and the 2x2 merger (4 vision_hidden, then hidden)."""
+  patches = cfg.n_img_tokens * cfg.spatial_merge_size ** 2
+  block = 3 * cfg.vision_hidden + patches + cfg.vision_mlp
+  return (3 * cfg.temporal_patch_size * cfg.patch_size ** 2 + cfg.vision_depth * block
+          + cfg.spatial_merge_size ** 2 * cfg.vision_hidden + cfg.hidden)
+
+
+def forward_terms(cfg, seq: int) -> int:
+  """Summation length (`f32_atol`) of one `Policy` / `ValueModel` forward of `cfg` (`ModelConfig`) on
+  `seq` tokens: the vision tower (`vision_terms`), per decoder layer the q/k/v (hidden), attention
+  (seq), output (heads * head_dim), gate/up (hidden; the router's too) and down (the wider of the
+  dense and expert intermediates) contractions, then the LM head (hidden)."""
+  inter = max(cfg.moe_intermediate, cfg.dense_intermediate or 0)
+  layer = cfg.hidden + seq + cfg.heads * cfg.head_dim + cfg.hidden + inter
+  return vision_terms(cfg) + cfg.layers * layer + cfg.hidden
 
 
 @nnx.jit

@@ -1,10 +1,8 @@
-import os
-import sys
+"""Fixtures shared by the test modules. The packages are imported as installed (`scripts/setup.sh`:
+`pip install -e .`); `tests/_shared.py` is importable as `_shared` because pytest puts this directory on
+the path of the test modules it collects."""
 
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 
 @pytest.fixture(scope="session")

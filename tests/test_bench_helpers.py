@@ -14,7 +14,7 @@ from benchmarks import bench_model
 from benchmarks.bench_model import N_IMG, lm_loss, make_batch
 from tars_jax.agent.tokenizer import BOS, IMAGE, VISION_END, VISION_START
 from tars_jax.models import ModelConfig, Policy, rope_positions
-from _shared import TINY_CFG, fwd
+from _shared import TINY_CFG, f32_atol, forward_terms, fwd
 
 
 def test_make_batch_layout_and_error():
@@ -41,7 +41,7 @@ def test_lm_loss_is_mean_next_token_cross_entropy():
   z = logits - logits.max(-1, keepdims=True)
   logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
   want = -np.take_along_axis(logp, np.asarray(toks)[:, 1:, None], -1).mean()
-  np.testing.assert_allclose(got, want, rtol=1e-5)
+  assert abs(got - want) <= f32_atol(abs(want), forward_terms(cfg, toks.shape[1]))  # float32 rule; mean -log p > 0
 
 
 def test_moe_impl_override():

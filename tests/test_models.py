@@ -13,7 +13,7 @@ from tars_jax.agent.tokenizer import BOS, IMAGE, PAD, VISION_END, VISION_START
 from tars_jax.models import ModelConfig, Policy, ValueModel, rope_positions
 from tars_jax.models.moe import DenseMLP, MoE, load_balance_loss, route
 from tars_jax.models.rope import mrope_cos_sin, next_position
-from _shared import TINY_CFG, fwd
+from _shared import TINY_CFG, assert_close_f32, forward_terms, fwd, vision_terms
 
 CFG = TINY_CFG
 
@@ -129,7 +129,7 @@ def test_moe_equals_naive_loop():
     for e, wt in zip(sel, ws):
       g = flat[n] @ wg[e]
       want[n] += wt * ((g / (1 + np.exp(-g))) * (flat[n] @ wu[e])) @ wd[e]
-  np.testing.assert_allclose(np.asarray(y).reshape(-1, CFG.hidden), want, rtol=1e-4, atol=1e-5)
+  assert_close_f32(np.asarray(y).reshape(-1, CFG.hidden), want, terms=2 * CFG.hidden + CFG.moe_intermediate)
   assert float(np.abs(want).mean()) > 1e-3
 
 
@@ -170,7 +170,7 @@ def test_image_features_fill_image_blocks_in_order():
     where = np.nonzero(np.asarray(toks[b]) == IMAGE)[0]
     for m in range(2):
       want = alone[b, m] * float(img_mask[b, m])
-      np.testing.assert_allclose(x[b, where[m * n:(m + 1) * n]], want, atol=1e-5)
+      assert_close_f32(x[b, where[m * n:(m + 1) * n]], want, terms=vision_terms(CFG))
     text = np.asarray(toks[b]) != IMAGE
     np.testing.assert_array_equal(x[b, text], pol.trunk.embed_tokens(toks[b, text]))
   assert float(jnp.abs(x[1, where[n:]]).max()) == 0.0  # slot 1 of row 1 is not real
@@ -185,7 +185,7 @@ def test_padding_invariance_and_vision_gradient():
   r = toks[0][mask[0]][None]  # row 0 without its left padding
   m1 = jnp.ones_like(r, bool)
   alone, _ = fwd(pol, r, rope_positions(r, m1, IMAGE, CFG.merged_grid), m1, pix[:1])
-  np.testing.assert_allclose(logits[0][mask[0]], alone[0], atol=1e-5)
+  assert_close_f32(logits[0][mask[0]], alone[0], terms=forward_terms(CFG, toks.shape[1]))
   # changing a padding token's id changes nothing
   toks2 = toks.at[0, 0].set(77)
   logits2, _ = fwd(pol, toks2, pos, mask, pix)
@@ -217,7 +217,8 @@ def test_value_model_separate_params_zero_init_head():
   val.value_head.bias[...] = jnp.array([0.5])
   val.value_head.kernel[...] = jnp.ones_like(val.value_head.kernel[...])
   h, _ = nnx.jit(lambda m: m.features(toks, pos, mask, pix))(val)
-  np.testing.assert_allclose(fwd(val, toks, pos, mask, pix)[0], h.sum(-1) + 0.5, rtol=1e-5, atol=1e-5)
+  assert_close_f32(fwd(val, toks, pos, mask, pix)[0], h.sum(-1) + 0.5, terms=forward_terms(CFG, toks.shape[1]) + CFG.hidden,
+                   scale=float(jnp.sqrt(jnp.sum(h ** 2, -1)).max()) + 0.5)  # h's mixed-sign sum: its root sum of squares
   pol = Policy(CFG, nnx.Rngs(2))
   hp, _ = nnx.jit(lambda m: m.features(toks, pos, mask, pix))(pol)
   assert hp.shape == h.shape
@@ -259,9 +260,9 @@ def test_remat_same_loss_and_gradients(remat):
 
   l0, g0 = loss_and_grads(CFG)
   l1, g1 = loss_and_grads(dataclasses.replace(CFG, remat=remat))
-  np.testing.assert_allclose(l1, l0, rtol=1e-6)
-  for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
-    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)  # float32 reassociation
+  assert_close_f32(l1, l0, terms=forward_terms(CFG, toks.shape[1]))
+  for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):  # float32 reassociation
+    assert_close_f32(np.asarray(b), np.asarray(a), terms=2 * forward_terms(CFG, toks.shape[1]) + toks.size)
   with pytest.raises(ValueError, match="remat"):
     ModelConfig(remat="some")
 
@@ -287,4 +288,4 @@ def test_rotary_cos_sin_computed_once_on_cpu(monkeypatch):
   monkeypatch.setattr(rope, "computed_once", lambda fn, x: fn(x))
   plain, n_cos_plain, n_sin_plain = compiled_forward()
   assert n_cos_plain > 2 and n_sin_plain > 2  # what the conditional prevents
-  np.testing.assert_allclose(once, plain, rtol=1e-6, atol=1e-6)
+  assert_close_f32(once, plain, terms=forward_terms(CFG, toks.shape[1]))

@@ -1,4 +1,4 @@
-r"""Browser sandbox server: FastAPI app over Chromium processes with many sessions (DESIGN.md protocol).
+r"""Browser sandbox server: FastAPI app over Chromium processes with many sessions (docs/ARCHITECTURE.md protocol).
 
   python -m envs_bridge.browser.server --port 8765 [--host 127.0.0.1] [--step-ms 1000] \
       [--lease-s 300] [--max-sessions 64] [--browsers 1] [--page-timeout-s 60] [--gc-interval-s 30] \

@@ -1,4 +1,4 @@
-"""The action grammar of DESIGN.md (UI-TARS, `bytedance/UI-TARS` `codes/ui_tars/action_parser.py`).
+"""The action grammar of docs/ARCHITECTURE.md (UI-TARS, `bytedance/UI-TARS` `codes/ui_tars/action_parser.py`).
 
 `parse_action` turns one action string into a typed action; `parse_response` a whole
 `Thought: …\nAction: …` reply. Coordinates are converted ONCE, here, to floats in [0, 1] relative to

@@ -1,6 +1,6 @@
 """Byte automaton of the reply language, for grammar-constrained decoding.
 
-The reply language is UI-TARS's `Thought: <thought>\\nAction: <action>` (DESIGN.md, action grammar;
+The reply language is UI-TARS's `Thought: <thought>\\nAction: <action>` (docs/ARCHITECTURE.md, action grammar;
 `bytedance/UI-TARS` `codes/ui_tars/action_parser.py`), with actions written exactly as UI-TARS writes
 them:
 

@@ -1,6 +1,6 @@
 """System prompt and chat template of the byte-level agent (token ids of `agent/tokenizer.py`).
 
-Token layout of an episode (DESIGN.md: trajectory = turns -> token sequences with loss masks and
+Token layout of an episode (docs/ARCHITECTURE.md: trajectory = turns -> token sequences with loss masks and
 image slots). `*…*` marks model-written tokens (loss mask 1); everything else is observation
 (loss mask 0):
 
@@ -11,7 +11,7 @@ image slots). `*…*` marks model-written tokens (loss mask 1); everything else 
 
 - `<system>\\n` is left out when the system prompt is empty.
 - `<obs text>` is optional environment text shown before the screenshot, e.g. the error
-  "invalid action: …" after a reply that did not parse (the format signal of DESIGN.md).
+  "invalid action: …" after a reply that did not parse (the format signal of docs/ARCHITECTURE.md).
 - `IMAGE` is repeated once per merged vision token; the model splices the screenshot's features in
   place of those ids, in order (one screenshot per turn).
 - `<assistant prefix>` (empty by default) are observation bytes that open the reply slot. The reply

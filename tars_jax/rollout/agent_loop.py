@@ -6,7 +6,7 @@ the page says done, or after `max_turns` (truncated, step-budget penalty). An ep
 cannot be opened or dies (`envs_bridge.protocol.is_retryable`: SessionLost, LeaseExpired, ServerBusy,
 an unreachable server) is lost: it is retried from the same seed, counted, and returned with
 `lost=True` when every attempt was lost — nothing disappears silently. Any other sandbox error (an
-unknown task, a wrong token, ...) is raised at once: no replay would fix it (DESIGN.md, "Bad input").
+unknown task, a wrong token, ...) is raised at once: no replay would fix it (docs/ARCHITECTURE.md, "Sandbox protocol").
 A malformed action is not an error: the server answers it with an observation (`info.error`).
 """
 

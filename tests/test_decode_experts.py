@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tars_jax.models import Policy, expert_kernel, moe, sampler
-from tars_jax.models.compile_options import DECODE_CPU_OPTIONS
+from tars_jax.models import Policy, moe, sampler
+from tars_jax.models.cpu import expert_kernel
+from tars_jax.models.cpu.compile_options import DECODE_CPU_OPTIONS
 from _shared import TINY_CFG, bounded_moe_case, generate_call, left_padded_batch
 
 # 8 experts top-2: at batch 8 the bounded [E, C, D] decode path runs (C = 4 < 8 rows per expert); expert

@@ -162,7 +162,7 @@ def make_batch(rng: np.random.Generator, batch: int, seq: int, n_img: int = N_IM
 def lm_loss(params, graphdef, tokens, positions, mask, pixels):
   """Mean next-token cross-entropy (float32 scalar) over positions 1..T-1 of every row."""
   policy = nnx.merge(graphdef, params)
-  logits, _ = policy(tokens, positions, mask, pixels)
+  logits = policy(tokens, positions, mask, pixels).logits
   logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
   return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
 

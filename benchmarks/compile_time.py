@@ -42,7 +42,7 @@ def compile_seconds(cfg: ModelConfig, batch: int, seq: int) -> tuple[float, floa
   pix = jax.ShapeDtypeStruct((batch, 1, cfg.image_h, cfg.image_w, 3), jnp.float32)
 
   def loss(p, toks, pos, mask, pix):
-    logits, aux = nnx.merge(graphdef, p)(toks, pos, mask, pix)
+    logits, aux, _, _ = nnx.merge(graphdef, p)(toks, pos, mask, pix)
     logp = jax.nn.log_softmax(logits[:, :-1], -1)
     nll = -jnp.take_along_axis(logp, toks[:, 1:, None], -1)[..., 0]
     w = mask[:, 1:].astype(jnp.float32)

@@ -31,7 +31,7 @@ import torch
 from benchmarks.bench_model import (allocator, hf_model, host_bandwidth, image_processor, interleaved_medians,
                                     moe_impl_name, overrides, torch_kernels)
 from tars_jax.agent.tokenizer import BOS, IMAGE, PAD, VISION_END, VISION_START
-from tars_jax.models import expert_kernel, hf_io, moe, sampler
+from tars_jax.models import hf_io, moe, sampler
 
 _BATCHES = flags.DEFINE_list("batch_sizes", ["1", "16"], "Batch sizes to time.")
 _NEW = flags.DEFINE_integer("new_tokens", 64, "Greedy tokens per row.")
@@ -49,8 +49,9 @@ def _on(value: str) -> bool:
 
 
 def _experts(cfg) -> str:
-  """Which expert code the decode loop runs: the FFI kernel or XLA's dots (`moe.split_experts_for_decode`)."""
-  return "ffi" if moe.decode_kernel_applies(cfg) and expert_kernel.available() else "xla"
+  """Which expert code the decode loop runs: the FFI kernel or XLA's dots (the decode layout of the
+  model's `moe.MoeStrategy`, one device)."""
+  return "ffi" if moe.select_strategy(jax.default_backend(), None, cfg.jdtype, cfg).decode == "ffi" else "xla"
 
 
 def main(argv):

@@ -89,7 +89,7 @@ def main():
   def loss_fn(p, mb):
     policy = nnx.merge(gd, p)
     pos = ppo._positions(mb["tokens"], mb["attn_mask"], hp)
-    logits, aux = policy(mb["tokens"], pos, mb["attn_mask"], mb["pixel_values"], mb["image_mask"])
+    logits, aux, _, _ = policy(mb["tokens"], pos, mb["attn_mask"], mb["pixel_values"], mb["image_mask"])
     logits = logits[:, :-1]
     mask = mb["loss_mask"]
     allowed = ppo._allowed(table, mb["states"], mask)

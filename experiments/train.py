@@ -28,6 +28,7 @@ from ml_collections import config_flags
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from tqdm import tqdm
 
 from envs_bridge.launch import env_fleet
@@ -66,6 +67,7 @@ def main(argv):
   # ----------------------------------------------------------------------------------------------
   parts = state_lib.build(config)
   state = parts.init_state(config.seed)
+  print(f"[train] MoE: {nnx.merge(parts.policy_gd, state['policy']).moe_strategy_summary()}")
   # KL reference = the initial policy (rebuilt from the seed on resume, so it never changes).
   ref_params = jax.tree.map(jnp.copy, state["policy"]) if parts.hparams.kl_coef > 0 else None
   mngr = ckpt.manager(workdir, config.keep_checkpoints, cleanup_tmp=True)

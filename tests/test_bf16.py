@@ -51,8 +51,8 @@ def test_activations_bf16_logits_float32_close_to_float32(models):
   pos = rope_positions(toks, mask, IMAGE, CFG.merged_grid)
   h16, _ = nnx.jit(lambda m, *a: m.features(*a))(bf16, toks, pos, mask, pix)
   assert h16.dtype == jnp.bfloat16
-  l32, aux32 = nnx.jit(lambda m, *a: m(*a))(f32, toks, pos, mask, pix)
-  l16, aux16 = nnx.jit(lambda m, *a: m(*a))(bf16, toks, pos, mask, pix)
+  l32, aux32, _, _ = nnx.jit(lambda m, *a: m(*a))(f32, toks, pos, mask, pix)
+  l16, aux16, _, _ = nnx.jit(lambda m, *a: m(*a))(bf16, toks, pos, mask, pix)
   assert l16.dtype == jnp.float32 and aux16.dtype == jnp.float32
   real = np.asarray(mask)
   err = _rel(np.asarray(l16)[real], np.asarray(l32)[real])
@@ -72,7 +72,7 @@ def test_loss_and_gradients_track_float32(models):
   pos = rope_positions(toks, mask, IMAGE, CFG.merged_grid)
 
   def loss(m):
-    lg, aux = m(toks, pos, mask, pix)
+    lg, aux, _, _ = m(toks, pos, mask, pix)
     logp = jax.nn.log_softmax(lg[:, :-1], axis=-1)
     nll = -jnp.take_along_axis(logp, toks[:, 1:, None], axis=-1)[..., 0]
     w = mask[:, 1:].astype(jnp.float32)
@@ -102,7 +102,7 @@ def test_sampler_bf16_cache_and_first_token(models):
   assert np.isfinite(np.asarray(gen.logprobs)).all()
   # The first greedy token is the argmax of the same (bf16) model's full forward at the last prompt slot.
   pos = rope_positions(toks, mask, IMAGE, CFG.merged_grid)
-  logits, _ = nnx.jit(lambda m, *a: m(*a))(bf16, toks, pos, mask, pix)
+  logits = nnx.jit(lambda m, *a: m(*a).logits)(bf16, toks, pos, mask, pix)
   np.testing.assert_array_equal(np.asarray(gen.tokens[:, 0]), np.asarray(logits[:, -1]).argmax(-1))
 
 

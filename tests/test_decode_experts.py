@@ -1,5 +1,5 @@
 """The CPU decode loop's expert weights split (XLA's per-expert dots) or packed for the FFI kernel
-(`expert_kernel.py`) once per `generate` (`moe.split_experts_for_decode`): the same tokens and
+(`expert_kernel.py`) once per `generate` (`moe.prepare_decode_weights`): the same tokens and
 log-probs as without either, the same values as the dense reference, and no copy of an expert's weight
 slice left inside the compiled loop (with the kernel: its two custom calls per layer instead)."""
 
@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tars_jax.models import Policy, expert_kernel, moe, sampler
-from tars_jax.models.compile_options import DECODE_CPU_OPTIONS
+from tars_jax.models import Policy, moe, sampler
+from tars_jax.models.cpu import expert_kernel
+from tars_jax.models.cpu.compile_options import DECODE_CPU_OPTIONS
 from _shared import TINY_CFG, assert_close_f32, bounded_moe_case, forward_terms, generate_call, left_padded_batch
 
 # 8 experts top-2: at batch 8 the bounded [E, C, D] decode path runs (C = 4 < 8 rows per expert); expert
@@ -38,7 +39,7 @@ def _args(policy):
 def _unsplit_generate(monkeypatch):
   """`sampler._generate_fn` compiled (CPU options) with the split turned off: a fresh function object,
   so jax traces it anew instead of reusing the split trace."""
-  monkeypatch.setattr(moe, "split_experts_for_decode", lambda model: 0)
+  monkeypatch.setattr(moe, "prepare_decode_weights", lambda model: None)
   fn = sampler._generate_fn
   clone = type(fn)(fn.__code__, fn.__globals__, "unsplit_generate", fn.__defaults__, fn.__closure__)
   return jax.jit(clone, static_argnames=sampler.GENERATE_STATIC, compiler_options=DECODE_CPU_OPTIONS)
@@ -138,19 +139,21 @@ def test_split_moe_equals_the_dense_reference_in_both_branches(balanced, kernel)
   gd, state = nnx.split(m)
 
   @jax.jit
-  def split_forward(state, x):  # as in the sampler: the split lives on a model merged inside the jit
+  def split_forward(state, x):  # as in the sampler: the layout is made inside the jit and passed in
     mod = nnx.merge(gd, state)
-    assert moe.split_experts_for_decode(mod) == 1
-    return mod(x)[0]
+    decode_weights = moe.decode_layout(mod)
+    assert decode_weights is not None
+    return mod(x, decode_weights)[0]
 
   assert_close_f32(split_forward(state, x), want, terms=2 * CFG.hidden + CFG.moe_intermediate)  # router, experts
 
 
 def _layers_split(cfg) -> int:
-  """`split_experts_for_decode` on a freshly built model of `cfg`, traced abstractly (no weights made)."""
+  """Layers with a decode layout in `prepare_decode_weights` of a freshly built model of `cfg`, traced
+  abstractly (no weights made)."""
   out = []
-  jax.eval_shape(lambda: out.append(moe.split_experts_for_decode(Policy(cfg, nnx.Rngs(3)))))
-  return out[0]
+  jax.eval_shape(lambda: out.append(moe.prepare_decode_weights(Policy(cfg, nnx.Rngs(3)))))
+  return 0 if out[0] is None else sum(w is not None for w in out[0])
 
 
 def test_split_skips_scanned_layers_and_counts_the_rest():

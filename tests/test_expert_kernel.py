@@ -1,4 +1,4 @@
-"""The decode-loop expert kernel (`models/expert_kernel.py`, XLA FFI on CPU): it builds here, its
+"""The decode-loop expert kernel (`models/cpu/expert_kernel.py`, XLA FFI on CPU): it builds here, its
 packing puts every weight where the C++ source reads it, it equals XLA's `ragged_swiglu` (and a float64
 numpy SwiGLU) for any split of the rows among experts, and bad group sizes raise instead of reading
 past the buffer. The MoE layer and the sampler with the kernel: `test_decode_experts.py`; greedy decode
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from tars_jax.models import expert_kernel, moe
+from tars_jax.models import moe
+from tars_jax.models.cpu import expert_kernel
 from _shared import assert_close_f32, f32_atol
 
 

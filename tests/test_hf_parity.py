@@ -151,7 +151,7 @@ def test_padded_batch_and_policy_api(pair):
   toks, m = jnp.asarray(ids, jnp.int32), jnp.asarray(mask, bool)
   pos = rope_positions(toks, m, IMAGE, pol.cfg.merged_grid)
   imgs = jnp.asarray(np.stack(images)[:, None] / 255.0, jnp.float32)
-  got, _ = jax.jit(lambda *a: pol(*a))(toks, pos, m, imgs)
+  got = jax.jit(lambda *a: pol(*a).logits)(toks, pos, m, imgs)
   err = float(np.abs(np.asarray(got)[mask.astype(bool)] - want[mask.astype(bool)]).max())
   assert err <= f32_atol(np.abs(want[mask.astype(bool)]).max(), forward_terms(pol.cfg, ids.shape[1])), err
 
@@ -190,7 +190,7 @@ def test_gradients_match_torch_autograd(pair, attention_impl):
   imgs = jnp.asarray(np.stack(images)[:, None] / 255.0, jnp.float32)
 
   def loss(params):
-    logits, _ = nnx.merge(gd, params)(toks, pos, m, imgs)
+    logits = nnx.merge(gd, params)(toks, pos, m, imgs).logits
     lp = jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1], -1), toks[:, 1:, None], -1)[..., 0]
     return -jnp.sum(lp * keep) / keep.sum()
 

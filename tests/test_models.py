@@ -92,7 +92,7 @@ def test_trunk_aux_loss_pools_layers_like_transformers():
   toks = jnp.array([[PAD, BOS, 1, 2, 3], [BOS, 4, 5, 6, 7]])
   mask = toks != PAD
   pos = rope_positions(toks, mask, IMAGE, CFG.merged_grid)
-  _, aux = fwd(pol, toks, pos, mask)
+  aux = fwd(pol, toks, pos, mask).aux_loss
 
   @nnx.jit
   def router_logits(pol):  # each MoE layer's router logits on its own input, re-running layers by hand
@@ -180,19 +180,19 @@ def test_padding_invariance_and_vision_gradient():
   pol = Policy(CFG, nnx.Rngs(0))
   toks, mask, pix = _batch(np.random.default_rng(0), [3, 9])
   pos = rope_positions(toks, mask, IMAGE, CFG.merged_grid)
-  logits, aux = fwd(pol, toks, pos, mask, pix)
+  logits, aux, _, _ = fwd(pol, toks, pos, mask, pix)
   assert logits.dtype == jnp.float32 and logits.shape == toks.shape + (CFG.vocab_size,)
   r = toks[0][mask[0]][None]  # row 0 without its left padding
   m1 = jnp.ones_like(r, bool)
-  alone, _ = fwd(pol, r, rope_positions(r, m1, IMAGE, CFG.merged_grid), m1, pix[:1])
+  alone = fwd(pol, r, rope_positions(r, m1, IMAGE, CFG.merged_grid), m1, pix[:1]).logits
   assert_close_f32(logits[0][mask[0]], alone[0], terms=forward_terms(CFG, toks.shape[1]))
   # changing a padding token's id changes nothing
   toks2 = toks.at[0, 0].set(77)
-  logits2, _ = fwd(pol, toks2, pos, mask, pix)
+  logits2 = fwd(pol, toks2, pos, mask, pix).logits
   np.testing.assert_allclose(logits2[0][mask[0]], logits[0][mask[0]], atol=1e-6)
 
   def lm_loss(model):
-    lg, aux = model(toks, pos, mask, pix)
+    lg, aux, _, _ = model(toks, pos, mask, pix)
     lp = jax.nn.log_softmax(lg[:, :-1])
     nll = -jnp.take_along_axis(lp, toks[:, 1:, None], -1)[..., 0]
     m = mask[:, 1:] & mask[:, :-1]
@@ -225,6 +225,28 @@ def test_value_model_separate_params_zero_init_head():
   assert not np.allclose(pol.trunk.embed_tokens.embedding[...], 0)
 
 
+# Qwen2.5-VL's image normalisation (transformers `Qwen2VLImageProcessor`: OPENAI_CLIP_MEAN / _STD).
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+def test_config_from_dict_keeps_fractional_image_normalisation():
+  """`image_mean` / `image_std` from a ConfigDict (lists, as a config file writes them) stay the CLIP
+  floats, and `patchify` normalises a pixel to (x - mean) / std worked in float64 numpy."""
+  c = ml_collections.ConfigDict({"family": "qwen2_5_vl", "experts": 0, "deepstack_visual_indexes": [],
+                                 "hidden": 128, "heads": 4, "head_dim": 32,
+                                 "image_mean": list(CLIP_MEAN), "image_std": list(CLIP_STD)})
+  cfg = ModelConfig.from_dict(c)
+  assert cfg.pixel_norm == (CLIP_MEAN, CLIP_STD)
+  from tars_jax.models.vision import patchify
+  p, t, m = cfg.patch_size, cfg.temporal_patch_size, cfg.spatial_merge_size
+  img = np.full((1, p * m, p * m, 3), 0.25, np.float32)
+  got = np.asarray(patchify(jnp.asarray(img), p, t, m, *cfg.pixel_norm))
+  want = (0.25 - np.asarray(CLIP_MEAN, np.float64)) / np.asarray(CLIP_STD, np.float64)  # per channel
+  # each patch flattened (channel, time, dy, dx): channel c fills t * p * p consecutive entries
+  np.testing.assert_allclose(got, np.broadcast_to(np.repeat(want, t * p * p), got.shape), rtol=1e-6)
+
+
 def test_config_from_dict_and_presets():
   c = ml_collections.ConfigDict({"hidden": 64, "mrope_section": [4, 2, 2], "head_dim": 16})
   cfg = ModelConfig.from_dict(c)
@@ -254,7 +276,7 @@ def test_remat_same_loss_and_gradients(remat):
   def loss_and_grads(cfg):
     pol = Policy(cfg, nnx.Rngs(0))
     def loss(m):
-      lg, aux = m(toks, pos, mask, pix)
+      lg, aux, _, _ = m(toks, pos, mask, pix)
       return jnp.mean(jax.nn.log_softmax(lg)[..., 7]) + 0.1 * aux
     return nnx.jit(nnx.value_and_grad(loss))(pol)
 

@@ -177,12 +177,13 @@ def test_capacity_swiglu_groups_equal_numpy_reference(groups):
 
 def test_decode_expert_groups_only_split_without_a_mesh():
   """One einsum per expert on XLA:CPU without a mesh; one batched einsum under a mesh (GSPMD shards
-  the buffer's expert axis)."""
+  the buffer's expert axis): the strategy a model built in each setting takes."""
   from tars_jax import sharding
   assert jax.default_backend() == "cpu"
-  assert moe.decode_expert_groups(8) == 8
+  cfg = ModelConfig(hidden=32, experts=8, top_k=2, moe_intermediate=24, moe_impl="blocked")
+  assert moe.MoE(cfg, nnx.Rngs(0)).strategy.per_expert_dots
   with sharding.activate(sharding.make_mesh((1, 1, 1, 1)), sharding.make_rules()):
-    assert moe.decode_expert_groups(8) == 1
+    assert not moe.MoE(cfg, nnx.Rngs(0)).strategy.per_expert_dots
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -49,7 +49,7 @@ def test_greedy_kv_cache_matches_full_recompute(policy):
   want_t, want_lp = np.full((b, n), PAD), np.zeros((b, n))
   for i in range(n):
     t, m = jnp.asarray(buf), jnp.asarray(bmask)
-    logits, _ = fwd(policy, t, rope_positions(t, m, IMAGE, CFG.merged_grid), m, pix)
+    logits = fwd(policy, t, rope_positions(t, m, IMAGE, CFG.merged_grid), m, pix).logits
     lp = _np_log_softmax(np.asarray(logits[:, p + i - 1], np.float64))
     tok = np.where(done, PAD, lp.argmax(-1))
     want_t[:, i] = tok
@@ -104,7 +104,7 @@ def test_constrained_logprobs_match_manual_masked_log_softmax(policy):
   # manual: one full forward over prompt + generated reply, log_softmax(masked logits / T)
   full = jnp.concatenate([toks, out.tokens], 1)
   fmask = jnp.concatenate([mask, out.tokens != PAD], 1)
-  logits, _ = fwd(policy, full, rope_positions(full, fmask, IMAGE, CFG.merged_grid), fmask, pix)
+  logits = fwd(policy, full, rope_positions(full, fmask, IMAGE, CFG.merged_grid), fmask, pix).logits
   lg = np.asarray(logits[:, p - 1:p - 1 + 3], np.float64) / temp
   sets = [[97, 98, 99], [120, 121], [EOS]]
   for j, allowed in enumerate(sets):
@@ -145,7 +145,7 @@ def test_free_grammar_never_samples_special_ids_and_trainer_logprobs_agree():
   assert not np.isin(body, special + [PAD]).any(), out.tokens
   full = jnp.concatenate([toks, out.tokens], 1)
   fmask = jnp.concatenate([mask, out.tokens != PAD], 1)
-  logits, _ = fwd(policy, full, rope_positions(full, fmask, IMAGE, CFG.merged_grid), fmask, pix)
+  logits = fwd(policy, full, rope_positions(full, fmask, IMAGE, CFG.merged_grid), fmask, pix).logits
   rec = token_logprobs(logits[:, p - 1:p - 1 + n], out.tokens, table[out.states] >= 0, temp)
   valid = np.arange(n)[None] < np.asarray(out.lengths)[:, None]
   assert_close_f32(np.where(valid, rec, 0), np.where(valid, out.logprobs, 0), terms=forward_terms(CFG, p + n),
@@ -163,7 +163,7 @@ def test_action_grammar_sampling_matches_full_forward(policy, jump_forward):
                          eos_id=EOS, pad_id=PAD, jump_forward=jump_forward)
   full = jnp.concatenate([toks, out.tokens], axis=1)
   fmask = jnp.concatenate([mask, jnp.ones_like(out.tokens, bool)], axis=1)
-  logits, _ = fwd(policy, full, rope_positions(full, fmask, IMAGE, CFG.merged_grid), fmask, pix)
+  logits = fwd(policy, full, rope_positions(full, fmask, IMAGE, CFG.merged_grid), fmask, pix).logits
   p = toks.shape[1]
   allowed = np.asarray(table[out.states] >= 0)
   live = np.arange(n)[None] < np.asarray(out.lengths)[:, None]

@@ -92,7 +92,7 @@ def _batch(cfg, b=2, t=20, seed=0):
 
 def _loss(model, toks, pos, mask, pix):
   """Next-token cross-entropy over real tokens + 0.1 * aux (so the router gets gradients too)."""
-  logits, aux, stats = model(toks, pos, mask, pix, moe_stats=True)
+  logits, aux, _, stats = model(toks, pos, mask, pix, moe_stats=True)
   logp = jax.nn.log_softmax(logits[:, :-1], -1)
   nll = -jnp.take_along_axis(logp, toks[:, 1:, None], -1)[..., 0]
   w = mask[:, 1:].astype(jnp.float32)

@@ -210,7 +210,7 @@ def test_capacity_factor_drops_like_numpy_reference():
   pol = Policy(cfg, nnx.Rngs(0))
   toks = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 9)), jnp.int32)
   pos = jnp.broadcast_to(jnp.arange(9), (3, 2, 9))
-  logits, aux, stats = nnx.jit(lambda p, *a: p(*a, moe_stats=True))(pol, toks, pos, jnp.ones((2, 9), bool))
+  logits, aux, _, stats = nnx.jit(lambda p, *a: p(*a, moe_stats=True))(pol, toks, pos, jnp.ones((2, 9), bool))
   assert stats["moe_assignments"] == 1 * 18 * 2 and 0 < float(stats["moe_dropped"]) <= 36
 
 
@@ -480,9 +480,10 @@ def _worker(out_path, full: bool):
           if full else [("ragged", "2,1,2,2"), ("a2a", "2,1,2,2")])
   for impl, mesh_s in runs:
     kw = dict(moe_impl="ragged", moe_dispatch="all_to_all") if impl == "a2a" else dict(moe_impl=impl)
-    gd_i = nnx.split(Policy(dataclasses.replace(cfg, **kw), nnx.Rngs(0)))[0]
     mesh = sharding.make_mesh(tuple(int(x) for x in mesh_s.split(",")))
     rules = sharding.make_rules()
+    with sharding.activate(mesh, rules):  # built under its mesh: the MoE strategy is chosen for it
+      gd_i = nnx.split(nnx.eval_shape(lambda: Policy(dataclasses.replace(cfg, **kw), nnx.Rngs(0))))[0]
     p_sh = sharding.shard(jax.tree.map(jnp.copy, params), mesh, rules)  # a copy: the step donates it
     mb = jax.device_put(batch, NamedSharding(mesh, P(("data", "fsdp", "expert"))))
     want_sh = sharding.logical_to_sharding(params, mesh, rules)

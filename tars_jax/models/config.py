@@ -236,9 +236,12 @@ class ModelConfig:
     if unknown:
       raise ValueError(f"unknown model config fields {sorted(unknown)}")
     d = dict(d)
-    for name in ("deepstack_visual_indexes", "mlp_only_layers", "fullatt_block_indexes", "image_mean", "image_std"):
+    for name in ("deepstack_visual_indexes", "mlp_only_layers", "fullatt_block_indexes"):
       if d.get(name) is not None:
         d[name] = tuple(int(x) for x in d[name])
+    for name in ("image_mean", "image_std"):  # CLIP-style normalisation: fractions, never integers
+      if d.get(name) is not None:
+        d[name] = tuple(float(x) for x in d[name])
     if d.get("mrope_section") is not None:
       d["mrope_section"] = tuple(int(x) for x in d["mrope_section"])
     return cls(**d)

@@ -13,7 +13,7 @@ from flax import nnx
 
 from tars_jax.models.attention import attend, attend_causal_blocks
 from tars_jax.models.config import ModelConfig
-from tars_jax.models.moe import DenseMLP, MoE
+from tars_jax.models.moe import DenseMLP, MoE, MoeStrategy, build_strategy
 from tars_jax.models.rope import mrope_cos_sin, rotate
 from tars_jax.sharding import constrain, param_axes as ax
 
@@ -118,21 +118,23 @@ class Attention(nnx.Module):
 class DecoderLayer(nnx.Module):
   """Pre-norm block: x + attn(norm(x)); x + mlp(norm(x)). MLP is MoE iff `cfg.is_sparse(idx)`."""
 
-  def __init__(self, cfg: ModelConfig, layer_idx: int, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, layer_idx: int, rngs: nnx.Rngs, moe_strategy: MoeStrategy | None = None):
     dt = cfg.jdtype
     self.input_layernorm = nnx.RMSNorm(cfg.hidden, epsilon=cfg.rms_eps, dtype=dt, rngs=rngs,
                                        scale_metadata=ax("norm"))
     self.self_attn = Attention(cfg, rngs)
     self.post_attention_layernorm = nnx.RMSNorm(cfg.hidden, epsilon=cfg.rms_eps, dtype=dt, rngs=rngs,
                                                 scale_metadata=ax("norm"))
-    self.mlp = (MoE(cfg, rngs) if cfg.is_sparse(layer_idx)
+    self.mlp = (MoE(cfg, rngs, moe_strategy) if cfg.is_sparse(layer_idx)
                 else DenseMLP(cfg.hidden, cfg.dense_intermediate, rngs, dtype=dt))
 
-  def __call__(self, x, cos, sin, key_mask, kv=None, write_index=0):
-    """Returns (x [B, L, D], router (probs, idx) or None, new (k, v) or None)."""
+  def __call__(self, x, cos, sin, key_mask, kv=None, write_index=0, decode_weights=None):
+    """Returns (x [B, L, D], router (probs, idx) or None, new (k, v) or None). decode_weights: this
+    layer's entry of `moe.prepare_decode_weights` (None: the parameters as they are)."""
     a, kv = self.self_attn(self.input_layernorm(x), cos, sin, key_mask, kv, write_index)
     x = x + a
-    m, router = self.mlp(self.post_attention_layernorm(x))
+    h = self.post_attention_layernorm(x)
+    m, router = self.mlp(h) if decode_weights is None else self.mlp(h, decode_weights)
     return x + m, router, kv
 
 
@@ -161,10 +163,10 @@ def stacked_module(make, n: int, rngs: nnx.Rngs):
   return build(rngs)
 
 
-def stacked_layers(cfg: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
+def stacked_layers(cfg: ModelConfig, rngs: nnx.Rngs, moe_strategy: MoeStrategy | None = None) -> DecoderLayer:
   """`cfg.layers` decoder layers as one stacked `DecoderLayer` (`stacked_module`); every layer has
   layer 0's structure (`ModelConfig` rejects mixed dense/MoE stacks when `scan_layers` is set)."""
-  return stacked_module(lambda r: DecoderLayer(cfg, 0, r), cfg.layers, rngs)
+  return stacked_module(lambda r: DecoderLayer(cfg, 0, r, moe_strategy), cfg.layers, rngs)
 
 
 def scan_stacked(stacked: nnx.Module, step, carry, xs):
@@ -192,17 +194,21 @@ class Decoder(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg
+    # Chosen once, here, for every MoE layer: the backend and mesh are not consulted while tracing.
+    self.moe_strategy = build_strategy(cfg) if cfg.experts else None
     if cfg.scan_layers:
-      self.layers = stacked_layers(cfg, rngs)
+      self.layers = stacked_layers(cfg, rngs, self.moe_strategy)
     else:
-      self.layers = nnx.List([DecoderLayer(cfg, i, rngs) for i in range(cfg.layers)])
+      self.layers = nnx.List([DecoderLayer(cfg, i, rngs, self.moe_strategy) for i in range(cfg.layers)])
     self.norm = nnx.RMSNorm(cfg.hidden, epsilon=cfg.rms_eps, dtype=cfg.jdtype, rngs=rngs, scale_metadata=ax("norm"))
 
-  def __call__(self, x, positions, attn_mask, cache: KVCache | None = None, cache_index=0, deepstack=None):
+  def __call__(self, x, positions, attn_mask, cache: KVCache | None = None, cache_index=0, deepstack=None,
+               decode_weights=None):
     """x [B, L, D]; positions [3, B, L] int32; attn_mask [B, L] bool (real tokens).
 
     deepstack: None or [n, B, L, D] added to the hidden states after layers 0 .. n-1 (zero away from
     image tokens; transformers `_deepstack_process`).
+    decode_weights: None, or `moe.prepare_decode_weights` (one entry per layer; unscanned layers only).
     Without cache: causal attention over the L tokens restricted to `attn_mask` keys.
     With cache: the L tokens go to slots cache_index.. (their `attn_mask` is recorded in
     `cache.mask`) and attend causally over all valid cache slots; cache_index is an int32 scalar
@@ -219,13 +225,16 @@ class Decoder(nnx.Module):
     else:
       key_mask = attn_mask
     if cfg.scan_layers:
+      if decode_weights is not None:
+        raise ValueError("decode_weights are per unscanned layer; scanned layers slice their stacked weights")
       x, routers, kv = self._scan(x, cos, sin, key_mask, cache, cache_index, deepstack)
       new_cache = None if cache is None else KVCache(kv[0], kv[1], key_mask)
       return self.norm(x), routers, new_cache
     routers, ks, vs = [], [], []
     for i, layer in enumerate(self.layers):
       kv = None if cache is None else (cache.k[i], cache.v[i])
-      x, r, kv = remat_call(cfg, layer, x, cos, sin, key_mask, kv, cache_index)
+      dw = None if decode_weights is None else decode_weights[i]
+      x, r, kv = remat_call(cfg, layer, x, cos, sin, key_mask, kv, cache_index, dw)
       if deepstack is not None and i < deepstack.shape[0]:
         x = x + deepstack[i].astype(x.dtype)
       x = constrain(x, HIDDEN)

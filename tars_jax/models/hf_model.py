@@ -67,7 +67,8 @@ def _encode(visual, patches, gh, gw):
 
 @nnx.jit
 def _forward(policy, tokens, positions, mask, visual):
-  return policy(tokens, positions, mask, visual=visual)
+  out = policy(tokens, positions, mask, visual=visual)
+  return out.logits, out.aux_loss
 
 
 class HFModel(nnx.Module):

@@ -3,6 +3,7 @@ switch-style load-balance loss (transformers `load_balancing_loss_func`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -11,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tars_jax import sharding
-from tars_jax.models import expert_kernel
+from tars_jax.models.cpu import expert_kernel
 from tars_jax.models.config import ModelConfig
 from tars_jax.models.grouped_mlp import grouped_swiglu
 from tars_jax.sharding import constrain, param_axes as ax
@@ -187,13 +188,6 @@ def capacity_swiglu(buf: jax.Array, wgu: jax.Array, wd: jax.Array, groups: int =
   return outs[0] if groups == 1 else jnp.concatenate(outs, axis=0)
 
 
-def decode_expert_groups(num_experts: int) -> int:
-  """How many independent einsums `MoE`'s bounded decode path splits its experts into: E (one per
-  expert) on XLA:CPU with no mesh active, else 1 (one batched einsum: what an accelerator, and
-  GSPMD's expert sharding of the buffer, want). See `capacity_swiglu`."""
-  return num_experts if jax.default_backend() == "cpu" and sharding.active() is None else 1
-
-
 def per_expert_swiglu(buf: jax.Array, gate_up: tuple, down: tuple) -> jax.Array:
   """`capacity_swiglu` with one einsum per expert over weights already split per expert: buf
   [E, C, D], gate_up E arrays [D, 2, I], down E arrays [I, D], all in buf's dtype -> [E, C, D]."""
@@ -201,45 +195,125 @@ def per_expert_swiglu(buf: jax.Array, gate_up: tuple, down: tuple) -> jax.Array:
   return jnp.stack([jnp.einsum("ci,id->cd", hj, d) for hj, d in zip(h, down)])
 
 
+# The expert computations `MoE` can run (`MoeStrategy.experts`), each exact against "dense" (the
+# reference) except "capacity", which drops assignments over an expert's capacity by design.
+EXPERT_STRATEGIES = ("dense", "ragged", "capacity", "all_to_all", "blocked", "grouped_xla", "grouped_blas")
+# The experts' weight layout in the sampler's decode loop (`MoeStrategy.decode`, `decode_weights`).
+DECODE_LAYOUTS = ("none", "split", "ffi")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeStrategy:
+  """How the MoE layers of a model compute their experts, fixed when the model is built
+  (`select_strategy`; static: part of the graphdef, never re-decided while tracing).
+
+  experts: one of `EXPERT_STRATEGIES`:
+    "dense" every token through every expert (the readable reference); "ragged" the sorted
+    assignments through `jax.lax.ragged_dot`; "capacity" an [E, C, D] buffer that drops the
+    assignments beyond C (`moe_capacity_factor`); "all_to_all" the assignments sent to their
+    experts' shards (`expert_parallel.py`; "ragged" / "capacity" where the active mesh has nothing to
+    exchange); "blocked" the sorted assignments in whole blocks of one expert; "grouped_xla" /
+    "grouped_blas" an exact per-expert loop in XLA / as OpenBLAS custom calls (`expert_kernel.py`).
+    "blocked" and "grouped_*" pick their regime from static shapes (`block_rows`): per-token gathers,
+    the bounded [E, C, D] buffer (decode at a few rows per expert), or blocks / the loop.
+  per_expert_dots: the bounded buffer's products as one einsum per expert (XLA:CPU without a mesh:
+    independent ops run on separate cores) instead of one batched einsum (a mesh, an accelerator).
+  decode: one of `DECODE_LAYOUTS`, the experts' weights in the sampler's decode loop
+    (`decode_weights`): "ffi" tile-packed for the FFI kernel, "split" one array per expert for the
+    per-expert einsums, "none" the parameters as they are.
+  """
+  experts: str
+  per_expert_dots: bool
+  decode: str
+
+  def __post_init__(self):
+    if self.experts not in EXPERT_STRATEGIES:
+      raise ValueError(f"experts={self.experts!r}; known: {list(EXPERT_STRATEGIES)}")
+    if self.decode not in DECODE_LAYOUTS:
+      raise ValueError(f"decode={self.decode!r}; known: {list(DECODE_LAYOUTS)}")
+
+  def summary(self) -> str:
+    """One line for a run's banner, e.g. "experts=grouped_blas bounded=per_expert decode=ffi"."""
+    bounded = ""
+    if self.experts in ("blocked", "grouped_xla", "grouped_blas"):
+      bounded = f" bounded={'per_expert' if self.per_expert_dots else 'batched'}"
+    return f"experts={self.experts}{bounded} decode={self.decode}"
+
+
 def decode_kernel_applies(cfg: ModelConfig) -> bool:
   """Whether `cfg`'s MoE layers take the FFI decode kernel in a CPU decode loop, as far as the config
   decides: `moe_decode_kernel`, a path with the bounded decode ("blocked" / "grouped"), and shapes and
-  dtype the kernel supports (`expert_kernel.supports`). The loop also needs `expert_kernel.available()`,
-  XLA:CPU without a mesh, and unscanned layers (`split_experts_for_decode`)."""
+  dtype the kernel supports (`expert_kernel.supports`). `select_strategy` also needs
+  `expert_kernel.available()`, XLA:CPU without a mesh, and unscanned layers."""
   return (cfg.moe_decode_kernel and cfg.moe_impl in ("blocked", "grouped")
           and expert_kernel.supports(cfg.hidden, cfg.moe_intermediate, cfg.jdtype))
 
 
-def split_experts_for_decode(model: nnx.Module) -> int:
-  """Before a decode loop on XLA:CPU: gives every (unscanned) `MoE` layer of `model` its experts'
-  weights in a decode layout, made once and kept out of the loop by an `optimization_barrier`:
-    - with the FFI kernel (`cfg.moe_decode_kernel` and `expert_kernel.available()`, float32, D a
-      multiple of 16 and I of 8): tile-packed copies (`MoE.decode_packed`) that the kernel streams once
-      per step, each expert on exactly its routed rows (batch-16 decode 0.6x the time, RESULTS.md);
-    - else E separate arrays in the compute dtype (`MoE.expert_slices`), so the bounded decode path's
-      per-expert einsums (`decode_expert_groups`) read them in place. Without it XLA:CPU copies each
-      expert's [D, 2, I] and [I, D] slice out of the stacked parameter before its dot at every step (75
-      MB per step for the decode benchmark's model, 16 copy fusions per layer; batch-16 decode
-      0.88-0.90x the time with the split, RESULTS.md).
-  Either costs one more copy of the expert weights while the loop runs. A no-op for the MoE paths
-  without the bounded decode path ("dense", "ragged"), where that path uses one batched einsum (a mesh,
-  an accelerator), and for scanned layers (stacked [L, E, ...] weights, sliced per layer by the scan
-  anyway). Returns how many layers were split or packed.
-  Call it inside the jitted function that runs the loop, on a model that function merged.
+def select_strategy(backend: str, mesh, dtype, cfg: ModelConfig) -> MoeStrategy:
+  """The `MoeStrategy` of `cfg`'s MoE layers on `backend` (`jax.default_backend()`), under `mesh`
+  (a `jax.sharding.Mesh`, or None for one device) with compute `dtype`. Pure: called once when the
+  model is built (`Decoder`), so tracing never consults the backend or the mesh to choose a path.
+
+  The C++ kernels (`expert_kernel.py`) apply on XLA:CPU without a mesh, in float32, when built:
+  "grouped" runs as "grouped_blas" with `cfg.moe_grouped_blas`, and the decode loop of "blocked" /
+  "grouped" streams tile-packed weights ("ffi") with `cfg.moe_decode_kernel` and supported shapes,
+  else per-expert copies ("split"). Scanned layers keep the stacked parameters ("none": the scan
+  slices them per layer anyway).
   """
-  n = 0
-  for _, mod in nnx.iter_graph(model):
-    if (isinstance(mod, MoE) and mod.impl in ("blocked", "grouped") and mod.w_gate_up.ndim == 4
-        and decode_expert_groups(mod.experts) == mod.experts):
-      gu, dn = mod.w_gate_up[...].astype(mod.dtype), mod.w_down[...].astype(mod.dtype)
-      if mod.decode_kernel and expert_kernel.available():
-        mod.decode_packed = nnx.data(jax.lax.optimization_barrier(
-            (expert_kernel.pack_gate_up(gu), expert_kernel.pack_down(dn))))
-      else:
-        mod.expert_slices = nnx.data(jax.lax.optimization_barrier(
-            (tuple(gu[j] for j in range(mod.experts)), tuple(dn[j] for j in range(mod.experts)))))
-      n += 1
-  return n
+  cpu_alone = backend == "cpu" and mesh is None
+  f32 = jnp.dtype(dtype) == jnp.float32
+  impl = cfg.moe_impl
+  if impl == "ragged":
+    experts = ("all_to_all" if cfg.moe_dispatch == "all_to_all"
+               else "ragged" if cfg.moe_capacity_factor is None else "capacity")
+  elif impl == "grouped":
+    blas = cfg.moe_grouped_blas and cpu_alone and f32 and expert_kernel.available()
+    experts = "grouped_blas" if blas else "grouped_xla"
+  else:
+    experts = impl
+  decode = "none"
+  if impl in ("blocked", "grouped") and cpu_alone and not cfg.scan_layers:
+    decode = "ffi" if decode_kernel_applies(cfg) and expert_kernel.available() else "split"
+  return MoeStrategy(experts, cpu_alone, decode)
+
+
+def build_strategy(cfg: ModelConfig) -> MoeStrategy:
+  """`select_strategy` for this process now: the default backend and the mesh of the enclosing
+  `sharding.activate` (build a model that runs under a mesh inside that context)."""
+  active = sharding.active()
+  return select_strategy(jax.default_backend(), None if active is None else active[0], cfg.jdtype, cfg)
+
+
+def decode_layout(mod: "MoE"):
+  """The decode-loop weights of one `MoE` layer, a pure function of its parameters: by
+  `mod.strategy.decode`, "ffi" (packed gate|up, packed down) for `expert_kernel.swiglu_experts`,
+  "split" (E arrays [D, 2, I], E arrays [I, D]) in the compute dtype for `per_expert_swiglu`, "none"
+  None. Kept apart from the loop by an `optimization_barrier`, so XLA makes the copy once, not per
+  step (without it XLA:CPU copies each expert's slice out of the stacked parameter at every step).
+  Either layout costs one more copy of the expert weights while the loop runs."""
+  kind = mod.strategy.decode
+  if kind == "none":
+    return None
+  gu, dn = mod.w_gate_up[...].astype(mod.dtype), mod.w_down[...].astype(mod.dtype)
+  if kind == "ffi":
+    return jax.lax.optimization_barrier((expert_kernel.pack_gate_up(gu), expert_kernel.pack_down(dn)))
+  return jax.lax.optimization_barrier((tuple(gu[j] for j in range(mod.experts)),
+                                       tuple(dn[j] for j in range(mod.experts))))
+
+
+def prepare_decode_weights(model: nnx.Module) -> tuple | None:
+  """The decode-loop weights of every decoder layer of `model` (a `Policy` or `Trunk`): a tuple with
+  one `decode_layout` per layer (None for dense layers and where the strategy has no decode layout),
+  or None when no layer has one (scanned layers, a mesh, an accelerator, "dense" / "ragged"). The
+  sampler makes it once after the prefill and passes it to every decode step
+  (`Policy.__call__(decode_weights=...)`). Source of the per-step saving: `benchmarks/RESULTS.md`
+  (decode with split experts, decode experts as an FFI kernel)."""
+  trunk = getattr(model, "trunk", model)
+  layers = trunk.decoder.layers
+  if trunk.cfg.scan_layers:
+    return None
+  out = tuple(decode_layout(layer.mlp) if isinstance(layer.mlp, MoE) else None for layer in layers)
+  return out if any(w is not None for w in out) else None
 
 
 def combine(ys: jax.Array, order: jax.Array, w: jax.Array, dtype) -> jax.Array:
@@ -285,18 +359,23 @@ class MoE(nnx.Module):
       needs, weights indexed once per expert, with a custom VJP (`grouped_mlp.grouped_swiglu`): exact like the
       others, without "blocked"'s static block bound (3840 computed rows for 2048 assignments in
       `benchmarks/train_step.py`) or its per-block weight gathers.
-  On XLA:CPU without a mesh, in float32, two C++ kernels take the experts (`expert_kernel.py`): the
-  "grouped" loop runs as OpenBLAS custom calls forward and backward (`cfg.moe_grouped_blas`), and the
-  sampler's decode loop ("blocked" / "grouped") streams tile-packed weights (`cfg.moe_decode_kernel`).
+  Which of these runs, and on which kernels, is the layer's `MoeStrategy` (`select_strategy`, chosen
+  once when the model is built, e.g. "grouped_blas": the "grouped" loop as OpenBLAS custom calls on
+  XLA:CPU without a mesh). The computation is always route -> sort by expert -> experts -> combine,
+  "dense" being the readable reference the others are tested against.
+  `decode_weights` (from `decode_layout`, in the sampler's decode loop): the experts' weights in the
+  strategy's decode layout, tile-packed for the FFI kernel or split per expert.
   Source: maxtext `MaxText/layers/moe.py` (`sparse_matmul` with `ragged_dot`, `dense_matmul` with
   capacity); Fedus et al. 2021 (capacity factor).
   """
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, strategy: MoeStrategy | None = None):
+    """strategy: None = `build_strategy(cfg)` (this process's backend and active mesh, now)."""
     d, i, e = cfg.hidden, cfg.moe_intermediate, cfg.experts
     self.top_k, self.norm_topk_prob, self.experts = cfg.top_k, cfg.norm_topk_prob, e
     self.dtype = cfg.jdtype
-    self.impl, self.capacity_factor, self.dispatch = cfg.moe_impl, cfg.moe_capacity_factor, cfg.moe_dispatch
+    self.capacity_factor = cfg.moe_capacity_factor
+    self.strategy = build_strategy(cfg) if strategy is None else strategy
     # fan-in = D for gate/up, I for down (the default lecun_normal would take the expert axis).
     init_in = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1,
                                                    batch_axis=(0,))
@@ -304,40 +383,54 @@ class MoE(nnx.Module):
     self.w_gate_up = nnx.Param(init_in(rngs.params(), (e, d, 2 * i)).reshape(e, d, 2, i),
                                **ax("expert", "embed", None, "mlp"))
     self.w_down = nnx.Param(init_in(rngs.params(), (e, i, d)), **ax("expert", "mlp", "embed"))
-    self.decode_kernel = decode_kernel_applies(cfg)
-    self.grouped_blas = cfg.moe_grouped_blas
-    # During a CPU decode loop (`split_experts_for_decode`): per-expert weights, or the kernel's packing.
-    self.expert_slices = None
-    self.decode_packed = None
 
-  def __call__(self, x: jax.Array):
+  def __call__(self, x: jax.Array, decode_weights=None):
     b, t, d = x.shape
     flat = x.reshape(b * t, d)
     probs, w, idx = route(self.router(flat), self.top_k, self.norm_topk_prob)
-    if self.impl == "dense":
-      return self._dense(flat, w, idx).reshape(b, t, d), (probs, idx)
-    if self.impl in ("blocked", "grouped"):
-      n, rows = b * t, block_rows(b * t * self.top_k, self.experts)
-      if self.decode_packed is not None:  # a CPU decode loop with the FFI kernel: any N, dropless
-        y = self._kernel_experts(flat, w, idx)
-      elif rows > 1 and self.impl == "grouped":
-        y = self._grouped_loop(flat, w, idx, min(rows, GROUPED_ROWS))
-      elif rows:
-        y = self._blocked(flat, w, idx, rows)
-      elif capacity(n, self.top_k, self.experts, DECODE_CAPACITY) < n:  # too few rows per expert for blocks
-        y = self._bounded(flat, w, idx)
-      else:  # a buffer of C >= N rows per expert is no smaller than the dense path
-        y = self._dense(flat, w, idx)
-      return y.reshape(b, t, d), (probs, idx)
+    y, dropped = self.experts_fn()(flat, w, idx, decode_weights)
+    return y.reshape(b, t, d), ((probs, idx) if dropped is None else (probs, idx, dropped))
+
+  def experts_fn(self):
+    """The strategy's expert computation: (flat [N, D], w [N, k], idx [N, k], decode_weights) ->
+    (y [N, D], dropped float32 count or None (dropless))."""
+    return {"dense": self._dense_strategy, "ragged": self._ragged_strategy, "capacity": self._ragged_strategy,
+            "all_to_all": self._all_to_all_strategy, "blocked": self._blocked_strategy,
+            "grouped_xla": self._blocked_strategy, "grouped_blas": self._blocked_strategy}[self.strategy.experts]
+
+  def _dense_strategy(self, flat, w, idx, decode_weights):
+    return self._dense(flat, w, idx), None
+
+  def _ragged_strategy(self, flat, w, idx, decode_weights):
+    return self._grouped(flat, w, idx)
+
+  def _all_to_all_strategy(self, flat, w, idx, decode_weights):
+    """The explicit exchange under the mesh it shards over (`sharding.active()`: the mesh is the
+    shard_map's data here, not a choice of path); "ragged" / "capacity" where that mesh has nothing to
+    exchange (`expert_parallel.applies`, e.g. one decoded sequence)."""
     from tars_jax.models import expert_parallel  # here, not at the top: it imports this module's helpers
-    mesh_rules = sharding.active() if self.dispatch == "all_to_all" else None
-    if mesh_rules and expert_parallel.applies(*mesh_rules, self.experts, b * t):
+    mesh_rules = sharding.active()
+    if mesh_rules and expert_parallel.applies(*mesh_rules, self.experts, flat.shape[0]):
       y, dropped = expert_parallel.moe_all_to_all(flat, w, idx, *self._weights(), *mesh_rules,
                                                   capacity_factor=self.capacity_factor)
-      dropped = None if self.capacity_factor is None else dropped
-    else:
-      y, dropped = self._grouped(flat, w, idx)
-    return y.reshape(b, t, d), ((probs, idx) if dropped is None else (probs, idx, dropped))
+      return y, (None if self.capacity_factor is None else dropped)
+    return self._grouped(flat, w, idx)
+
+  def _blocked_strategy(self, flat, w, idx, decode_weights):
+    """"blocked" / "grouped_*": the regime from static shapes (`block_rows`)."""
+    n = flat.shape[0]
+    rows = block_rows(n * self.top_k, self.experts)
+    if self.strategy.decode == "ffi" and decode_weights is not None:  # any N, dropless
+      y = self._kernel_experts(flat, w, idx, decode_weights)
+    elif rows > 1 and self.strategy.experts != "blocked":
+      y = self._grouped_loop(flat, w, idx, min(rows, GROUPED_ROWS))
+    elif rows:
+      y = self._blocked(flat, w, idx, rows)
+    elif capacity(n, self.top_k, self.experts, DECODE_CAPACITY) < n:  # too few rows per expert for blocks
+      y = self._bounded(flat, w, idx, decode_weights)
+    else:  # a buffer of C >= N rows per expert is no smaller than the dense path
+      y = self._dense(flat, w, idx)
+    return y, None
 
   def _dense(self, flat, w, idx):
     dense_w = jnp.sum(jax.nn.one_hot(idx, self.experts, dtype=jnp.float32) * w[..., None], axis=1)  # [N, E]
@@ -364,13 +457,15 @@ class MoE(nnx.Module):
     return self._combine(ys, order, w)
 
   def _grouped_loop(self, flat, w, idx, rows: int):
-    """The "grouped" path: exact per-expert groups, on OpenBLAS where `_blas_applies` (one custom call
-    forward, one backward: `expert_kernel.grouped_swiglu`), else in chunks of `rows` in an XLA loop
-    (`grouped_mlp.grouped_swiglu`)."""
+    """The "grouped_*" loop: exact per-expert groups, as OpenBLAS custom calls ("grouped_blas" with
+    float32 weights: one call forward, one backward, `expert_kernel.grouped_swiglu`), else in chunks of
+    `rows` in an XLA loop (`grouped_mlp.grouped_swiglu`)."""
     k, e, dt = self.top_k, self.experts, self.dtype
     order, _, sizes = sort_by_expert(idx, e)
     xs = flat[order // k].astype(dt)
-    if self._blas_applies():
+    # weights of another dtype than the float32 the strategy was chosen for (a merged state): XLA's loop
+    f32_weights = self.w_gate_up.dtype == jnp.float32 and self.w_down.dtype == jnp.float32
+    if self.strategy.experts == "grouped_blas" and f32_weights:
       ys = expert_kernel.grouped_swiglu(xs, sizes, self.w_gate_up[...], self.w_down[...])
     else:
       ys = grouped_swiglu(xs, sizes, self.w_gate_up[...], self.w_down[...], rows)  # cast per expert inside
@@ -390,10 +485,10 @@ class MoE(nnx.Module):
       dropped = jnp.sum(~keep).astype(jnp.float32)
     return self._combine(ys, order, w), dropped
 
-  def _capacity_mlp(self, xs, sorted_e, sizes, c: int, groups: int = 1):
+  def _capacity_mlp(self, xs, sorted_e, sizes, c: int, groups: int = 1, split=None):
     """Experts over an [E, C, D] buffer: xs [N*k, D] sorted by expert -> (ys [N*k, D] in the same
     order, 0 for dropped assignments; keep [N*k] bool: within its expert's first C). `groups`: see
-    `capacity_swiglu`."""
+    `capacity_swiglu`; `split`: the "split" decode layout (per-expert weights), used with groups = E."""
     g, d = xs.shape
     e, dt = self.experts, self.dtype
     rank = rank_in_group(sorted_e, sizes)
@@ -401,8 +496,8 @@ class MoE(nnx.Module):
     slot = jnp.where(keep, sorted_e * c + rank, e * c)  # dropped -> a spare row, cut off below
     buf = jnp.zeros((e * c + 1, d), dt).at[slot].set(xs.astype(dt))[:-1].reshape(e, c, d)
     buf = constrain(buf, ("act_expert", None, "act_embed"))  # the dispatch: [E, C, D] over experts
-    if self.expert_slices is not None and groups == e:
-      yb = per_expert_swiglu(buf, *self.expert_slices)
+    if split is not None and groups == e:
+      yb = per_expert_swiglu(buf, *split)
     else:
       yb = capacity_swiglu(buf, self.w_gate_up[...], self.w_down[...], groups)  # weights cast inside
     yb = constrain(yb, ("act_expert", None, "act_embed")).reshape(e * c, d)
@@ -416,38 +511,34 @@ class MoE(nnx.Module):
   def _combine(self, ys, order, w):
     return combine(ys, order, w, self.dtype)
 
-  def _blas_applies(self) -> bool:
-    """`cfg.moe_grouped_blas`, XLA:CPU without a mesh, float32 weights and compute, and the kernels built."""
-    f32 = jnp.float32
-    return (self.grouped_blas and jax.default_backend() == "cpu" and sharding.active() is None
-            and self.dtype == f32 and self.w_gate_up.dtype == f32 and self.w_down.dtype == f32
-            and expert_kernel.available())
-
-  def _kernel_experts(self, flat, w, idx):
-    """Exact and dropless: each expert on its routed rows by `expert_kernel.swiglu_experts`."""
+  def _kernel_experts(self, flat, w, idx, packed):
+    """Exact and dropless: each expert on its routed rows by `expert_kernel.swiglu_experts` over the
+    "ffi" decode layout `packed` (`decode_layout`)."""
     order, _, sizes = sort_by_expert(idx, self.experts)
-    ys = expert_kernel.swiglu_experts(flat[order // self.top_k].astype(jnp.float32), sizes, *self.decode_packed)
+    ys = expert_kernel.swiglu_experts(flat[order // self.top_k].astype(jnp.float32), sizes, *packed)
     return self._combine(ys, order, w)
 
-  def _bounded(self, flat, w, idx):
+  def _bounded(self, flat, w, idx, decode_weights=None):
     """Exact and dropless: the [E, C, D] capacity path with C = `capacity(N, k, E, DECODE_CAPACITY)`
     when no expert got more than C assignments, else (`lax.cond`, one branch runs) the dense path, or
-    with `expert_slices` set the same path with C = N.
-    E * C rows instead of the dense path's N * E; on XLA:CPU without a mesh one einsum per expert
-    (`decode_expert_groups`), so both cores stream expert weights."""
+    with the "split" decode layout the same path with C = N.
+    E * C rows instead of the dense path's N * E; with `strategy.per_expert_dots` one einsum per
+    expert, so both cores of XLA:CPU stream expert weights."""
     n, _ = flat.shape
     k, e = self.top_k, self.experts
     c = capacity(n, k, e, DECODE_CAPACITY)
     order, sorted_e, sizes = sort_by_expert(idx, e)
+    groups = e if self.strategy.per_expert_dots else 1
+    split = decode_weights if self.strategy.decode == "split" else None
 
     def capped(slots: int):
-      ys, _ = self._capacity_mlp(flat[order // k], sorted_e, sizes, slots, decode_expert_groups(e))
+      ys, _ = self._capacity_mlp(flat[order // k], sorted_e, sizes, slots, groups, split)
       return self._combine(ys, order, w)
 
     # With the weights split per expert (a CPU decode loop), an overflow takes the same per-expert path
     # with room for every token (an expert gets at most N assignments): the dense path's einsum would
     # first copy all E experts' stacked weights into its [D, E*2I] layout (~1.1 ms a layer at batch 16).
-    overflow = (lambda _: capped(n)) if self.expert_slices is not None else (lambda _: self._dense(flat, w, idx))
+    overflow = (lambda _: capped(n)) if split is not None else (lambda _: self._dense(flat, w, idx))
     return jax.lax.cond(jnp.max(sizes) <= c, lambda _: capped(c), overflow, None)
 
 

@@ -6,6 +6,8 @@ fills that row's m-th block of `n_img_tokens` IMAGE tokens (Qwen2-VL `<|image_pa
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -17,6 +19,14 @@ from tars_jax.models.vision import VisionEncoder
 from tars_jax.sharding import constrain, param_axes as ax
 
 LOGITS = ("act_batch", "act_length", "act_vocab")  # logical axes of logits [B, T, V]
+
+
+class PolicyOutput(NamedTuple):
+  """What `Policy.__call__` returns, whatever its keyword arguments."""
+  logits: jax.Array  # [B, T, V] float32
+  aux_loss: jax.Array  # float32 scalar: MoE load-balance loss (0 for a dense model)
+  cache: KVCache | None  # the updated KV cache when one was passed, else None
+  moe_stats: dict | None  # with moe_stats=True: {"moe_dropped", "moe_assignments"} float32 scalars
 
 
 class Trunk(nnx.Module):
@@ -62,7 +72,8 @@ class Trunk(nnx.Module):
     return x, deep
 
   def __call__(self, tokens, positions, attn_mask, pixel_values=None, image_mask=None,
-               cache: KVCache | None = None, cache_index=None, visual=None, moe_stats: bool = False):
+               cache: KVCache | None = None, cache_index=None, visual=None, moe_stats: bool = False,
+               decode_weights=None):
     """See `Policy.__call__`. Returns (hidden [B, T, D], aux_loss float32 scalar, new cache or None),
     plus with `moe_stats` a dict {"moe_dropped": float32 assignments dropped over capacity in all MoE
     layers, "moe_assignments": float32 top-k assignments in all MoE layers (padding included)}.
@@ -76,7 +87,7 @@ class Trunk(nnx.Module):
     x, deep = self.embed_inputs(tokens, pixel_values, image_mask, visual)
     x = constrain(x, HIDDEN)
     ci = 0 if cache_index is None else cache_index
-    h, routers, cache = self.decoder(x, positions, attn_mask, cache, ci, deep)
+    h, routers, cache = self.decoder(x, positions, attn_mask, cache, ci, deep, decode_weights)
     if routers is not None:
       aux = load_balance_loss(routers[0], routers[1], self.cfg.experts, attn_mask.reshape(-1))
     else:
@@ -111,7 +122,8 @@ class Policy(nnx.Module):
     return constrain(out, LOGITS) if out.ndim == 3 else out
 
   def __call__(self, tokens, positions, attn_mask, pixel_values=None, image_mask=None,
-               cache: KVCache | None = None, cache_index=None, visual=None, moe_stats: bool = False):
+               cache: KVCache | None = None, cache_index=None, visual=None, moe_stats: bool = False,
+               decode_weights=None) -> PolicyOutput:
     """Next-token logits.
 
     Args:
@@ -121,16 +133,22 @@ class Policy(nnx.Module):
       cache: None, or a `KVCache` (`init_cache`) to write these T tokens into at slots
         `cache_index` .. `cache_index + T - 1` (int32 scalar; prefill: 0) — they then attend to every
         earlier valid slot of the cache too.
-      moe_stats: also return the MoE routing statistics (`Trunk.__call__`), as a last element.
+      moe_stats: also compute the MoE routing statistics (`Trunk.__call__`).
+      decode_weights: None, or the MoE experts' weights in the decode layout of the model's
+        `MoeStrategy` (`moe.prepare_decode_weights(policy)`: what the sampler's decode loop passes).
     Returns:
-      (logits [B, T, V] float32, aux_loss float32 scalar) without cache;
-      (logits, aux_loss, new KVCache) with cache; (..., stats dict) with `moe_stats`.
+      `PolicyOutput`: logits [B, T, V] float32, aux_loss float32 scalar, the new `KVCache` (None
+      without cache), the stats dict (None without `moe_stats`).
     """
     out = self.trunk(tokens, positions, attn_mask, pixel_values, image_mask, cache, cache_index, visual,
-                     moe_stats=moe_stats)
-    logits = self.logits(out[0])
-    head = (logits, out[1]) if cache is None else (logits, out[1], out[2])
-    return head + tuple(out[3:])
+                     moe_stats=moe_stats, decode_weights=decode_weights)
+    return PolicyOutput(self.logits(out[0]), out[1], out[2] if cache is not None else None,
+                        out[3] if moe_stats else None)
+
+  def moe_strategy_summary(self) -> str:
+    """How the MoE layers compute their experts (`moe.MoeStrategy.summary`), for a run's banner."""
+    strategy = self.trunk.decoder.moe_strategy
+    return "no MoE layers" if strategy is None else strategy.summary()
 
   def features(self, tokens, positions, attn_mask, pixel_values=None, image_mask=None):
     """Final hidden states (after the final norm): (hidden [B, T, D], aux_loss)."""

@@ -11,9 +11,9 @@ is still the un-truncated one (PPO off-policy caveat; training configs keep top_
 exactly plain sampling). temperature = 0 is greedy decoding (argmax of the masked logits) and
 returns temperature-1 log-probs.
 On CPU the loop compiles without XLA:CPU's YNNPACK fusions (`compile_options`: faster few-row dots)
-and reads the MoE weights from a decode layout made once after the prefill
-(`moe.split_experts_for_decode`): tile-packed for the FFI expert kernel (`expert_kernel.py`), or
-per-expert copies for XLA's dots.
+and passes the MoE weights to each step in the decode layout of the model's `MoeStrategy`, made once
+after the prefill (`moe.prepare_decode_weights`): tile-packed for the FFI expert kernel
+(`expert_kernel.py`), or per-expert copies for XLA's dots.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tars_jax.agent.tokenizer import EOS, PAD
-from tars_jax.models import compile_options, moe
+from tars_jax.models import moe
+from tars_jax.models.cpu import compile_options
 from tars_jax.models.rope import next_position, rope_positions
 from tars_jax.rl.losses import masked_log_softmax
 
@@ -91,9 +92,11 @@ def _generate_fn(params, tokens, attn_mask, pixel_values, image_mask, key, table
   # cursor never passes P+N, and a chunk of K slots must fit after it).
   pos = rope_positions(tokens, attn_mask, image_token_id, grid)
   cache = model.init_cache(b, p + n + k)
-  logits, _, cache = model(tokens, pos, attn_mask, pixel_values, image_mask, cache=cache, cache_index=0)
-  last = logits[:, -1]  # left padding: the last slot is every row's last real token
-  moe.split_experts_for_decode(model)  # CPU: the loop streams each expert's weights from a decode layout
+  prefill = model(tokens, pos, attn_mask, pixel_values, image_mask, cache=cache, cache_index=0)
+  last, cache = prefill.logits[:, -1], prefill.cache  # left padding: the last slot is every row's last real token
+  # The experts' weights in the layout of the model's MoE strategy (None: the parameters as they are),
+  # made once here and passed to every step of the loop.
+  decode_weights = moe.prepare_decode_weights(model)
 
   def cond(c):
     return (c["i"] < n) & ~jnp.all(c["done"] | (c["out"] >= n))
@@ -134,7 +137,8 @@ def _generate_fn(params, tokens, attn_mask, pixel_values, image_mask, key, table
     # K = 1: every row writes slot P + i (a finished row's slot is masked out by `cvalid`), so the
     # cache write is one dynamic_update_slice at a scalar index instead of a per-row scatter.
     cursor = p + c["i"] if k == 1 else c["cur"]
-    logits, _, cache = model(ctoks, positions, cvalid, cache=c["cache"], cache_index=cursor)
+    step = model(ctoks, positions, cvalid, cache=c["cache"], cache_index=cursor, decode_weights=decode_weights)
+    logits, cache = step.logits, step.cache
     new_last = jnp.take_along_axis(logits, jnp.maximum(length - 1, 0)[:, None, None], axis=1)[:, 0]
     # Write the chunk into the outputs at each row's position (K > 1: invalid entries go out of bounds).
     if k == 1:

@@ -149,7 +149,7 @@ def _token_logp(params, gd, table, mb, hp: PPOHparams):
   capacity (0 unless `moe_capacity_factor`))."""
   policy = nnx.merge(gd, params)
   pos = _positions(mb["tokens"], mb["attn_mask"], hp)
-  logits, aux, st = policy(mb["tokens"], pos, mb["attn_mask"], mb["pixel_values"], mb["image_mask"],
+  logits, aux, _, st = policy(mb["tokens"], pos, mb["attn_mask"], mb["pixel_values"], mb["image_mask"],
                            moe_stats=True)
   dropped = st["moe_dropped"] / jnp.maximum(st["moe_assignments"], 1.0)
   logits = logits[:, :-1].astype(jnp.float32)

@@ -137,9 +137,14 @@ def build(config) -> Parts:
                             max_content_bytes=g.max_content_bytes, coord_format=g.coord_format)
   else:  # free text, but never an image placeholder or other special id (`free_grammar`)
     grammar = free_grammar(tok)
-  # Graph definitions only: abstract init, no parameter memory.
-  policy_gd, _ = nnx.split(nnx.eval_shape(lambda: Policy(mcfg, rngs=nnx.Rngs(0))))
-  critic_gd, _ = nnx.split(nnx.eval_shape(lambda: ValueModel(mcfg, rngs=nnx.Rngs(0))))
+  mesh_cfg = config.mesh  # shape () = one device
+  mesh = sharding.mesh_from_config(mesh_cfg)
+  rules = sharding.rules_from_config(mesh_cfg) if mesh is not None else None
+  # Graph definitions only: abstract init, no parameter memory; built under the run's mesh, which
+  # (with the backend) fixes the MoE strategy (`moe.select_strategy`).
+  with sharding.activate(mesh, rules):
+    policy_gd, _ = nnx.split(nnx.eval_shape(lambda: Policy(mcfg, rngs=nnx.Rngs(0))))
+    critic_gd, _ = nnx.split(nnx.eval_shape(lambda: ValueModel(mcfg, rngs=nnx.Rngs(0))))
   r = config.rl
   popt = ppo.make_optimizer(r.lr, r.warmup_steps, r.max_grad_norm, r.weight_decay)
   copt = ppo.make_optimizer(r.critic_lr, r.warmup_steps, r.max_grad_norm, r.weight_decay)
@@ -153,8 +158,5 @@ def build(config) -> Parts:
                         rewards=reward_config(r))
   max_new = max_reply_tokens(grammar) if g.constrained else 64
   table = jnp.asarray(grammar.table)
-  mesh_cfg = config.mesh  # shape () = one device
-  mesh = sharding.mesh_from_config(mesh_cfg)
-  rules = sharding.rules_from_config(mesh_cfg) if mesh is not None else None
   return Parts(config, tok, mcfg, grammar, table, policy_gd, critic_gd, popt, copt, hp, loop_cfg,
                image_hw, max_new, mesh, rules)

@@ -4,19 +4,25 @@ with positive advantage and lowers every token with negative advantage; negating
 negates the change. Only the clipped policy-gradient term is on (entropy bonus, MoE aux loss and KL
 off), so nothing else can move the log-probs."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from tars_jax.agent.tokenizer import BOS, IMAGE, PAD, VISION_END, VISION_START
+from experiments.configs import miniwob_ppo
 from tars_jax.models import Policy
 from tars_jax.train import ppo
+from tars_jax.train import state as state_lib
 from _shared import TINY_CFG
 
 CFG = TINY_CFG
-HP = ppo.PPOHparams(algo="grpo", ent_coef=0.0, aux_loss_coef=0.0, kl_coef=0.0, image_token_id=IMAGE,
-                    grid_hw=tuple(CFG.merged_grid))
+# The main config's hyper-parameters (PPOHparams has no defaults), with only the clipped
+# policy-gradient term on.
+HP = dataclasses.replace(state_lib.hparams(miniwob_ppo.get_config(""), IMAGE, tuple(CFG.merged_grid)),
+                         algo="grpo", ent_coef=0.0, aux_loss_coef=0.0, kl_coef=0.0)
 
 
 def _batch(rng, n_rows=4, reply=6):

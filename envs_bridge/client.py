@@ -26,8 +26,8 @@ from envs_bridge import protocol as P
 
 
 # Idle keep-alive connections are dropped here before the server drops them (SERVER_KEEPALIVE_S in
-# envs_bridge/app.py): when both sides used 5 s, a request sent on a connection the server was closing
-# at that moment failed with httpx.ReadError (seen in benchmarks/soak.py after ~10 min at 12 sessions).
+# envs_bridge/app.py): with equal timeouts, a request sent on a connection the server was closing at
+# that moment fails with httpx.ReadError (a race that long soaks, benchmarks/soak.py, run into).
 KEEPALIVE_S = 10.0
 
 

@@ -117,8 +117,8 @@ def die_with_parent() -> None:
 def without_tcmalloc(env) -> dict:
   """A copy of the environment mapping `env` with tcmalloc taken out of LD_PRELOAD (`scripts/env.sh`
   preloads it for XLA's per-step buffers). Sandbox servers and the Chromium they start run with the
-  system malloc: with tcmalloc the 16-session throughput was no better (0.43-0.53 of the screenshot
-  ceiling vs 0.43-0.61 over three runs each, benchmarks/RESULTS.md "Allocator")."""
+  system malloc: tcmalloc helps XLA's buffers, not the sandbox's throughput (benchmarks/RESULTS.md,
+  "Allocator")."""
   env = dict(env)
   keep = [p for p in env.get("LD_PRELOAD", "").split(":") if p and "tcmalloc" not in p]
   if keep:

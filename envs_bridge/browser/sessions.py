@@ -38,8 +38,8 @@ live session and `spare_pages` in all. They are made one at a time and only whil
 flight (the standby must not slow real sessions). When a browser dies, the standby is promoted in its
 place (no launch) and its pages join the idle pool, so the lost sessions' replacements start
 episodes on pages that already exist instead of creating 16 pages on a just-relaunched Chromium
-(measured 2026-11-23 with the full browser: page creation, not detection or relaunch, was ~90% of
-the 6.9 s recovery of 16 sessions; the headless shell recovers them in ~1.9 s without a standby).
+(page creation, not detection or relaunch, is most of a recovery's time, above all with the full
+browser; benchmarks/RESULTS.md, "Crash recovery with a standby browser").
 A new standby is launched after the promotion. A standby page is a fresh page created earlier: the
 same seed gives the same screenshot (tests/test_browser_recovery.py). Its memory (PSS of its process
 tree) is in /health (`spare.pss_mb`).
@@ -48,8 +48,8 @@ context owned by nobody in two passes in a row is closed (leaked page). Owners: 
 pool, or the call handing the page over (`_transit`: an `open` creating or restarting it, a `close`
 returning it to the pool, a discard closing it). Without the hand-over owner a page being created or
 reused by a slow `open` was "unowned" at two GC passes and closed under the new session, which then
-failed with `SessionLost: page ... has been closed` at its first screenshot (issue #5, fixed
-2026-11-23; tests/test_browser_stress.py).
+failed with `SessionLost: page ... has been closed` at its first screenshot (issue #5;
+tests/test_browser_stress.py).
 
 Snapshots (`snapshot`/`restore`) are deterministic replays: MiniWoB keeps task state in JavaScript
 closures and jQuery handlers that no DOM copy can carry, so a snapshot is the episode's seed, data
@@ -85,16 +85,15 @@ from envs_bridge.browser.telemetry import EventLog, SandboxMetrics
 from tars_jax.agent import actions as A
 
 # Debian's chromium-headless-shell (same source and version as /usr/bin/chromium, without the
-# desktop browser layer; what Playwright itself runs for headless Chromium): a crashed one is
-# relaunched in ~0.1 s instead of ~0.26 s and makes pages faster, so a kill -9 of a browser with 16
-# sessions is recovered in ~1.9 s instead of ~6.3 s; steps are 8-29 % faster and a page takes ~26 MiB
-# PSS instead of ~60 (benchmarks/RESULTS.md, "Headless shell").
+# desktop browser layer; what Playwright itself runs for headless Chromium): it relaunches faster and
+# makes pages faster, so crash recovery is several times quicker, steps are faster and a page takes
+# less than half the memory (benchmarks/RESULTS.md, "Headless shell").
 # The full browser is the fallback where the package is missing (scripts/setup.sh installs it).
 HEADLESS_SHELL = "/usr/lib/chromium/chromium-headless-shell"
 DEFAULT_CHROMIUM = HEADLESS_SHELL if os.access(HEADLESS_SHELL, os.X_OK) else "/usr/bin/chromium"
 # SpareRendererForSitePerProcess off: Chromium keeps one renderer process pre-started for the next
 # page and starts another each time it is used; with 16 pages made at once (crash recovery) that churn
-# cost ~25 % more CPU (benchmarks/RESULTS.md, "Crash recovery with two browsers").
+# costs noticeably more CPU (benchmarks/RESULTS.md, "Crash recovery with two browsers").
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run",
                  "--disable-features=SpareRendererForSitePerProcess"]
@@ -116,13 +115,13 @@ HIDE_CARET_CSS = "* { caret-color: transparent !important; }"
 SNAPSHOT_VERSION = 1
 # Tasks whose own reset leaves the previous episode on screen (a price, an open tab or dialog, a
 # cube's rotation): their first screenshot on a reused page differs from a fresh page's, so they
-# always get a fresh page. Found by `python -m benchmarks.reuse_parity` (2026-11-23).
+# always get a fresh page. Found by `python -m benchmarks.reuse_parity`.
 REUSE_UNSAFE_TASKS = frozenset(
     "miniwob/" + t for t in ("book-flight", "book-flight-nodelay", "click-dialog", "click-dialog-2", "click-tab",
                              "click-tab-2", "click-tab-2-easy", "click-tab-2-hard", "click-tab-2-medium",
                              "drag-cube", "simon-says", "stock-market",
                              # its list's scroll settles on the wall clock after a reset: with the
-                             # faster step path (2026-11-23) the first screenshot comes before that
+                             # fast (direct CDP) step path the first screenshot comes before that
                              "click-scroll-list"))
 log = logging.getLogger("envs_bridge.browser")
 

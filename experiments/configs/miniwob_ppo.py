@@ -56,14 +56,12 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.env.num_sessions = 32  # concurrent episodes per rollout (= episodes per iteration)
   c.env.step_ms = 1000  # virtual milliseconds advanced per step (Playwright page.clock)
   c.env.lease_s = 600.0
-  # standby Chromium holding up to this many pre-made pages, promoted when the browser dies: all
-  # sessions back ~1 s after a kill -9 instead of ~2 s with the headless shell (~7-15 s with the full
-  # browser); costs a page's memory per page (~26 MiB PSS with the headless shell, ~65 with the full
-  # browser); 0 = none
+  # standby Chromium holding up to this many pre-made pages, promoted when the browser dies: sessions
+  # come back sooner after a kill -9 since their pages already exist; costs a page's memory per page
+  # (benchmarks/RESULTS.md, "Crash recovery with a standby browser"); 0 = none
   c.env.spare_pages = 0
   # Chromium processes of the launched server, sessions spread over them: a kill -9 of one loses only
-  # its share (headless shell, 16 sessions over 2: 6-9 lost, all back in 1.0-1.2 s; over 1: 16 lost,
-  # 1.7-2.0 s; benchmarks/RESULTS.md, "Headless shell")
+  # its share, and fewer lost sessions come back sooner (benchmarks/RESULTS.md, "Headless shell")
   c.env.browsers = 2
   c.env.max_turns = 2  # step budget per episode
   c.env.train_seed_offset = 0  # training seeds: offset + k, k = 0, 1, 2, ...
@@ -91,10 +89,10 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.model.rope_theta = 10000.0
   c.model.scan_layers = False  # True: decoder layers stacked and run by lax.scan (ModelConfig docstring)
   # MoE compute (ModelConfig.moe_impl): "dense" exact reference; "grouped" exact, the fastest CPU train
-  # step and decode (on the 24M benchmark model); "blocked" its decode paths; "ragged" for expert
-  # parallelism on a mesh. On this config (4 experts of 128) "dense" and "grouped" are equally fast in
-  # the RL loop and "dense" compiles ~1.5 s sooner (benchmarks/RESULTS.md, "MoE implementation in the
-  # RL loop").
+  # step and decode where the experts' FLOPs dominate; "blocked" its decode paths; "ragged" for expert
+  # parallelism on a mesh. With this config's few small experts "dense" costs no more than the grouped
+  # loop's bookkeeping and compiles sooner (benchmarks/RESULTS.md, "MoE implementation in the RL
+  # loop").
   c.model.moe_impl = "dense"
   # With "ragged" on a mesh with an expert axis: "gspmd" (the compiler partitions it) or "all_to_all"
   # (explicit token dispatch in a shard_map, tars_jax/models/expert_parallel.py).
@@ -112,7 +110,8 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.sampling.temperature = 1.0
   c.sampling.top_p = 1.0  # PPO log-probs assume top_p = 1 (the sampled distribution)
   # Decode step = 1 sampled token + up to 7 grammar-forced ones (same distribution, fewer model
-  # calls). 8 is fastest on 2 CPU cores (benchmarks/RESULTS.md); 1 = token by token.
+  # calls). On CPU much longer chunks cost more than the calls they save (benchmarks/RESULTS.md,
+  # "Jump-forward decoding"); 1 = token by token.
   c.sampling.jump_forward = 8
 
   # --- RL ------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ def _scores(q, k, allowed):
 
 def _weighted(p, v):
   # Batch-major product, the small output transposed by the caller: writing "->blkgd" directly lowers
-  # to a ~10x slower CPU dot (benchmarks/RESULTS.md, "decode step layout").
+  # to a much slower CPU dot (benchmarks/RESULTS.md, "Decode step layout").
   return jnp.einsum("bkgls,bksd->bkgld", p.astype(v.dtype), v)
 
 
@@ -57,8 +57,8 @@ def attend_decode(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array |
   [B, 1, KV, G, hd], k, v [B, KV, S, hd], allowed [B or 1, 1, S] bool or None -> [B, KV, G, 1, hd] in
   v's dtype (products, scores and softmax in float32). The same function; on XLA:CPU its two
   multiply-reduce fusions stream the cache once each, where the einsum form lowers to batched dots of
-  a [G, hd] block per (row, KV head) that run on one core at a few GB/s (batch-16 greedy decode
-  0.90x the time, batch 1 0.96x; `benchmarks/RESULTS.md`)."""
+  a [G, hd] block per (row, KV head) that run on one core, far below memory bandwidth
+  (`benchmarks/RESULTS.md`, "Decode attention as multiply-and-reduce on CPU")."""
   f32 = jnp.float32
   qt = jnp.moveaxis(q, 1, 3).astype(f32)  # [B, KV, G, 1, hd]
   s = jnp.sum(qt[:, :, :, :, None, :] * k[:, :, None, None].astype(f32), axis=-1) / jnp.sqrt(f32(q.shape[-1]))
@@ -111,12 +111,11 @@ def attend_recompute(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Arra
   rounding (tests/test_attention.py). Source: FlashAttention-2's backward (Dao 2023, arXiv
   2307.08691, Algorithm 2) without tiling.
 
-  What it saves, measured (`benchmarks/train_step_memory.py`, XLA:CPU): on the a3b8 preset (8 scanned
-  layers, batch 4 x 1024, bf16 compute) 9.9 GiB of temporaries per step with one full causal square
-  (1.23 GiB per layer), 6.1 GiB with `attend_causal_blocks` of 64, with every MoE path. With unrolled
-  layers XLA:CPU's scheduler kept most of that anyway in a small model. Cost on a CPU: one more Q K^T
-  and exp per layer in the backward, 10-18 % of the train step at 512 tokens per row with one full
-  square, 1 % with blocks of 64 (`benchmarks/RESULTS.md`)."""
+  What it saves: the per-layer scores and probabilities among the step's temporaries, which matter
+  with scanned layers and long rows (with unrolled layers XLA:CPU's scheduler can keep most of them
+  anyway). Cost: one more Q K^T and exp per layer in the backward, small with `attend_causal_blocks`,
+  larger with one full causal square; a memory knob, not a speed one (`benchmarks/train_step_memory.py`;
+  `benchmarks/RESULTS.md`, "Attention memory: `attention_impl="recompute"`")."""
   return _attend_recompute(q, k, v, allowed)
 
 

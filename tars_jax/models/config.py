@@ -71,14 +71,14 @@ class ModelConfig:
   and vision block: "none", "full" recompute, or "dots" = keep matmul outputs, recompute the rest);
   `attention_impl` in `ATTENTION_IMPLS` (decoder and ViT): "einsum" (autodiff keeps each layer's
   [B, heads, L, S] scores and probabilities) or "recompute" (custom VJP keeping the output and two
-  [B, heads, L] row statistics; 0.76 GiB fewer temporaries per layer at batch 4 x 1024 on the a3b8
-  preset with the default `attention_block`, 1.23 GiB with one full square; on a CPU 1 % slower at 512
-  tokens per row with blocks, 10-18 % with one full square: a memory knob, see attention.py);
+  [B, heads, L] row statistics: fewer temporaries per layer for a recomputed QK^T and exp in the
+  backward, a memory knob rather than a speed one, see attention.py);
   `attention_block`: without a KV cache (training, scoring) and in a prefill written from a static
   cache slot 0 (the sampler's) the decoder's causal attention runs in
   blocks of this many queries, block j against key slots [0, (j + 1) * block) only (0 = one full
-  L x L square; `attention.attend_causal_blocks`): 0.77x the CPU train step time at 512 tokens per row,
-  0.90x at 256, unchanged at <= 128 (block 64 vs 0, benchmarks/RESULTS.md);
+  L x L square; `attention.attend_causal_blocks`): skipping the masked upper triangle makes long rows
+  faster, short rows (one block or so) unchanged (benchmarks/RESULTS.md, "Causal query blocks for
+  attention without a cache");
   `scan_layers = True`: the decoder layers, and the vision blocks, are each one stacked module (every
   parameter gets a leading [layers] / [vision_depth] axis, logical name "layers") run by
   `jax.lax.scan`, so the step compiles one layer body and one block body instead of unrolled copies
@@ -94,9 +94,9 @@ class ModelConfig:
   backward (`grouped_mlp.py`): no padding to a static bound, no weight gathers; the fastest train
   step and (by its prefill) the fastest decode on CPU; a single-device / data-parallel path: under
   expert parallelism every chunk's dynamic weight index gathers the expert, use "ragged" there).
-  On a GPU the ranking inverts: "blocked" / "dense" are the fast train steps (1.5-1.6x transformers
-  on an H200), "grouped" 0.74x and "ragged" 0.38x of transformers, and `remat = "full"` cuts the step's
-  temporaries ~11x for ~3.5 % of its time (benchmarks/RESULTS.md, 2026-11-26);
+  On a GPU the ranking inverts: "blocked" / "dense" (large batched matmuls) are the fast train steps,
+  "grouped" and "ragged" slower, and `remat = "full"` cuts the step's temporaries by a large factor
+  for a small share of its time (benchmarks/RESULTS.md, "Train-step MFU on an H200");
   `moe_capacity_factor` (ragged only; None = dropless): at most ceil(factor * tokens * top_k /
   experts) assignments per expert, the rest dropped and counted (`Policy(..., moe_stats=True)`;
   the trainer logs `train/moe_dropped_frac`).
@@ -107,8 +107,9 @@ class ModelConfig:
   with the capacity factor counted per expert and source shard).
   `moe_decode_kernel` ("blocked" / "grouped" on XLA:CPU without a mesh): the sampler's decode loop
   runs each MoE layer's experts with the FFI kernel of `expert_kernel.py` (tile-packed float32
-  weights streamed once per step on all cores, exactly the routed rows: batch-16 greedy decode of the
-  24M benchmark model 0.6x the time, RESULTS.md) when it builds and the layer is float32 with hidden
+  weights streamed once per step on all cores, exactly the routed rows, so decode is bound by memory
+  bandwidth rather than per-expert dispatch; benchmarks/RESULTS.md, "Decode experts as an FFI
+  kernel") when it builds and the layer is float32 with hidden
   a multiple of 16 and moe_intermediate of 8; False, or where it does not apply, keeps XLA's
   per-expert dots. Same tokens either way; values differ by float32 rounding (sums in another order).
   `moe_grouped_blas` ("grouped" on XLA:CPU without a mesh, float32): the experts of the grouped path

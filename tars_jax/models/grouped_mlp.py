@@ -12,8 +12,8 @@ matmul with the expert's [D, 2I] gate|up weights (the [E, D, 2, I] parameter res
 whole chunks at a time: the rows a chunk computes past its group's end are overwritten by the experts
 after it (only the weight gradients need the rows masked, in the backward). A while loop
 with a data-dependent trip count has no reverse-mode rule in JAX, hence the custom VJP; the forward
-of a differentiated call also keeps the gate|up pre-activations [G, 2I] (~12 MiB per layer at 2048
-assignments, width 384), and the backward accumulates each expert's weight gradients in a loop
+of a differentiated call also keeps the gate|up pre-activations [G, 2I] (activation-sized, small next
+to the experts' weights), and the backward accumulates each expert's weight gradients in a loop
 carry written once per expert. What transformers' `grouped_mm` does in torch (exact groups), written
 with XLA primitives. Source: MegaBlocks (Gale et al. 2022) grouped GEMM; transformers
 `integrations/moe.py` (`grouped_mm` experts).
@@ -105,7 +105,7 @@ def grouped_swiglu(xs, sizes, wgu, wd, rows: int, min_rows: int = MIN_ROWS):
     wgu: [E, D, 2, I] (gate at [:, :, 0], up at [:, :, 1]: `moe.MoE.w_gate_up`); wd: [E, I, D], in
       the parameter dtype: each expert's weights are cast to xs's (compute) dtype inside the loop, so a
       bfloat16 step with float32 parameters keeps no bfloat16 copy of all E experts' weights for the
-      backward (~576 MiB per layer at 64 experts x 2048 x 768), only the parameters it already holds;
+      backward (3 x E x D x I values per layer), only the parameters it already holds;
     rows: R, the largest chunk (static); a group's tail is covered by chunks of R/2, R/4, ... down to
       `min_rows` (`chunk_sizes`), so each expert computes fewer than min_rows padded rows.
   Returns: ys [G, D] in xs's dtype. Differentiable (reverse mode) in xs, wgu, wd; exact (no padding

@@ -64,9 +64,9 @@ def sort_by_expert(idx: jax.Array, num_experts: int):
   return order, flat[order], jnp.bincount(flat, length=num_experts).astype(jnp.int32)
 
 
-# Smallest block worth gathering its expert's weights for: below ~64 rows per expert on average the
-# dense all-experts einsum is faster on CPU (one MoE layer, hidden 256, 8 experts top-2, XLA:CPU,
-# 2026-11-23: blocked / dense time 2.5x at 16 tokens, 1.3x at 144, 0.8x at 576).
+# Smallest block worth gathering its expert's weights for: with fewer rows per expert on average the
+# weight gathers cost more than the wasted FLOPs of the dense all-experts einsum, which is then faster
+# on CPU (benchmarks/RESULTS.md).
 MIN_BLOCK_ROWS = 64
 # Between per-token gathers and blocks (e.g. decode at batch 16): an [E, C, D] buffer of
 # C = ceil(DECODE_CAPACITY * N * k / E) rows per expert when every expert's load fits, else dense.
@@ -141,9 +141,10 @@ def cast_apply(fn, x: jax.Array, w: jax.Array, *rest: jax.Array, dtype, index=No
   Autodiff of a cast (or gather) outside keeps its result, a copy of the experts' weights (in bf16
   576 MiB per layer of the a3b8 preset, 64 experts of 2048 x 768), from the forward to the backward.
   Under `jax.checkpoint` with nothing saveable only the inputs are kept (w is the float32 parameter,
-  alive anyway), and fn is linear in each operand, so the backward recomputes only the cast
-  (`benchmarks/RESULTS.md`, 2026-11-26: 15 GiB fewer temporaries in the a3b8 dense bf16 step, 19 GiB in
-  the blocked one). Same values and gradients as casting outside; with w already in `dtype` it is
+  alive anyway), and fn is linear in each operand, so the backward recomputes only the cast: no bf16
+  copy of the expert weights among the step's temporaries (`benchmarks/RESULTS.md`, "MoE paths
+  without bf16 copies of the expert weights"). Same values and gradients as casting outside; with w
+  already in `dtype` it is
   what autodiff keeps anyway."""
   def f(x, w, *rest):
     return fn(x, (w if index is None else w[index]).astype(dtype), *rest)
@@ -174,8 +175,9 @@ def capacity_swiglu(buf: jax.Array, wgu: jax.Array, wd: jax.Array, groups: int =
   groups > 1 (a divisor of E): the same products as `groups` independent einsums over contiguous
   expert ranges, concatenated. XLA:CPU runs independent ops on separate cores but a batched matmul of
   a few rows per expert on one; with few rows (decode) the products are bound by streaming the
-  weights from memory, which one core does at about half the machine's rate (decode at batch 16:
-  one einsum 11-12 GB/s, two halves 17-21 GB/s each; `benchmarks/RESULTS.md`).
+  weights from memory, which one core does well below the machine's rate, so splitting the experts
+  lets every core stream its share (`benchmarks/RESULTS.md`, "Batch-16 decode: one einsum per
+  expert so both cores stream the weights").
   """
   e = buf.shape[0]
   if e % groups:
@@ -332,8 +334,9 @@ class MoE(nnx.Module):
   Expert weights are stored as `w_gate_up` [E, D, 2, I] (gate at index 0, up at 1: transformers'
   `gate_up_proj` [E, 2I, D] transposed) and `w_down` [E, I, D]; logical axes ("expert", "embed", None,
   "mlp") / ("expert", "mlp", "embed"). Gate and up in one parameter: the CPU training path runs them as
-  one [D, 2I] matmul (a free reshape, no per-step concatenation or gradient split: 2-4 % of the train
-  step, RESULTS.md), and the size-2 axis apart from I keeps I shardable over `tensor` (gate and up
+  one [D, 2I] matmul (a free reshape, no per-step concatenation or gradient split; benchmarks/RESULTS.md,
+  "Train step vs torch with gate|up stored as one parameter"), and the size-2 axis apart from I keeps
+  I shardable over `tensor` (gate and up
   columns of a shard stay together). `cfg.moe_impl` picks the computation:
     "dense": every token through every expert, weighted by the (sparse, top-k) routing weights:
       exact, jittable, E/k times the useful FLOPs (fine at small scale);
@@ -537,7 +540,7 @@ class MoE(nnx.Module):
 
     # With the weights split per expert (a CPU decode loop), an overflow takes the same per-expert path
     # with room for every token (an expert gets at most N assignments): the dense path's einsum would
-    # first copy all E experts' stacked weights into its [D, E*2I] layout (~1.1 ms a layer at batch 16).
+    # first copy all E experts' stacked weights into its [D, E*2I] layout, every layer and step.
     overflow = (lambda _: capped(n)) if split is not None else (lambda _: self._dense(flat, w, idx))
     return jax.lax.cond(jnp.max(sizes) <= c, lambda _: capped(c), overflow, None)
 

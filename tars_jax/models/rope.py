@@ -81,7 +81,8 @@ def computed_once(fn, x: jax.Array):
 
   XLA:CPU fuses elementwise producers into every consumer fusion, so the cos / sin of the rotary
   angles were recomputed inside each rotate and transpose fusion that reads them (forward and backward
-  of q and k in every layer), once per head: 1-7 % of a CPU train step (benchmarks/RESULTS.md, 2026-11-26).
+  of q and k in every layer), once per head (benchmarks/RESULTS.md, "Rotary cos / sin computed once
+  per CPU train step").
   A conditional's result is a buffer no fusion reaches into. Both branches are `fn`, so the predicate
   (data-dependent, hence not folded by XLA) cannot change the result. Not on GPU / TPU, where a
   conditional can cost a host round trip and their fusion heuristics do not duplicate transcendentals.

@@ -129,7 +129,7 @@ class VisionAttention(nnx.Module):
     qkv = self.qkv(x).reshape(n, l, 3, self.heads, hd)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     q, k = rotate(q, cos[None], sin[None]).astype(x.dtype), rotate(k, cos[None], sin[None]).astype(x.dtype)
-    if self.impl == "einsum":  # this layout directly: the shared core's transposes cost 8-18 % here on a CPU
+    if self.impl == "einsum":  # this layout directly: the shared core's transposes would slow this path on a CPU
       att = jnp.einsum("nqhd,nkhd->nhqk", q, k).astype(jnp.float32) / jnp.sqrt(jnp.float32(hd))
       if mask is not None:
         att = jnp.where(jnp.asarray(mask), att, NEG)

@@ -1,11 +1,9 @@
 """Per-executable XLA options: the decode loop compiled without XLA:CPU's YNNPACK fusions.
 
 XLA:CPU (jaxlib 0.10.2) hands dots and some elementwise / reduce fusions to YNNPACK by default
-(`xla_cpu_experimental_ynn_fusion_type`). That speeds up the train step (batch 16 x 64 tokens of the
-24M benchmark model: 1197 vs 1055 tokens/s with it) but slows the sampler's decode loop, whose dots
-have 1-16 rows against weight matrices read once per step (batch-16 greedy decode: 1934 vs 2395 ms
-for 64 tokens without / with it, same tokens; batch 1 and 512-token prefills unchanged).
-`benchmarks/RESULTS.md`, "YNNPACK off in the decode loop". Options go to one `jax.jit` each, so the
+(`xla_cpu_experimental_ynn_fusion_type`). That speeds up the train step but slows the sampler's
+decode loop, whose dots have 1-16 rows against weight matrices read once per step (same tokens either
+way; `benchmarks/RESULTS.md`, "YNNPACK off in the decode loop"). Options go to one `jax.jit` each, so the
 train step keeps its default: a process-wide `XLA_FLAGS` cannot make that split.
 """
 

@@ -3,12 +3,12 @@ and the grouped SwiGLU of the train step (forward and backward) on OpenBLAS.
 
 Decode (`swiglu_experts`):
 At decode an expert sees 0-16 rows, so its SwiGLU is bound by streaming the expert's weights from
-memory. XLA:CPU's Eigen dots read them at ~5 GB/s there, and no XLA option changed that
-(`benchmarks/RESULTS.md`, "Decode overflow without the dense path ...": tried, no gain).
+memory. XLA:CPU's Eigen dots read them well below memory bandwidth there, and no XLA option changed
+that (`benchmarks/RESULTS.md`, "Decode overflow without the dense path ...": tried, no gain).
 `csrc/decode_experts.cc` instead keeps a 4-row x 64-byte block of outputs in vector registers,
 reads each expert's weights once, front to back, from a copy packed in 64-byte column tiles, and
-shares the (expert, tile) work between the calling thread and XLA's intra-op thread pool: ~13 GB/s
-on the 2-core VM (RESULTS.md, "Decode experts as an FFI kernel"). Dropless and exact per expert like
+shares the (expert, tile) work between the calling thread and XLA's intra-op thread pool, so all
+cores stream weights (RESULTS.md, "Decode experts as an FFI kernel"). Dropless and exact per expert like
 the other MoE paths: only the rows really routed to an expert are computed (no capacity, no overflow
 branch).
 
@@ -16,8 +16,8 @@ Train step (`grouped_swiglu`, a `jax.custom_vjp`): the "grouped" MoE path's expe
 group of rows as OpenBLAS sgemm calls (`csrc/grouped_swiglu.cc`; the `scipy-openblas32` wheel, the
 BLAS numpy ships) with the SwiGLU and its derivative in C++ between them: one custom call forward,
 one backward, instead of XLA:CPU's while loop over chunks (`grouped_mlp.py`), whose dots run the
-benchmark model's MoE shapes at ~45-70 GFLOP/s where OpenBLAS does ~80-90 (RESULTS.md, "Train-step
-experts on OpenBLAS").
+benchmark model's MoE shapes slower than OpenBLAS's sgemm (RESULTS.md, "Train-step experts on
+OpenBLAS").
 
 The C++ sources are compiled on first use with the machine's g++ (`-O3 -march=native`, XLA FFI
 headers from jaxlib) into `$TARS_JAX_KERNEL_DIR` (default `~/.cache/tars_jax/kernels`), keyed by a

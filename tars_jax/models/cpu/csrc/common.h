@@ -35,7 +35,7 @@ struct ParallelJob {
 };
 
 // Runs run(t) for t in [0, total), on the caller and num_threads - 1 helpers (one worker per core
-// whether or not the caller is itself a pool thread; measured on 2 cores).
+// whether or not the caller is itself a pool thread).
 inline void ParallelFor(xla::ffi::ThreadPool& pool, int64_t total, std::function<void(int64_t)> run) {
   if (total <= 0) return;
   auto job = std::make_shared<ParallelJob>();

@@ -1,8 +1,8 @@
 // Grouped SwiGLU experts for the CPU train step (forward and backward), each expert's group of rows as
 // OpenBLAS sgemm calls (scipy-openblas32, the BLAS numpy ships). Two XLA FFI handlers
 // (`TarsGroupedSwigluFwd`, `TarsGroupedSwigluBwd`) registered by `tars_jax/models/expert_kernel.py`,
-// which documents shapes and the measurements behind it: for the MoE shapes of the benchmark model
-// OpenBLAS runs these products ~1.8x faster than XLA:CPU's dots in the `grouped` while loop.
+// which documents shapes and why: for the MoE shapes of the benchmark model OpenBLAS runs these
+// products faster than XLA:CPU's dots in the `grouped` while loop.
 //
 // Rows of `xs` are sorted by expert: expert e owns rows [start_e, start_e + sizes[e]). Weights:
 // gate|up [E, D, 2I] (gate columns first: `MoE.w_gate_up` [E, D, 2, I] reshaped), down [E, I, D].
@@ -59,7 +59,7 @@ ffi::Error CheckShapes(const char* who, ffi::Buffer<ffi::F32>& xs, ffi::Buffer<f
 
 // Tasks of at most kChunkRows rows of one expert's group: both cores stay busy whatever the group
 // sizes, and a helper that starts late still finds work. (Fewer rows per sgemm repack the expert's
-// weights more often: 128 rows keep that under ~10 % of the product.)
+// weights more often: 128 rows keep that a small share of the product.)
 constexpr int64_t kChunkRows = 128;
 
 struct RowChunk {

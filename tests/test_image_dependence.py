@@ -1,5 +1,8 @@
 """Image dependence of a policy's decisions (tars_jax/analysis/image_dependence.py)."""
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -22,6 +25,9 @@ def setup():
   return cfg, parts, params
 
 
+CLICKS = [(100, 200), (500, 500), (900, 800), (300, 700)]  # 4 rows everywhere: one compiled shape
+
+
 def _batch(parts, images, clicks):
   tok = parts.tokenizer
   eps = []
@@ -35,6 +41,18 @@ def _batch(parts, images, clicks):
     eps.append(ep)
   return collate(eps, pad_id=tok.pad_id, max_images=1, image_hw=parts.image_hw, length_multiple=64,
                  batch_size=len(eps)).as_dict()
+
+
+@functools.lru_cache(maxsize=None)
+def _logits_fn(graphdef):
+  return jax.jit(lambda p, *a: nnx.merge(graphdef, p)(*a).logits)
+
+
+def _forward(parts, params, b, pix, im):
+  """The policy's own logits [B, T, V] (`Policy.__call__`, jitted: eager NNX is slow)."""
+  toks, attn = jnp.asarray(b["tokens"]), jnp.asarray(b["attn_mask"])
+  pos = rope_positions(toks, attn, parts.hparams.image_token_id, parts.hparams.grid_hw)
+  return _logits_fn(parts.policy_gd)(params, toks, pos, attn, jnp.asarray(pix), jnp.asarray(im))
 
 
 def _dep(parts, params, batch):
@@ -60,12 +78,12 @@ def test_decisions_are_the_free_digits(setup):
 
 def test_layer_walk_reproduces_the_policy_forward(setup):
   _, parts, params = setup
-  b = _batch(parts, _images(3, 1), [(100, 200), (500, 500), (900, 800)])
-  policy = nnx.merge(parts.policy_gd, params)
+  b = _batch(parts, _images(4, 1), CLICKS)
   toks, attn = jnp.asarray(b["tokens"]), jnp.asarray(b["attn_mask"])
   pos = rope_positions(toks, attn, parts.hparams.image_token_id, parts.hparams.grid_hw)
-  states = dict(layer_states(policy, toks, pos, attn, jnp.asarray(b["pixel_values"]), jnp.asarray(b["image_mask"])))
-  ref = policy(toks, pos, attn, jnp.asarray(b["pixel_values"]), jnp.asarray(b["image_mask"]))[0]
+  walk_fn = jax.jit(lambda p, *a: dict(layer_states(nnx.merge(parts.policy_gd, p), *a)))
+  states = walk_fn(params, toks, pos, attn, jnp.asarray(b["pixel_values"]), jnp.asarray(b["image_mask"]))
+  ref = _forward(parts, params, b, b["pixel_values"], b["image_mask"])
   m = np.asarray(attn)
   ref, got = np.asarray(ref)[m], np.asarray(states["logits"])[m]
   np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * max(1.0, np.abs(ref).max()))
@@ -74,25 +92,21 @@ def test_layer_walk_reproduces_the_policy_forward(setup):
 def test_same_screenshot_everywhere_gives_zero(setup):
   _, parts, params = setup
   img = _images(1, 2)[0]
-  res = _dep(parts, params, _batch(parts, [img] * 3, [(100, 200), (500, 500), (900, 800)]))
+  res = _dep(parts, params, _batch(parts, [img] * 4, CLICKS))
   for k in res:
     if k != "decisions":
       assert res[k] < 1e-6, (k, res[k])
-  assert res["decisions"] == 12
+  assert res["decisions"] == 16
 
 
 def test_tv_equals_two_independent_forwards(setup):
   """`tv` against float64 numpy over two full `Policy` forwards (rows' images rolled by one)."""
   cfg, parts, params = setup
-  b = _batch(parts, _images(4, 3), [(100, 200), (500, 500), (900, 800), (300, 700)])
+  b = _batch(parts, _images(4, 3), CLICKS)
   res = _dep(parts, params, b)
-  policy = nnx.merge(parts.policy_gd, params)
-  toks, attn = jnp.asarray(b["tokens"]), jnp.asarray(b["attn_mask"])
-  pos = rope_positions(toks, attn, parts.hparams.image_token_id, parts.hparams.grid_hw)
   pix, im = np.asarray(b["pixel_values"]), np.asarray(b["image_mask"])
-  la = np.asarray(policy(toks, pos, attn, jnp.asarray(pix), jnp.asarray(im))[0], np.float64)[:, :-1]
-  lb = np.asarray(policy(toks, pos, attn, jnp.asarray(np.roll(pix, -1, 0)), jnp.asarray(np.roll(im, -1, 0)))[0],
-                  np.float64)[:, :-1]
+  la = np.asarray(_forward(parts, params, b, pix, im), np.float64)[:, :-1]
+  lb = np.asarray(_forward(parts, params, b, np.roll(pix, -1, 0), np.roll(im, -1, 0)), np.float64)[:, :-1]
   q = decision_mask(b, parts.table)
   allowed = np.asarray(parts.table)[np.maximum(np.asarray(b["states"]), 0)] >= 0
   tvs = []
@@ -110,7 +124,7 @@ def test_a_policy_blind_to_pixels_measures_zero(setup):
   """Zeroing the vision merger's output layer makes every screenshot the same to the decoder: 0;
   the same batch through the random-init policy depends on its images (> 0 at every layer)."""
   _, parts, params = setup
-  b = _batch(parts, _images(3, 4), [(100, 200), (500, 500), (900, 800)])
+  b = _batch(parts, _images(4, 4), CLICKS)
   seeing = _dep(parts, params, b)
   blind = nnx.merge(parts.policy_gd, params)
   fc2 = blind.trunk.visual.merger.linear_fc2

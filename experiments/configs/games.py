@@ -58,4 +58,7 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.iterations = 1 if smoke else 150
   c.max_minutes = 5.0 if smoke else 60.0
   c.length_multiple = 128
+  # MiniWoB's screenshot statistics do not describe game canvases: the processor default
+  c.model.image_mean = None
+  c.model.image_std = None
   return c

@@ -87,6 +87,14 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.model.norm_topk_prob = True
   c.model.decoder_sparse_step = 1
   c.model.rope_theta = 10000.0
+  # Per-channel normalisation of [0, 1] pixels, (x - mean) / std (the image processor's), with the
+  # statistics of the tasks' own screenshots (64 click-test / click-test-2 screens: mostly white, R = G,
+  # B lower for the yellow instruction bar), as CLIP's come from its data. With the processor default
+  # 0.5 / 0.5, MiniWoB's light-grey buttons on white barely move the patch embeddings and a policy
+  # trained from scratch never learns to point (benchmarks/RESULTS.md, "Image dependence"). None =
+  # the family's processor default.
+  c.model.image_mean = (0.98, 0.98, 0.75)
+  c.model.image_std = (0.094, 0.094, 0.42)
   c.model.scan_layers = False  # True: decoder layers stacked and run by lax.scan (ModelConfig docstring)
   # MoE compute (ModelConfig.moe_impl): "dense" exact reference; "grouped" exact, the fastest CPU train
   # step and decode where the experts' FLOPs dominate; "blocked" its decode paths; "ragged" for expert

@@ -20,12 +20,10 @@ import os
 
 from absl import app, flags
 import ml_collections as mlc
-from tqdm import tqdm
 
 from envs_bridge.launch import env_fleet
 from experiments.game_scores import format_games, game_episode_records, game_scores
-from tars_jax.rollout.agent_loop import RolloutStats, run_episodes
-from tars_jax.rollout.evaluation import eval_jobs, format_table, summarize
+from tars_jax.rollout.evaluation import eval_jobs, format_table, play, summarize
 from tars_jax.train import checkpoint as ckpt
 from tars_jax.train import state as state_lib
 
@@ -69,12 +67,9 @@ def evaluate(run: str, tasks: list[str] | None, episodes: int, step: int | None 
   sessions = sessions or config.env.num_sessions
   policy = parts.batched_policy(state["policy"], batch_size=sessions, seed=config.seed + 7)
   jobs = eval_jobs(tasks, episodes, config.env.eval_seed_offset)
-  results = []
   with env_fleet(config.env, urls=servers or ()) as (loop, clients):
-    for s in tqdm(range(0, len(jobs), sessions), desc="eval", unit="batch"):
-      results += loop.run_until_complete(run_episodes(
-          policy.act, clients, jobs[s:s + sessions], parts.loop_cfg, parts.tokenizer, version=step,
-          stats=RolloutStats()))
+    results = play(loop, policy.act, clients, jobs, parts.loop_cfg, parts.tokenizer, sessions=sessions,
+                   version=step, progress="eval")
   if episodes_out is not None:
     episodes_out.extend(results)
   summary = summarize(results)

@@ -6,6 +6,7 @@ import asyncio
 from typing import Sequence
 
 import numpy as np
+from tqdm import tqdm
 
 from tars_jax.agent.trajectory import Episode
 from tars_jax.rollout.agent_loop import RolloutStats, run_episodes
@@ -21,12 +22,13 @@ def eval_jobs(tasks: list[str], episodes: int, seed_offset: int) -> list[tuple[s
 
 
 def play(loop: asyncio.AbstractEventLoop, act, clients, jobs: Sequence[tuple[str, int]], loop_cfg, tok,
-         sessions: int, version: int) -> list[Episode]:
+         sessions: int, version: int, progress: str | None = None) -> list[Episode]:
   """Plays `jobs` through `run_episodes` (the training rollout path) `sessions` at a time, on the
   event loop `loop` of the sandbox clients; returns the episodes in job order (lost ones included,
-  flagged `lost`)."""
+  flagged `lost`). `progress`: a tqdm bar over the batches with this description (None: no bar)."""
   out: list[Episode] = []
-  for s in range(0, len(jobs), sessions):
+  starts = range(0, len(jobs), sessions)
+  for s in (starts if progress is None else tqdm(starts, desc=progress, unit="batch")):
     out += loop.run_until_complete(run_episodes(act, clients, jobs[s:s + sessions], loop_cfg, tok,
                                                 version=version, stats=RolloutStats()))
   return out

@@ -131,6 +131,12 @@ class SandboxClient:
     """Server events (browser/page/session) with seq > since, oldest first."""
     return (await self._call("GET", "/events", params={"since": since, "limit": limit}))["events"]
 
+  async def elements(self, session_id: str) -> list[dict]:
+    """DEBUG / EXPERTS / DATA ONLY: the visible elements of the task area, in document order, each
+    {tag, id, classes, type, text, value, checked, focused, leaf, x, y, width, height} (box in
+    screenshot pixels). Raises the typed session errors."""
+    return (await self._call("GET", f"/debug/sessions/{session_id}/elements"))["elements"]
+
   async def element_box(self, session_id: str, selector: str) -> dict | None:
     """DEBUG / TESTS ONLY: {x, y, width, height} px of the first element matching `selector`."""
     return (await self._call("GET", f"/debug/sessions/{session_id}/element_box",

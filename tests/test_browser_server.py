@@ -289,3 +289,30 @@ def test_chromium_crash_loses_sessions_and_recovers():
         assert health["browser_restarts"] == 1 and health["lost"] == 1 and health["recoveries"] == 1
         assert health["browsers"][0]["pid"] != pid
     run(go())
+
+
+def test_elements_lists_visible_elements_with_their_text_and_boxes(server):
+  """The debug `elements` call (experts, grounding data) agrees with element_box and the page: the
+  click-test-2 button whose text the instruction names is where clicking rewards."""
+  async def go():
+    async with SandboxClient(server.url) as c:
+      sid, obs = await c.open("miniwob/click-test-2", 3)
+      els = await c.elements(sid)
+      label = re.search(r"button (\w+)", obs.info["instruction"]).group(1)
+      buttons = {e["text"]: e for e in els if e["tag"] == "button"}
+      assert set(buttons) == {"ONE", "TWO"} and all(b["leaf"] for b in buttons.values())
+      target = buttons[label]
+      box = await c.element_box(sid, "#" + target["id"])
+      assert [target[k] for k in ("x", "y", "width", "height")] == pytest.approx(
+          [box[k] for k in ("x", "y", "width", "height")], abs=1.0)
+      query = next(e for e in els if e["id"] == "query")
+      assert query["text"] == obs.info["instruction"] and (query["x"], query["y"]) == (0, 0)
+      assert all(0 <= e["x"] and e["x"] + e["width"] <= W + 1e-6 and e["y"] + e["height"] <= H + 1e-6
+                 for e in els)
+      x, y = grid(target)
+      obs = await c.step(sid, f"Thought: the {label} button\nAction: click(start_box='({x},{y})')")
+      assert obs.done and obs.reward > 0
+      sid2, _ = await c.open("miniwob/click-checkboxes", 3)
+      boxes = [e for e in await c.elements(sid2) if e["type"] == "checkbox"]
+      assert boxes and all(e["text"] == "" and not e["checked"] for e in boxes)
+  run(go())

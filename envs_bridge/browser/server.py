@@ -72,6 +72,12 @@ def create_app(step_ms: int = 1000, lease_s: float = 300.0, max_sessions: int = 
   async def restore(sid: str, snap: P.Snapshot):
     return await sandbox.restore(sid, snap.model_dump())
 
+  @app.get("/debug/sessions/{sid}/elements", tags=["debug"])
+  async def elements(sid: str):
+    """DEBUG / EXPERTS / DATA ONLY: every visible element of the task area with its text and pixel
+    box (`BrowserSandbox.elements`). Scripted experts and grounding data read it; agents never do."""
+    return {"elements": await sandbox.elements(sid)}
+
   @app.get("/debug/sessions/{sid}/element_box", tags=["debug"])
   async def element_box(sid: str, selector: str):
     """DEBUG / TESTS ONLY: pixel bounding box of a DOM element (CSS selector), or null. Lets tests

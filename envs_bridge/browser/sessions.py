@@ -106,6 +106,41 @@ MAX_PAGE_STEPS = 20_000  # a page is retired after this many steps (each page.cl
 # browser that survived a crash (its idle pages), so the next kill -9 lost all of them.
 REUSE_IMBALANCE = 1
 CLOSE_TIMEOUT_S = 10.0  # least time a page's context gets to close before its Chromium is killed
+# Visible elements of the task area for the debug `elements` call (experts, grounding data).
+ELEMENTS_SCRIPT = """() => {
+  const root = document.getElementById('wrap') || document.body;
+  const vw = window.innerWidth, vh = window.innerHeight;
+  const clean = t => (t || '').replace(/\\s+/g, ' ').trim().slice(0, 200);
+  const visible = el => {
+    const r = el.getBoundingClientRect();
+    if (r.width < 1 || r.height < 1 || r.right <= 0 || r.bottom <= 0 || r.left >= vw || r.top >= vh) return null;
+    const st = getComputedStyle(el);
+    if (st.visibility === 'hidden' || st.display === 'none' || parseFloat(st.opacity) === 0) return null;
+    return r;
+  };
+  const out = [], seen = new Map();
+  for (const el of root.querySelectorAll('*')) {
+    const r = visible(el);
+    if (!r) continue;
+    seen.set(el, out.length);
+    const tag = el.tagName.toLowerCase();
+    const isInput = tag === 'input' || tag === 'textarea' || tag === 'select';
+    const box = tag === 'input' && (el.type === 'checkbox' || el.type === 'radio');
+    const text = box ? '' : isInput ? clean(el.value || el.placeholder || '') : clean(el.innerText);
+    const x0 = Math.max(0, r.left), y0 = Math.max(0, r.top);
+    out.push({tag, id: el.id || '', classes: clean(typeof el.className === 'string' ? el.className : ''),
+              type: clean(el.getAttribute('type')), text, value: isInput ? String(el.value ?? '') : '',
+              checked: !!el.checked, focused: document.activeElement === el, leaf: true,
+              x: x0, y: y0, width: Math.min(vw, r.right) - x0, height: Math.min(vh, r.bottom) - y0});
+  }
+  for (const [el, i] of seen) {
+    let p = el.parentElement;
+    while (p && p !== root && !seen.has(p)) p = p.parentElement;
+    if (p && seen.has(p)) out[seen.get(p)].leaf = false;
+  }
+  return out;
+}"""
+
 # Caret hidden on every page for good: a caret blinks on real time, so it would make screenshots
 # depend on the wall clock. Playwright's page.screenshot hides it only while it shoots (an injected
 # `caret-color: transparent` style); the direct CDP screenshot of the step path needs it hidden
@@ -836,6 +871,24 @@ class BrowserSandbox:
     self.events.add("session_restored", session=sid, task=s.task, steps=s.step)
     self.metrics.op("restore").observe(time.perf_counter() - t0)
     return obs
+
+  async def elements(self, sid: str) -> list[dict]:
+    """Every visible element of the task area (MiniWoB's #wrap), in document order, as
+    {tag, id, classes, type, text, value, checked, focused, leaf, x, y, width, height}: box in
+    screenshot pixels clipped to the viewport, `text` the element's rendered text (innerText, or
+    value / placeholder of inputs; whitespace collapsed, at most 200 characters), `leaf` True when no
+    visible element is inside it. What scripted experts and grounding data read (tars_jax/data/);
+    agents only ever see screenshots.
+
+    Raises: the typed session errors.
+    """
+    s = self._get(sid)
+    async with s.lock:
+      try:
+        async with asyncio.timeout(self.page_timeout_s):
+          return await s.page.evaluate(ELEMENTS_SCRIPT)
+      except (TimeoutError, PlaywrightError) as e:
+        await self._page_failed(s, e, "elements")
 
   async def element_box(self, sid: str, selector: str) -> dict | None:
     """Bounding box {x, y, width, height} (px) of the first element matching a CSS `selector`, or

@@ -4,6 +4,8 @@ r"""Held-out evaluation of a run's policy: per-task success over seeds never use
       --episodes 200 --json runs/miniwob_ppo/eval.json [--checkpoint STEP]
   python -m experiments.eval --run runs/games --episodes 50 --json runs/games/eval.json
   python -m experiments.eval --run runs/games --episodes 50 --checkpoint 0   # the untrained baseline
+  python -m experiments.eval --run runs/main --json runs/main/eval.json   # pipeline: its newest stage
+  python -m experiments.eval --run runs/main/sft --json runs/main/eval_sft.json   # one stage
 
 Actions are the policy's own samples (same temperature and constrained grammar as in training).
 Game tasks ('games/<name>') also get their normalised score: 100 x mean over episodes of the game's
@@ -37,6 +39,24 @@ _SERVERS = flags.DEFINE_list("servers", [], "Sandbox server URLs (default: launc
 _SESSIONS = flags.DEFINE_integer("sessions", None, "Concurrent episodes (default: config.env.num_sessions).")
 
 
+# Stages of a pipeline run dir (scripts/demo.sh: runs/<name>/{grounding,demos,sft,vpt,ppo}) that hold
+# a policy, newest first.
+POLICY_STAGES = ("ppo", "sft", "grounding")
+
+
+def resolve_run(run: str) -> str:
+  """The run dir to evaluate: `run` itself when it has a config.json, else the newest stage of a
+  pipeline run dir that has checkpoints (`POLICY_STAGES`: ppo, then sft, then grounding).
+  Raises: FileNotFoundError naming what was looked for."""
+  if os.path.exists(os.path.join(run, "config.json")):
+    return run
+  for stage in POLICY_STAGES:
+    d = os.path.join(run, stage)
+    if os.path.exists(os.path.join(d, "config.json")) and os.path.isdir(os.path.join(d, "checkpoints")):
+      return d
+  raise FileNotFoundError(f"{run}: no config.json, and no pipeline stage {POLICY_STAGES} with checkpoints in it")
+
+
 def evaluate(run: str, tasks: list[str] | None, episodes: int, step: int | None = None,
              servers: list[str] | None = None, sessions: int | None = None,
              episodes_out: list | None = None) -> tuple[int, dict]:
@@ -54,6 +74,7 @@ def evaluate(run: str, tasks: list[str] | None, episodes: int, step: int | None 
     envs_bridge.protocol.SandboxError: a sandbox error no retry fixes, at once (UnknownTask for a
       misspelt task name, Unauthorized for a wrong token, ...).
   """
+  run = resolve_run(run)
   with open(os.path.join(run, "config.json")) as f:
     config = mlc.ConfigDict(json.load(f))
   parts = state_lib.build(config)
@@ -86,7 +107,7 @@ def main(argv):
   eps: list = []
   step, summary = evaluate(_RUN.value, tasks, _EPISODES.value, _CKPT.value, _SERVERS.value,
                            _SESSIONS.value, episodes_out=eps)
-  print(f"checkpoint {step} of {_RUN.value}, {_EPISODES.value} held-out seeds per task")
+  print(f"checkpoint {step} of {resolve_run(_RUN.value)}, {_EPISODES.value} held-out seeds per task")
   print(format_table(summary))
   lost = {task: r["lost"] for task, r in summary.items() if r["lost"]}
   if lost:

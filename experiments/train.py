@@ -4,6 +4,8 @@ r"""PPO trainer for GUI agents against sandbox servers (one linear script; big_v
   python -m experiments.train --config experiments/configs/miniwob_ppo.py:smoke --workdir /tmp/smoke
   python -m experiments.train --config experiments/configs/miniwob_ppo.py:ppo --workdir runs/ppo_vpt \
       --config.critic.init=runs/vpt/critic      # critic from experiments/value_pretrain.py
+  python -m experiments.train --config experiments/configs/miniwob_pipeline.py --workdir runs/x/ppo \
+      --config.policy.init=runs/x/sft --config.critic.init=runs/x/vpt/critic   # from the SFT policy
 
 Re-running the same command resumes from the last complete checkpoint in `--workdir`.
 Layout of the run dir: config.json, metrics.jsonl, tensorboard/, checkpoints/, trajectories/.
@@ -68,7 +70,10 @@ def main(argv):
   parts = state_lib.build(config)
   state = parts.init_state(config.seed)
   print(f"[train] MoE: {nnx.merge(parts.policy_gd, state['policy']).moe_strategy_summary()}")
-  # KL reference = the initial policy (rebuilt from the seed on resume, so it never changes).
+  if config.policy.init:  # e.g. the SFT stage; loaded on resume too: it is the KL reference
+    state, src = state_lib.load_policy(state, config.policy.init, parts.popt)
+    print(f"[train] policy initialised from {src}")
+  # KL reference = the initial policy (rebuilt from the seed / policy.init on resume: never changes).
   ref_params = jax.tree.map(jnp.copy, state["policy"]) if parts.hparams.kl_coef > 0 else None
   mngr = ckpt.manager(workdir, config.keep_checkpoints, cleanup_tmp=True)
   start_iter = 0

@@ -7,8 +7,8 @@ lambda = 1, stop when value loss and explained variance meet the config's thresh
       --config.critic.init=runs/vpt/critic --workdir runs/ppo_vpt
 
 Any training config with a `vpt` section works (the ablation configs have one): the policy is that
-config's initial policy (same `seed` = the policy the PPO run starts from), or the latest checkpoint of
-the run dir `vpt.policy_run`. Writes <workdir>/critic (Orbax), metrics.jsonl, tensorboard/,
+config's initial policy (same `seed`, or `policy.init` = the policy the PPO run starts from), or the
+latest checkpoint of the run dir `vpt.policy_run`. Writes <workdir>/critic (Orbax), metrics.jsonl, tensorboard/,
 config.json and value_pretrain.json (why it stopped, final metrics). No resume: re-running starts over.
 """
 
@@ -58,9 +58,9 @@ def main(argv):
   # ----------------------------------------------------------------------------------------------
   parts = state_lib.build(config)
   full = parts.init_state(config.seed)
-  if v.policy_run:
-    _, full, _ = ckpt.restore(ckpt.manager(v.policy_run), full)
-    print(f"[vpt] policy from {v.policy_run}")
+  if v.policy_run or config.policy.init:  # the fixed policy: vpt.policy_run, else the PPO run's start
+    full, src = state_lib.load_policy(full, v.policy_run or config.policy.init, parts.popt)
+    print(f"[vpt] policy from {src}")
   r = config.rl
   copt = ppo.make_optimizer(v.lr, r.warmup_steps, r.max_grad_norm, r.weight_decay)  # vpt's own lr
   state = vpt.init_critic_state(full["critic"], copt)

@@ -44,6 +44,43 @@ def vpt_section(smoke: bool) -> mlc.ConfigDict:
   return v
 
 
+def sft_section(smoke: bool) -> mlc.ConfigDict:
+  """The `sft` section: the supervised stages (experiments/sft.py; report sections 2.3-2.4), the
+  grounding (CT-style) stage and SFT on demonstrations alike; experiments/configs/miniwob_pipeline.py
+  sets it per stage."""
+  s = mlc.ConfigDict()
+  s.data = ()  # trajectory record dirs trained on (tars_jax/data/records.py), e.g. runs/x/demos
+  s.heldout = ()  # record dirs of held-out examples: their loss every `eval_every` steps
+  # mixing weights of the `data` dirs (one per dir; () = uniform over their examples)
+  s.weights = ()
+  s.steps = 4 if smoke else 1500
+  s.max_minutes = 3.0 if smoke else 15.0  # stop (and checkpoint) after this wall-clock budget
+  s.batch_size = 4 if smoke else 16
+  s.lr = 1e-3
+  s.warmup_steps = 2 if smoke else 50
+  s.final_lr_fraction = 0.1  # cosine decay to this fraction of lr at `steps`
+  s.thoughts = False  # train on the records' templated thoughts (True) or empty `Thought: ` (False)
+  s.skip_corrupt = False  # a corrupt record: raise (False) or skip and count it (True)
+  s.log_every = 1 if smoke else 10
+  s.eval_every = 2 if smoke else 250  # held-out loss, grounding accuracy, sandbox success; 0 = off
+  s.eval_episodes = 2 if smoke else 32  # sandbox episodes per task of config.tasks at each eval; 0 = none
+  s.ckpt_every = 2 if smoke else 100
+  return s
+
+
+def data_section(smoke: bool) -> mlc.ConfigDict:
+  """The `data` section: what the data stages collect (experiments/demos.py, experiments/grounding.py)."""
+  d = mlc.ConfigDict()
+  d.demo_tasks = ()  # tasks with a scripted expert (tars_jax/data/experts.py); () = none
+  d.demo_seeds = 4 if smoke else 200  # expert episodes attempted per task (only successes are kept)
+  d.demo_seed_offset = 20_000_000  # apart from training (0+), vpt (5e6+) and evaluation (1e7+) seeds
+  d.grounding_tasks = ()  # MiniWoB++ tasks whose pages yield grounding examples; () = none
+  d.grounding_seeds = 4 if smoke else 60  # pages per task for training examples
+  d.grounding_heldout_seeds = 2 if smoke else 8  # pages per task for held-out examples
+  d.grounding_seed_offset = 30_000_000  # training pages; held-out pages from offset + 1e6
+  return d
+
+
 def get_config(arg: str | None = None) -> mlc.ConfigDict:
   arg = arg or ""
   c = mlc.ConfigDict()
@@ -160,6 +197,12 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.rl.overlong_max_tokens = 0
   c.rl.overlong_buffer = 0
 
+  c.policy = mlc.ConfigDict()
+  # Initial policy: a run dir (its latest checkpoint, e.g. an experiments/sft.py run) or one of its
+  # checkpoint step dirs (<run>/checkpoints/<step>); "" = random init from `seed`. The KL reference
+  # is this policy; a run's own checkpoint (resume) takes precedence.
+  c.policy.init = ""
+
   c.critic = mlc.ConfigDict()
   c.critic.init = ""  # critic checkpoint of experiments/value_pretrain.py (<workdir>/critic); "" = random
 
@@ -211,4 +254,6 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   elif arg not in ("", "ppo"):
     raise ValueError(f"unknown config arg {arg!r}; expected one of {ARGS}")
   c.vpt = vpt_section(smoke=arg == "smoke")
+  c.sft = sft_section(smoke=arg == "smoke")
+  c.data = data_section(smoke=arg == "smoke")
   return c

@@ -10,6 +10,7 @@ overriding `sharding.DEFAULT_RULES`) give; without it (the default) nothing chan
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import jax
@@ -94,6 +95,28 @@ def load_critic(state: dict, path: str, copt) -> dict:
   and a fresh critic optimiser state. Raises: FileNotFoundError / ValueError (mismatched model)."""
   critic = checkpoint.restore_tree(path, state["critic"])
   return dict(state, critic=critic, critic_opt=copt.init(critic))
+
+
+def load_policy(state: dict, path: str, popt) -> tuple[dict, str]:
+  """`state` with its policy restored from another run (e.g. the SFT stage) and a fresh policy
+  optimiser state; returns (state, "<checkpoint dir>/<step>") for the log.
+
+  path: a run dir (its latest complete checkpoint) or one of its step dirs `<run>/checkpoints/<step>`.
+  The run must have the same model config (its train state is restored into the structure of `state`).
+  Raises: FileNotFoundError (no such run / checkpoint); ValueError (from Orbax) for another model.
+  """
+  path = os.path.abspath(path)
+  parent, name = os.path.split(path)
+  if name.isdigit() and os.path.basename(parent) == "checkpoints":
+    run, step = os.path.dirname(parent), int(name)
+  else:
+    run, step = path, None
+  if not os.path.isdir(os.path.join(run, "checkpoints")):
+    raise FileNotFoundError(f"policy.init={path!r}: no run dir with checkpoints/ (nor a <run>/checkpoints/<step>)")
+  mngr = checkpoint.manager(run)
+  step, restored, _ = checkpoint.restore(mngr, state, step)
+  policy = restored["policy"]
+  return dict(state, policy=policy, policy_opt=popt.init(policy)), f"{mngr.directory}/{step}"
 
 
 def hparams(config, image_token_id: int, grid_hw: tuple[int, int]) -> ppo.PPOHparams:

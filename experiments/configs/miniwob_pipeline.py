@@ -1,0 +1,75 @@
+r"""The report's recipe as the main job (README, "Main job"; issue #25): grounding (CT-style) stage →
+SFT on expert demonstrations → value pretraining under the SFT policy → PPO with decoupled GAE
+(λ_critic = 1, λ_policy = 0.95) from the SFT policy and the pretrained critic, on MiniWoB++
+`click-test` / `click-test-2`. `scripts/demo.sh` runs every stage under `runs/<name>/`:
+
+  python -m experiments.grounding --config experiments/configs/miniwob_pipeline.py --out R/grounding/data
+  python -m experiments.demos --config experiments/configs/miniwob_pipeline.py --out R/demos
+  python -m experiments.sft --config experiments/configs/miniwob_pipeline.py:grounding --workdir R/grounding \
+      --config.sft.data="('R/grounding/data/train',)" --config.sft.heldout="('R/grounding/data/heldout',)"
+  python -m experiments.sft --config experiments/configs/miniwob_pipeline.py --workdir R/sft \
+      --config.policy.init=R/grounding --config.sft.data="('R/demos','R/grounding/data/train')"
+  python -m experiments.value_pretrain --config experiments/configs/miniwob_pipeline.py --workdir R/vpt \
+      --config.vpt.policy_run=R/sft
+  python -m experiments.train --config experiments/configs/miniwob_pipeline.py --workdir R/ppo \
+      --config.policy.init=R/sft --config.critic.init=R/vpt/critic
+
+Every stage uses the same model, grammar and system prompt (the prompt lists the actions: a stage with
+another action set would train on another context than the next stage acts in). The grammar allows
+`click`, `type` (demonstrations of typing tasks) and `finished` (grounding answers "what is at (x,y)?").
+
+Args (`ARGS`): "" = the SFT-on-demonstrations, value-pretraining and PPO stages; "grounding" = the
+grounding stage (its `sft` section); "grpo" = the RL stage with group-relative advantages instead of
+the critic (one arg away, as the README's comparison runs it); "thoughts" = templated thoughts kept
+(non-empty `Thought:`; think length is logged); "+smoke" appended = tiny model and budgets (tests).
+"""
+
+import ml_collections as mlc
+
+from experiments.configs import miniwob_ppo
+
+STAGES = ("", "grounding", "grpo", "thoughts")
+ARGS = (*STAGES, *(s + "+smoke" for s in STAGES))
+
+# The demonstrations' tasks (tars_jax/data/experts.py): clicking, typing and several steps.
+DEMO_TASKS = ("miniwob/click-test", "miniwob/click-test-2", "miniwob/click-button", "miniwob/click-link",
+              "miniwob/click-dialog", "miniwob/click-tab", "miniwob/enter-text", "miniwob/focus-text",
+              "miniwob/click-checkboxes", "miniwob/login-user")
+
+
+def get_config(arg: str | None = None) -> mlc.ConfigDict:
+  arg = arg or ""
+  stage, _, mod = arg.partition("+")
+  if stage not in STAGES or mod not in ("", "smoke"):
+    raise ValueError(f"unknown config arg {arg!r}; expected one of {ARGS}")
+  smoke = mod == "smoke"
+  c = miniwob_ppo.get_config("smoke" if smoke else "ppo")  # critic PPO, one episode per seed
+
+  c.grammar.actions = ("click", "type", "finished")
+  c.grammar.max_content_bytes = 16
+  c.grammar.max_thought_bytes = 48 if stage == "thoughts" else 0
+  c.sft.thoughts = stage == "thoughts"
+  c.data.demo_tasks = DEMO_TASKS[:2] if smoke else DEMO_TASKS
+  c.data.demo_seeds = 4 if smoke else 400
+
+  # --- SFT on demonstrations (mixed with grounding examples so pointing is not forgotten) ---------
+  c.sft.steps = 4 if smoke else 1200
+  c.sft.max_minutes = 3.0 if smoke else 12.0
+  c.sft.lr = 1e-3
+  if stage == "grounding":  # the CT-style stage: only grounding / perception examples
+    c.sft.steps = 4 if smoke else 600
+    c.sft.max_minutes = 3.0 if smoke else 6.0
+    c.sft.eval_episodes = 0  # no task success to measure yet
+
+  # --- Value pretraining under the SFT policy (report 2.5.4) --------------------------------------
+  c.vpt.max_minutes = 2.0 if smoke else 3.0
+
+  # --- PPO from the SFT policy ---------------------------------------------------------------------
+  c.rl.lr = 1e-4  # fine-tuning a trained policy: 5x below the from-scratch rate
+  c.rl.ent_coef = 0.01
+  c.iterations = 2 if smoke else 150
+  c.max_minutes = 2.0 if smoke else 8.0
+  c.eval_every = 0 if smoke else 50
+  if stage == "grpo":
+    c.rl.algo, c.rl.group_size = "grpo", 4
+  return c

@@ -1,0 +1,188 @@
+r"""SFT trainer: cross-entropy on trajectory records (demonstrations, grounding examples), one linear
+script like experiments/train.py. The grounding stage (CT-style, report 2.3) and SFT on demonstrations
+(2.4) are this trainer with two configs (experiments/configs/miniwob_pipeline.py).
+
+  python -m experiments.sft --config experiments/configs/miniwob_pipeline.py:grounding --workdir runs/x/grounding \
+      --config.sft.data="('runs/x/grounding/data/train',)" --config.sft.heldout="('runs/x/grounding/data/heldout',)"
+  python -m experiments.sft --config experiments/configs/miniwob_pipeline.py --workdir runs/x/sft \
+      --config.policy.init=runs/x/grounding --config.sft.data="('runs/x/demos','runs/x/grounding/data/train')"
+  python -m experiments.sft --config experiments/configs/miniwob_pipeline.py:+smoke ...   # tiny, for tests
+
+Re-running the same command resumes from the last complete checkpoint in `--workdir`, with the data
+iterator where it was (its grain state is in the checkpoint). The checkpoint holds the full train
+state of `state.Parts.init_state` (policy trained, critic untouched), so experiments/eval.py,
+`--config.policy.init=<this workdir>` (PPO, value pretraining) and the next SFT stage read it as they
+read a PPO run. Every `sft.eval_every` steps: held-out loss on `sft.heldout` records (grounding
+accuracy of the policy's own sampled clicks / answers on held-out grounding examples) and the success
+of the policy's own actions on `sft.eval_episodes` held-out seeds of each task in `config.tasks`.
+Layout of the run dir: config.json, metrics.jsonl, tensorboard/, checkpoints/, sft.json (summary).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import signal
+import sys
+import time
+
+from absl import app, flags
+from ml_collections import config_flags
+
+import jax
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from tars_jax.agent.trajectory import collate
+from tars_jax.data import grounding, records
+from tars_jax.rollout import evaluation
+from tars_jax.train import checkpoint as ckpt
+from tars_jax.train import sft
+from tars_jax.train import state as state_lib
+from tars_jax.train.metrics import MetricsWriter
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (get_config(arg)).", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (created; resumed if it has checkpoints).")
+
+
+def main(argv):
+  del argv
+  config, workdir = _CONFIG.value, _WORKDIR.value
+  s = config.sft
+  if not s.data:
+    raise app.UsageError("config.sft.data is empty: name the record dirs to train on, e.g. "
+                         "--config.sft.data=\"('runs/x/demos',)\"")
+  os.makedirs(workdir, exist_ok=True)
+  logging.getLogger().setLevel(logging.WARNING)
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+
+  # ----------------------------------------------------------------------------------------------
+  # Model, optimiser, data (checked against the model before any step), resume.
+  # ----------------------------------------------------------------------------------------------
+  parts = state_lib.build(config)
+  r = config.rl
+  opt = sft.make_optimizer(s.lr, s.warmup_steps, s.steps, s.final_lr_fraction, r.max_grad_norm, r.weight_decay)
+  state = parts.init_state(config.seed)
+  if config.policy.init:
+    state, src = state_lib.load_policy(state, config.policy.init, opt)
+    print(f"[sft] policy initialised from {src}")
+  else:
+    state = dict(state, policy_opt=opt.init(state["policy"]))
+  tok = parts.tokenizer
+  model_meta = dict(image_hw=tuple(parts.image_hw), n_img_tokens=parts.loop_cfg.n_img_tokens,
+                    tokenizer=tok.name, vocab_size=tok.vocab_size)
+  for d in (*s.data, *s.heldout):
+    records.check_compatible(records.read_meta(d), **model_meta)
+  prep = functools.partial(sft.prepare, grammar=parts.grammar, tokenizer=tok, thoughts=s.thoughts)
+  coll = functools.partial(_collate, prep=prep, pad_id=tok.pad_id, image_hw=parts.image_hw, length_multiple=config.length_multiple,
+                           batch_size=s.batch_size)
+  train_ds = records.batches(records.episodes(tuple(s.data), skip_corrupt=s.skip_corrupt,
+                                              weights=tuple(s.weights) or None),
+                             seed=config.seed, batch_size=s.batch_size, shuffle=True,
+                             process_index=jax.process_index(), process_count=jax.process_count(),
+                             collate_fn=coll)
+  heldout = [e for d in s.heldout for e, _ in records.read_episodes(d)]
+  heldout_batches = [coll([e for e in heldout[i:i + s.batch_size]]) for i in range(0, len(heldout), s.batch_size)]
+  data_iter = iter(train_ds)
+
+  mngr = ckpt.manager(workdir, config.keep_checkpoints, cleanup_tmp=True)
+  start = 0
+  if mngr.latest_step() is not None:
+    start, state, meta = ckpt.restore(mngr, state)
+    data_iter.set_state(meta["data_state"])
+    print(f"[sft] resumed from {mngr.directory}/{start}")
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    f.write(config.to_json_best_effort(indent=2))
+  writer = MetricsWriter(workdir, resume_step=start)
+  print(f"[sft] MoE: {nnx.merge(parts.policy_gd, state['policy']).moe_strategy_summary()} | data: "
+        f"{', '.join(s.data)} | held-out: {len(heldout)} episodes | thoughts: {s.thoughts}")
+  step_fn = functools.partial(sft.train_step, graphdef=parts.policy_gd, opt=opt, hp=parts.hparams,
+                              aux_coef=r.aux_loss_coef)
+  eval_fn = functools.partial(sft.eval_metrics, graphdef=parts.policy_gd, hp=parts.hparams)
+
+  def evaluate(params, step: int) -> dict[str, float]:
+    m: dict[str, float] = {}
+    if heldout_batches:
+      rows = [jax.device_get(eval_fn(params, b, parts.table)) for b in heldout_batches]
+      w = np.array([x["tokens"] for x in rows])
+      for k in ("ce", "ce_free", "acc_free"):
+        m[f"heldout/{k}"] = float(np.average([x[k] for x in rows], weights=w))
+      ground = [e for e in heldout if e.task.startswith(grounding.TASK_PREFIX)]
+      if ground:
+        pol = parts.batched_policy(params, batch_size=config.env.num_sessions, seed=config.seed + 7)
+        m.update({f"grounding/{k}": float(v) for k, v in grounding.grounding_accuracy(pol.act, ground).items()})
+    if s.eval_episodes:
+      pol = parts.batched_policy(params, batch_size=config.env.num_sessions, seed=config.seed + 7)
+      from envs_bridge.launch import env_fleet  # a sandbox only when success is measured
+      with env_fleet(config.env) as (loop, clients):
+        ev = evaluation.play(loop, pol.act, clients,
+                             evaluation.eval_jobs(list(config.tasks), s.eval_episodes, config.env.eval_seed_offset),
+                             parts.loop_cfg, tok, sessions=config.env.num_sessions, version=step)
+      m.update(evaluation.metrics(evaluation.summarize(ev)))
+    return m
+
+  # ----------------------------------------------------------------------------------------------
+  # Training loop.
+  # ----------------------------------------------------------------------------------------------
+  t_start, step, last = time.time(), start, {}
+  params, opt_state = state["policy"], state["policy_opt"]
+  bar = tqdm(total=s.steps, initial=start, desc="sft", unit="step", dynamic_ncols=True)
+  try:
+    if start == 0 and s.eval_every:
+      writer.write(0, evaluate(params, 0))  # the starting policy, for the before / after comparison
+    while step < s.steps:
+      if (time.time() - t_start) / 60 > s.max_minutes:
+        print(f"[sft] wall-clock budget of {s.max_minutes} min reached at step {step}")
+        break
+      t0 = time.perf_counter()
+      batch = next(data_iter)
+      params, opt_state, m = step_fn(params, opt_state, batch, parts.table)
+      step += 1
+      if step % s.log_every == 0 or step == s.steps:
+        m = {f"train/{k}": float(v) for k, v in jax.device_get(m).items()}
+        m["perf/examples_per_s"] = s.batch_size / max(time.perf_counter() - t0, 1e-9)
+        m["perf/wall_min"] = (time.time() - t_start) / 60
+        if s.eval_every and step % s.eval_every == 0:
+          m.update(evaluate(params, step))
+        writer.write(step, m)
+        last = m
+        bar.set_postfix(ce=f"{m['train/ce']:.3f}", acc=f"{m['train/acc_free']:.2f}")
+      if step % s.ckpt_every == 0:
+        ckpt.save(mngr, step, dict(state, policy=params, policy_opt=opt_state),
+                  {"iteration": step, "data_state": data_iter.get_state()})
+      bar.update(1)
+    if mngr.latest_step() != step and step > start:
+      ckpt.save(mngr, step, dict(state, policy=params, policy_opt=opt_state),
+                {"iteration": step, "data_state": data_iter.get_state()})
+    if s.eval_every and step % s.eval_every and step > start:  # the final policy, measured once more
+      last = evaluate(params, step)
+      writer.write(step, last)
+  finally:
+    bar.close()
+    writer.close()
+  summary = {"steps": step, "minutes": (time.time() - t_start) / 60, "final": last,
+             "checkpoint": f"{mngr.directory}/{mngr.latest_step()}"}
+  with open(os.path.join(workdir, "sft.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+  print(f"[sft] done: {step} steps in {summary['minutes']:.1f} min | checkpoints: {mngr.directory} "
+        f"(latest {mngr.latest_step()}) | metrics: {writer.path} | tensorboard --logdir {writer.tb_dir} | "
+        f"use --config.policy.init={workdir}")
+
+
+def _collate(episodes, *, prep, pad_id, image_hw, length_multiple, batch_size) -> dict:
+  """Recorded episodes -> a training batch dict (`trajectory.Batch`), replies re-encoded by `prep`;
+  image slots per row = the batch's most turns rounded up to a power of two (few jit shapes; the
+  vision tower runs on every slot, so not the longest demonstration's count for every batch)."""
+  eps = [prep(e) for e in episodes]
+  turns = max(len(e.turns) for e in eps)
+  return collate(eps, pad_id=pad_id, max_images=1 << (turns - 1).bit_length(), image_hw=image_hw,
+                 length_multiple=length_multiple, batch_size=batch_size).as_dict()
+
+
+if __name__ == "__main__":
+  flags.mark_flags_as_required(["config", "workdir"])
+  jax.config.update("jax_default_matmul_precision", "float32")
+  app.run(main)

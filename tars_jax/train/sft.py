@@ -1,0 +1,130 @@
+"""Supervised fine-tuning (SFT, and the CT-style grounding stage) of the policy on trajectory records.
+
+UI-TARS-2 never starts RL from scratch: the policy is first trained by cross-entropy on demonstrations
+and grounding data (report sections 2.3-2.4, "cold start"), then its critic is pretrained (2.5.4), then
+PPO runs. This module holds the pure parts of that stage: turning a recorded episode into the token
+view the policy is trained on (`prepare`), the loss, and the jitted update. The trainer is
+`experiments/sft.py`.
+
+Loss: cross-entropy of the model-written tokens (`loss_mask` = reply bytes and their EOS; never the
+prompt, observation or image tokens) under the run's grammar: the log-softmax is taken over the tokens
+the grammar allows at each position (`losses.masked_log_softmax`), the distribution the policy samples
+from, so grammar-forced tokens (one allowed token) cost 0 and carry no gradient. Token-mean over the
+batch's reply tokens (verl `sft_trainer` aggregates the same way).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from tars_jax.agent.grammar import Grammar, walk
+from tars_jax.agent.tokenizer import ByteTokenizer
+from tars_jax.agent.trajectory import Episode
+from tars_jax.rl import losses
+from tars_jax.train import ppo
+
+_REPLY = re.compile(r"^Thought: (?P<thought>[^\n]*)\nAction: (?P<action>.*)$", re.S)
+
+
+class ReplyNotInGrammar(ValueError):
+  """A recorded reply the run's grammar does not accept (another action set, coordinate format or
+  length limit than the records were written for)."""
+
+
+def reply_text(text: str, thoughts: bool) -> str:
+  """The reply to train on: `text` as recorded (thoughts=True) or with an empty thought
+  (`Thought: \\nAction: <action>`, thoughts=False). Raises ValueError if `text` is not of the form
+  `Thought: <one line>\\nAction: <action>`."""
+  m = _REPLY.match(text)
+  if m is None:
+    raise ValueError(f"reply {text!r} is not 'Thought: <thought>\\nAction: <action>'")
+  return text if thoughts else f"Thought: \nAction: {m['action']}"
+
+
+def prepare(ep: Episode, *, grammar: Grammar, tokenizer: ByteTokenizer, thoughts: bool) -> Episode:
+  """A recorded episode re-encoded for training: every turn's reply from its text (`reply_text`),
+  ids = bytes + EOS, grammar states from `walk`, behaviour log-probs 0 (unused by SFT).
+
+  Returns a new Episode (the input is not modified).
+  Raises: ReplyNotInGrammar naming the task, seed, turn and reply when the grammar rejects a reply.
+  """
+  turns = []
+  for k, t in enumerate(ep.turns):
+    text = reply_text(t.text, thoughts)
+    ids = tokenizer.encode(text) + [tokenizer.eos_id]
+    states = walk(grammar, ids)
+    if (states < 0).any():
+      raise ReplyNotInGrammar(f"{ep.task} seed {ep.seed} turn {k}: reply {text!r} is not accepted by the "
+                              "run's grammar (config.grammar: actions, coord_format, max_*_bytes)")
+    turns.append(dataclasses.replace(t, text=text, reply_ids=ids, states=states,
+                                     logprobs=np.zeros(len(ids), np.float32)))
+  return dataclasses.replace(ep, turns=turns)
+
+
+def make_optimizer(lr: float, warmup_steps: int, total_steps: int, final_fraction: float,
+                   max_grad_norm: float, weight_decay: float) -> optax.GradientTransformation:
+  """Global-norm clipping + AdamW; lr: linear warm-up over `warmup_steps` to `lr`, then cosine decay
+  to `final_fraction * lr` at `total_steps`. Same state tree as `ppo.make_optimizer` (so an SFT
+  checkpoint restores into the train state of `state.Parts.init_state`)."""
+  sched = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, warmup_steps), max(total_steps, warmup_steps + 1),
+                                             end_value=lr * final_fraction)
+  return optax.chain(optax.clip_by_global_norm(max_grad_norm),
+                     optax.adamw(lambda s: sched(s + 1), b1=0.9, b2=0.999, weight_decay=weight_decay))
+
+
+def token_logp(graphdef, params, batch: dict, table, hp: ppo.PPOHparams):
+  """Log-probs of the target tokens under the grammar-constrained distribution at temperature 1.
+
+  batch: a collated `trajectory.Batch` dict (tokens [B, T] int32, loss_mask / states [B, T-1], images).
+  Returns (logp [B, T-1] float32, allowed_count [B, T-1] int32 (tokens the grammar allows; 1 = forced),
+  correct [B, T-1] bool (the target is the arg-max), aux_loss scalar).
+  """
+  out = nnx.merge(graphdef, params)(batch["tokens"], ppo._positions(batch["tokens"], batch["attn_mask"], hp),
+                                    batch["attn_mask"], batch["pixel_values"], batch["image_mask"])
+  allowed = ppo._allowed(table, batch["states"], batch["loss_mask"])
+  logp_all = losses.masked_log_softmax(out.logits[:, :-1], allowed)
+  target = batch["tokens"][:, 1:]
+  logp = jnp.take_along_axis(logp_all, target[..., None], axis=-1)[..., 0]
+  n_allowed = allowed.sum(-1) if allowed is not None else jnp.full(target.shape, logp_all.shape[-1])
+  return logp, n_allowed, jnp.argmax(logp_all, -1) == target, out.aux_loss
+
+
+def loss_and_metrics(graphdef, params, batch: dict, table, hp: ppo.PPOHparams, aux_coef: float):
+  """(loss, metrics): token-mean cross-entropy over reply tokens + aux_coef * MoE load-balance loss.
+
+  metrics (float32 scalars): ce (per reply token, nats), ce_free (per free decision: positions where
+  the grammar allows more than one token), acc_free (arg-max = target at free decisions), tokens
+  (reply tokens), free (free decisions), aux.
+  """
+  logp, n_allowed, correct, aux = token_logp(graphdef, params, batch, table, hp)
+  mask = batch["loss_mask"]
+  free = mask * (n_allowed > 1)
+  n, nf = jnp.maximum(mask.sum(), 1.0), jnp.maximum(free.sum(), 1.0)
+  ce = -(logp * mask).sum() / n
+  m = {"ce": ce, "ce_free": -(logp * free).sum() / nf, "acc_free": (correct * free).sum() / nf,
+       "tokens": mask.sum(), "free": free.sum(), "aux": aux}
+  return ce + aux_coef * aux, m
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "opt", "hp", "aux_coef"))
+def train_step(params, opt_state, batch: dict, table, *, graphdef, opt, hp: ppo.PPOHparams, aux_coef: float):
+  """One SFT update. Returns (params, opt_state, metrics incl. loss and grad_norm)."""
+  (loss, m), g = jax.value_and_grad(
+      lambda p: loss_and_metrics(graphdef, p, batch, table, hp, aux_coef), has_aux=True)(params)
+  updates, opt_state = opt.update(g, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state, dict(m, loss=loss, grad_norm=optax.global_norm(g))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "hp"))
+def eval_metrics(params, batch: dict, table, *, graphdef, hp: ppo.PPOHparams) -> dict[str, Any]:
+  """The metrics of `loss_and_metrics` without an update (held-out records)."""
+  return loss_and_metrics(graphdef, params, batch, table, hp, 0.0)[1]

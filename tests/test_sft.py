@@ -1,0 +1,124 @@
+"""SFT (tars_jax/train/sft.py): the loss covers exactly the reply tokens, equals a numpy cross-entropy
+of the grammar-constrained distribution, memorises a batch, and its optimiser matches the PPO state."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from experiments.configs import miniwob_pipeline
+from tars_jax.agent import prompts
+from tars_jax.agent.trajectory import Episode, Turn, collate
+from tars_jax.train import ppo, sft
+from tars_jax.train import state as state_lib
+from _shared import assert_close_f32
+
+REPLIES = ["Thought: the ONE button\nAction: click(start_box='(570,610)')",
+           "Thought: the field\nAction: type(content='hello')",
+           "Thought: \nAction: finished(content='Submit')"]
+
+
+@pytest.fixture(scope="module")
+def parts():
+  return state_lib.build(miniwob_pipeline.get_config("thoughts+smoke"))
+
+
+def _episode(parts, replies, seed=0):
+  rng = np.random.default_rng(seed)
+  tok = parts.tokenizer
+  ep = Episode(task="miniwob/click-test", seed=seed, instruction="Click button ONE.",
+               prefix_ids=prompts.encode_episode_prefix(tok, "Click button ONE.", parts.loop_cfg.system))
+  for k, text in enumerate(replies):
+    img = rng.integers(0, 256, (*parts.image_hw, 3), dtype=np.uint8)
+    ep.turns.append(Turn(image=img, obs_ids=prompts.encode_observation(tok, parts.loop_cfg.n_img_tokens, None,
+                                                                      after_reply=k > 0),
+                         reply_ids=[], logprobs=np.zeros(0, np.float32), states=np.zeros(0, np.int32), text=text))
+  return ep
+
+
+def _batch(parts, eps, thoughts=True):
+  eps = [sft.prepare(e, grammar=parts.grammar, tokenizer=parts.tokenizer, thoughts=thoughts) for e in eps]
+  return eps, collate(eps, pad_id=parts.tokenizer.pad_id, max_images=4, image_hw=parts.image_hw,
+                      length_multiple=16).as_dict()
+
+
+def test_reply_text_keeps_or_empties_the_thought():
+  assert sft.reply_text(REPLIES[0], True) == REPLIES[0]
+  assert sft.reply_text(REPLIES[0], False) == "Thought: \nAction: click(start_box='(570,610)')"
+  with pytest.raises(ValueError, match="is not 'Thought"):
+    sft.reply_text("click(start_box='(1,2)')", False)
+
+
+def test_prepare_rejects_replies_outside_the_grammar(parts):
+  ep = _episode(parts, ["Thought: \nAction: drag(start_box='(100,100)', end_box='(200,200)')"])
+  with pytest.raises(sft.ReplyNotInGrammar, match="drag.*not accepted"):
+    sft.prepare(ep, grammar=parts.grammar, tokenizer=parts.tokenizer, thoughts=True)
+
+
+def test_loss_mask_covers_exactly_the_reply_tokens(parts):
+  tok = parts.tokenizer
+  (ep,), b = _batch(parts, [_episode(parts, REPLIES)])
+  targets = b["tokens"][0, 1:]
+  picked = targets[b["loss_mask"][0] > 0].tolist()
+  assert picked == [i for t in ep.turns for i in tok.encode(t.text) + [tok.eos_id]]
+  # never a prompt, observation or image token: everything before each reply is masked out
+  specials = {tok.image_id, tok.vision_start_id, tok.vision_end_id, tok.turn_start_id, tok.turn_end_id, tok.bos_id}
+  assert not specials & set(picked[:-1]) and picked.count(tok.eos_id) == len(REPLIES)
+  n_prompt = len(ep.prefix_ids) + len(ep.turns[0].obs_ids)
+  assert b["loss_mask"][0, : n_prompt - 1].sum() == 0 and b["loss_mask"][0, n_prompt - 1] == 1
+
+
+def test_loss_equals_numpy_constrained_cross_entropy(parts):
+  eps, b = _batch(parts, [_episode(parts, REPLIES, seed=s) for s in range(2)])
+  params = parts.init_state(0)["policy"]
+  loss, m = sft.loss_and_metrics(parts.policy_gd, params, b, parts.table, parts.hparams, aux_coef=0.0)
+  out = nnx.merge(parts.policy_gd, params)(b["tokens"], ppo._positions(b["tokens"], b["attn_mask"], parts.hparams),
+                                           b["attn_mask"], b["pixel_values"], b["image_mask"])
+  logits = np.asarray(out.logits[:, :-1], np.float64)
+  table = np.asarray(parts.grammar.table)
+  ce, free_ce, n, nf = 0.0, 0.0, 0, 0
+  for i, j in zip(*np.nonzero(b["loss_mask"])):
+    allowed = table[b["states"][i, j]] >= 0
+    z = logits[i, j][allowed]
+    nll = np.log(np.exp(z - z.max()).sum()) + z.max() - logits[i, j, b["tokens"][i, j + 1]]
+    ce, n = ce + nll, n + 1
+    if allowed.sum() > 1:
+      free_ce, nf = free_ce + nll, nf + 1
+    else:
+      assert abs(nll) < 1e-6  # a grammar-forced token costs nothing
+  assert int(m["tokens"]) == n and int(m["free"]) == nf and 0 < nf < n
+  assert_close_f32(float(loss), ce / n, terms=logits.shape[-1])
+  assert_close_f32(float(m["ce_free"]), free_ce / nf, terms=logits.shape[-1])
+
+
+def test_train_step_memorises_a_batch(parts):
+  _, b = _batch(parts, [_episode(parts, REPLIES, seed=s) for s in range(2)])
+  opt = sft.make_optimizer(3e-3, 2, 40, 0.1, 1.0, 0.0)
+  params = parts.init_state(0)["policy"]
+  ost = opt.init(params)
+  first = None
+  for _ in range(25):
+    params, ost, m = sft.train_step(params, ost, b, parts.table, graphdef=parts.policy_gd, opt=opt,
+                                    hp=parts.hparams, aux_coef=0.01)
+    first = first if first is not None else float(m["ce"])
+  assert float(m["ce"]) < 0.3 * first
+
+
+def test_optimizer_schedule_and_state_tree_match_ppo():
+  opt = sft.make_optimizer(1e-3, 10, 110, 0.1, 1.0, 0.0)
+  p = {"w": jnp.zeros(3)}
+  assert jax.tree.structure(opt.init(p)) == jax.tree.structure(ppo.make_optimizer(1e-3, 10, 1.0, 0.0).init(p))
+  # a gradient of ones through Adam gives |update| = lr(step) at every step (m/sqrt(v) = 1)
+  st, lrs = opt.init(p), []
+  for _ in range(110):
+    u, st = opt.update({"w": jnp.ones(3)}, st, p)
+    lrs.append(-float(u["w"][0]))
+  # (global-norm clipping scales the gradient; Adam's m / sqrt(v) normalises the scale away)
+  np.testing.assert_allclose(lrs[0], 1e-3 * 1 / 10, rtol=1e-3)  # warm-up: the first step already moves
+  np.testing.assert_allclose(lrs[9], 1e-3, rtol=1e-3)
+  mid = 1e-4 + (1e-3 - 1e-4) * 0.5 * (1 + np.cos(np.pi * 50 / 100))  # cosine half way: (lr + end) / 2
+  np.testing.assert_allclose(lrs[59], mid, rtol=1e-3)
+  np.testing.assert_allclose(lrs[-1], 1e-4, rtol=1e-2)
+  assert optax.global_norm(u) > 0

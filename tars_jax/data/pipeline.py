@@ -2,6 +2,7 @@
 batches of one length bucket, collated.
 
   episodes(dirs)                                   MapDataset of (Episode, provenance)   records.py
+    .filter(not lost)                              lost episodes are never trained on
     [process_index::process_count]                 this process's disjoint share
     .shuffle(seed).repeat(num_epochs)              a new permutation each epoch (grain reseeds per epoch)
     LengthBucketBatchIterDataset                   lists of batch_size episodes of one length bucket
@@ -36,6 +37,11 @@ STATE_VERSION = 1
 
 def _episode(element) -> Episode:
   return element[0] if isinstance(element, tuple) else element
+
+
+def _trainable(element) -> bool:
+  # A lost episode (the sandbox died mid-episode) is stored for the statistics, never trained on.
+  return not _episode(element).lost
 
 
 def num_tokens(ep: Episode) -> int:
@@ -139,7 +145,8 @@ def batches(ds: grain.MapDataset, *, seed: int, batch_size: int, collate_fn: Cal
             shuffle: bool = True, num_epochs: int | None = None, process_index: int = 0, process_count: int = 1,
             length_multiple: int = 64, drop_remainder: bool = False,
             read_options: grain.ReadOptions | None = None) -> grain.IterDataset:
-  """Training batches from `records.episodes(...)` (or any MapDataset of Episodes / (Episode, x) pairs).
+  """Training batches from `records.episodes(...)` (or any MapDataset of Episodes / (Episode, x) pairs),
+  lost episodes left out (pipeline in the module docstring).
 
   Args:
     seed: shuffle seed in [0, 2**32); epoch e uses permutation seed + e (grain ShuffleMapDataset).
@@ -161,7 +168,7 @@ def batches(ds: grain.MapDataset, *, seed: int, batch_size: int, collate_fn: Cal
     raise ValueError(f"process_index={process_index} not in [0, process_count={process_count})")
   if num_epochs is not None and num_epochs <= 0:
     raise ValueError(f"num_epochs must be positive or None, got {num_epochs}")
-  share = ds[process_index::process_count]
+  share = ds.filter(_trainable)[process_index::process_count]
   if len(share) == 0:
     raise EmptyDataset(f"process {process_index} of {process_count} gets no episodes of a dataset of {len(ds)}")
   epoch_length = len(share)

@@ -379,3 +379,18 @@ def test_resumed_iterator_continues_with_the_same_batches(pool):
   assert len({w["tokens"].shape[1] for w in want}) > 1  # several buckets -> several padded lengths
   with pytest.raises(ValueError, match="seed=5 saved, 6 here"):
     iter(pipeline(seed=6)).set_state(state)
+
+
+def test_resume_from_every_point_including_end_of_epoch_flushes(pool):
+  d, eps = pool
+  make = lambda: iter(batches(records.episodes(d), seed=9, batch_size=3, length_multiple=16, collate_fn=_seeds))
+  it, states, seq = make(), [], []
+  for _ in range(24):  # > 1 epoch of 40 episodes (batches of 3, up to one smaller per bucket)
+    states.append(json.loads(json.dumps(it.get_state())))
+    seq.append(next(it)["seed"].tolist())
+  flushes = [k for k, st in enumerate(states) if st["next_index"] % len(eps) == 0 and st["pending"]]
+  assert flushes  # some states were taken while part-filled buckets were being emptied at an epoch end
+  for k in range(len(states) - 3):
+    fresh = make()
+    fresh.set_state(states[k])
+    assert [next(fresh)["seed"].tolist() for _ in range(3)] == seq[k:k + 3], k

@@ -37,7 +37,8 @@ from flax import nnx
 from tqdm import tqdm
 
 from tars_jax.agent.trajectory import collate
-from tars_jax.data import grounding, records
+from tars_jax.analysis.image_dependence import image_dependence
+from tars_jax.data import grounding, pipeline, records
 from tars_jax.rollout import evaluation
 from tars_jax.train import checkpoint as ckpt
 from tars_jax.train import sft
@@ -75,15 +76,15 @@ def main(argv):
   model_meta = dict(image_hw=tuple(parts.image_hw), n_img_tokens=parts.loop_cfg.n_img_tokens,
                     tokenizer=tok.name, vocab_size=tok.vocab_size)
   for d in (*s.data, *s.heldout):
-    records.check_compatible(records.read_meta(d), **model_meta)
+    records.check_compatible(records.load_meta(d), **model_meta)
   prep = functools.partial(sft.prepare, grammar=parts.grammar, tokenizer=tok, thoughts=s.thoughts)
   coll = functools.partial(_collate, prep=prep, pad_id=tok.pad_id, image_hw=parts.image_hw, length_multiple=config.length_multiple,
                            batch_size=s.batch_size)
-  train_ds = records.batches(records.episodes(tuple(s.data), skip_corrupt=s.skip_corrupt,
-                                              weights=tuple(s.weights) or None),
-                             seed=config.seed, batch_size=s.batch_size, shuffle=True,
-                             process_index=jax.process_index(), process_count=jax.process_count(),
-                             collate_fn=coll)
+  corrupt = records.CorruptCounter()
+  train_ds = pipeline.batches(records.episodes(tuple(s.data), skip_corrupt=s.skip_corrupt, counter=corrupt),
+                              seed=config.seed, batch_size=s.batch_size, collate_fn=coll, shuffle=True,
+                              process_index=jax.process_index(), process_count=jax.process_count(),
+                              length_multiple=config.length_multiple)
   heldout = [e for d in s.heldout for e, _ in records.read_episodes(d)]
   heldout_batches = [coll([e for e in heldout[i:i + s.batch_size]]) for i in range(0, len(heldout), s.batch_size)]
   data_iter = iter(train_ds)
@@ -110,6 +111,12 @@ def main(argv):
       w = np.array([x["tokens"] for x in rows])
       for k in ("ce", "ce_free", "acc_free"):
         m[f"heldout/{k}"] = float(np.average([x[k] for x in rows], weights=w))
+      n = min(len(heldout), s.batch_size)
+      if n > 1:  # how much the decisions depend on the screenshot, per layer (issue #25 item 7)
+        first = {k: v[:n] if getattr(v, "ndim", 0) else v for k, v in heldout_batches[0].items()}
+        dep = image_dependence(parts.policy_gd, params, first, parts.table, temperature=config.sampling.temperature,
+                               image_token_id=parts.hparams.image_token_id, grid_hw=parts.hparams.grid_hw)
+        m.update({f"image_dependence/{k}": v for k, v in dep.items() if k not in ("embed", "decisions")})
       ground = [e for e in heldout if e.task.startswith(grounding.TASK_PREFIX)]
       if ground:
         pol = parts.batched_policy(params, batch_size=config.env.num_sessions, seed=config.seed + 7)
@@ -145,6 +152,7 @@ def main(argv):
         m = {f"train/{k}": float(v) for k, v in jax.device_get(m).items()}
         m["perf/examples_per_s"] = s.batch_size / max(time.perf_counter() - t0, 1e-9)
         m["perf/wall_min"] = (time.time() - t_start) / 60
+        m["data/corrupt_skipped"] = corrupt.count
         if s.eval_every and step % s.eval_every == 0:
           m.update(evaluate(params, step))
         writer.write(step, m)

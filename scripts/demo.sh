@@ -1,13 +1,50 @@
 #!/usr/bin/env bash
-# Main job: set up, train the small VLM agent with PPO on MiniWoB++ click tasks, then evaluate it.
-#   bash scripts/demo.sh                # full run (experiments/configs/miniwob_ppo.py)
-#   bash scripts/demo.sh --config.rl.lr=1e-4   # extra flags go to experiments/train.py
+# Main job: the report's recipe on MiniWoB++ click-test / click-test-2, every stage a resumable run under
+# runs/<name>/ (experiments/configs/miniwob_pipeline.py):
+#   grounding data -> grounding (CT) stage -> expert demonstrations -> SFT -> value pretraining -> PPO
+#   -> held-out evaluation of the SFT and the RL policy -> plots.
+#   bash scripts/demo.sh                          # runs/main
+#   RUN=runs/try2 bash scripts/demo.sh            # another run dir
+#   ARG=grpo bash scripts/demo.sh                 # the RL stage with GRPO instead of critic PPO
+#   ARG=thoughts bash scripts/demo.sh             # templated thoughts kept (think length logged)
+# Re-running continues where it stopped: finished stages are skipped, a killed one resumes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 source scripts/env.sh
-RUN=${RUN:-runs/miniwob_ppo}
-.venv/bin/python -m experiments.train --config experiments/configs/miniwob_ppo.py --workdir "$RUN" "$@"
-.venv/bin/python -m experiments.eval --run "$RUN" --tasks miniwob/click-test,miniwob/click-test-2 \
-  --episodes 200 --json "$RUN/eval.json"
-.venv/bin/python -m experiments.plot --run "$RUN"
+RUN=${RUN:-runs/main}
+ARG=${ARG:-}  # config arg of the data, SFT, value-pretraining and RL stages ("", grpo, thoughts)
+MOD=${MOD:-}  # "smoke": tiny model and budgets (tests/test_demo_pipeline.py)
+CFG=experiments/configs/miniwob_pipeline.py
+cfg() { echo "$CFG:$1${MOD:++$MOD}"; }
+PY=.venv/bin/python
+T0=$(date +%s)
+mkdir -p "$RUN"
+stage() { echo "[demo] $(( ($(date +%s) - T0) / 60 )) min: $*"; }
+
+stage "grounding data"
+[[ -f $RUN/grounding/data/done ]] || {
+  $PY -m experiments.grounding --config "$(cfg "$ARG")" --out "$RUN/grounding/data"; touch "$RUN/grounding/data/done"; }
+stage "grounding stage (SFT on grounding examples)"
+$PY -m experiments.sft --config "$(cfg grounding)" --workdir "$RUN/grounding" \
+  --config.sft.data="('$RUN/grounding/data/train',)" --config.sft.heldout="('$RUN/grounding/data/heldout',)"
+stage "expert demonstrations"
+[[ -f $RUN/demos/done ]] || { $PY -m experiments.demos --config "$(cfg "$ARG")" --out "$RUN/demos"; touch "$RUN/demos/done"; }
+stage "SFT on demonstrations"
+$PY -m experiments.sft --config "$(cfg "$ARG")" --workdir "$RUN/sft" --config.policy.init="$RUN/grounding" \
+  --config.sft.data="('$RUN/demos','$RUN/grounding/data/train')" --config.sft.heldout="('$RUN/grounding/data/heldout',)"
+stage "value pretraining under the SFT policy"
+[[ -f $RUN/vpt/value_pretrain.json ]] || \
+  $PY -m experiments.value_pretrain --config "$(cfg "$ARG")" --workdir "$RUN/vpt" --config.vpt.policy_run="$RUN/sft"
+stage "RL from the SFT policy"
+CRITIC=()
+[[ ${ARG} == grpo ]] || CRITIC=(--config.critic.init="$RUN/vpt/critic")
+$PY -m experiments.train --config "$(cfg "$ARG")" --workdir "$RUN/ppo" --config.policy.init="$RUN/sft" "${CRITIC[@]}"
+stage "held-out evaluation (200 seeds per task) of the SFT and the RL policy"
+for s in sft ppo; do
+  $PY -m experiments.eval --run "$RUN/$s" --tasks miniwob/click-test,miniwob/click-test-2 --episodes "${EVAL_EPISODES:-200}" \
+    --json "$RUN/eval_$s.json"
+done
+cp "$RUN/eval_ppo.json" "$RUN/eval.json"
+$PY -m experiments.plot --pipeline "$RUN"
+stage "done: $RUN (eval_sft.json, eval_ppo.json, pipeline.png)"

@@ -51,8 +51,6 @@ def sft_section(smoke: bool) -> mlc.ConfigDict:
   s = mlc.ConfigDict()
   s.data = ()  # trajectory record dirs trained on (tars_jax/data/records.py), e.g. runs/x/demos
   s.heldout = ()  # record dirs of held-out examples: their loss every `eval_every` steps
-  # mixing weights of the `data` dirs (one per dir; () = uniform over their examples)
-  s.weights = ()
   s.steps = 4 if smoke else 1500
   s.max_minutes = 3.0 if smoke else 15.0  # stop (and checkpoint) after this wall-clock budget
   s.batch_size = 4 if smoke else 16

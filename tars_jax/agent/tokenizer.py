@@ -9,6 +9,7 @@ merged vision token so the decoder can splice image features in place (Qwen2-VL 
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 PAD = 256
 BOS = 257
@@ -30,6 +31,7 @@ SPECIAL_NAMES = {
 class ByteTokenizer:
   """UTF-8 bytes plus the special ids above; `vocab_size` = 264."""
 
+  name: ClassVar[str] = "byte"  # how trajectory records name it (tars_jax/data/records.py DatasetMeta)
   pad_id: int = PAD
   bos_id: int = BOS
   eos_id: int = EOS

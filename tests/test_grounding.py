@@ -152,6 +152,10 @@ def test_skips_ambiguous_overlapping_and_unwritable():
                  ("where", "Where is \"it's\"?"), ("where", f'Where is "{"a" * 17}"?')]
   assert sk == {"where/ambiguous": 4, "what/text": 2, "where/overlap": 2, "what/overlap": 2,
                 "where/too_small": 1, "what/too_small": 1}
+  # click-test-2 seed 2: buttons placed at random overlap at a corner; both centres are clear
+  both = [el("button", "ONE", (43, 121, 40, 40)), el("button", "TWO", (26, 87, 40, 40))]
+  assert [t.instruction for t in targets(both)] == ['Where is the button "ONE"?', "What is at (390,670)?",
+                                                    'Where is the button "TWO"?', "What is at (290,510)?"]
   # one unnamed text field is asked for by its role
   assert [t.instruction for t in targets(els[6:7])] == ["Where is the text field?"]
   with pytest.raises(ValueError, match="unknown kinds"):
@@ -323,3 +327,29 @@ def test_cli_collects_both_splits_from_a_real_server(server, tmp_path):
     assert all(e.episode.prefix_ids[:len(SYSTEM) + 1] == [TOK.bos_id] + TOK.encode(SYSTEM) for e in exs)
   # login-user: the two fields and the button in every page (hand-checked above)
   assert summary["train"]["counts"]["miniwob/login-user"]["where"] >= 6
+
+
+@pytest.mark.browser
+def test_where_clicks_check_boxes_and_focus_fields(server):
+  """Clicking a 'where' checkbox / radio button checks that very element, and clicking a 'where'
+  text field focuses it, as the page's own DOM state reports after the step."""
+  async def go():
+    seen = collections.Counter()
+    async with SandboxClient(server.url) as c:
+      for task, seed in itertools.product(("miniwob/click-checkboxes", "miniwob/click-option",
+                                           "miniwob/login-user", "miniwob/enter-password"), range(2)):
+        sid, obs = await c.open(task, seed)
+        els = await c.elements(sid)
+        for t in G.page_targets(els, (W, H), coord_format="tens3", max_content_bytes=16):
+          if t.kind != "where" or t.role not in ("checkbox", "radio button", "text field"):
+            continue
+          out = await c.step(sid, t.reply)
+          assert not out.done
+          after = {(e["x"], e["y"], e["width"], e["height"]): e for e in await c.elements(sid)}
+          e = after[t.box]
+          state = "checked" if t.role != "text field" else "focused"
+          assert e[state], (task, seed, t)
+          seen[t.role] += 1
+        await c.close(sid)
+    assert seen["checkbox"] >= 4 and seen["radio button"] >= 4 and seen["text field"] >= 8, seen
+  run(go())

@@ -15,14 +15,16 @@ Points are on the policy's coordinate grid (`agent/grammar.py` coord_format: 'te
 tens, 'fixed3', 'int' on 0..1000), relative to the screenshot. Which elements (`page_targets`):
 
 - where: leaf elements with text, and buttons, links, tabs, checkboxes, radio buttons, text fields
-  and dropdowns, named by their text, their label or placeholder (`_name`); a text field without a
+  and dropdowns, named by their text, label, placeholder or shown value (`_name`); a field without a
   name is asked for by its role alone when it is the page's only one. A question whose answer is not
   unique on the page (another element with the same role and name, or the same visible text) is
   skipped, and so is anything in the instruction bar (y < 50 px): the instruction is replaced by
   the question, so clicks should land on the task area.
 - what: leaf elements whose text the grammar's `finished(content=...)` can write (printable ASCII
-  without quote or backslash, at most `max_content_bytes`), asked at a point that lies in no other
-  leaf element with another text.
+  without quote or backslash, at most `max_content_bytes`).
+- neither when the point lies in another leaf element with another text, or such an element covers
+  most of the box or most of it lies inside (overlays; inline text wrapped over two lines, whose box
+  is the union of both).
 
 A point is the element centre rounded to the grid; when that falls outside the box (less
 `margin_px`), the nearest grid point inside is used per axis; an element with no grid point inside
@@ -269,11 +271,12 @@ def _name(els: list[dict], i: int, role: str) -> str:
   return (e.get("value") or "") if role == "text field" else ""
 
 
-def _overlaps(a, b, min_area_px: float = 1.0) -> bool:
-  """True if boxes a and b (x, y, w, h) share more than min_area_px square pixels."""
+def _overlap_fraction(a, b) -> float:
+  """Area shared by boxes a and b (x, y, w, h) over the smaller one's area (0 for an empty box)."""
   dx = min(a[0] + a[2], b[0] + b[2]) - max(a[0], b[0])
   dy = min(a[1] + a[3], b[1] + b[3]) - max(a[1], b[1])
-  return dx > 0 and dy > 0 and dx * dy > min_area_px
+  small = min(a[2] * a[3], b[2] * b[3])
+  return max(dx, 0.0) * max(dy, 0.0) / small if small > 0 else 0.0
 
 
 def page_targets(elements: Sequence[dict], screen_wh: tuple[int, int], *, coord_format: str,
@@ -322,10 +325,14 @@ def page_targets(elements: Sequence[dict], screen_wh: tuple[int, int], *, coord_
     if not (wants_where or wants_what):
       continue
     pt = grid_point(box, screen_wh, coord_format, margin_px)
-    # Another leaf with another text inside the box: an overlay, or an inline element wrapped over two
-    # lines (its box is the union of both, its centre may be on neither): which is meant is unclear.
+    # Another leaf with another text under the point, or mostly inside the box (an overlay, or an
+    # inline element wrapped over two lines: its box is the union of both lines and its centre may
+    # be on neither): which element is meant is unclear. Boxes that only touch (click-test-2's
+    # randomly placed buttons) are fine.
     mine = normalize_text(text)
-    overlap = any(k != i and t != mine and _overlaps(box, b) for k, b, t in leaves)
+    px = None if pt is None else (pt[0] / 1000 * screen_wh[0], pt[1] / 1000 * screen_wh[1])
+    overlap = any(k != i and t != mine and (_overlap_fraction(box, b) > 0.5 or (px and point_in_box(px, b)))
+                  for k, b, t in leaves)
     if wants_where and box[1] + box[3] / 2 >= INSTRUCTION_BAR_PX:
       key = normalize_text(name)
       if pt is None:

@@ -353,3 +353,28 @@ def test_where_clicks_check_boxes_and_focus_fields(server):
         await c.close(sid)
     assert seen["checkbox"] >= 4 and seen["radio button"] >= 4 and seen["text field"] >= 8, seen
   run(go())
+
+
+@pytest.mark.slow
+def test_grounding_accuracy_runs_the_real_batched_policy():
+  """The SFT trainer's call: a config's own batched policy (random init, smoke model) samples replies
+  for the examples' prompts and images; every reply is in the grammar, so each is scored."""
+  from experiments import grounding as cli
+  from experiments.configs.miniwob_ppo import get_config
+  from tars_jax.train.state import build
+  parts = build(cli.grounding_config(get_config("smoke"), G.KINDS))
+  fmt = G.EpisodeFormat.from_parts(parts)
+  assert fmt.system == "GUI agent. Actions: click,finished." and fmt.image_hw == (224, 168)
+  exs = G.page_examples(fmt, _page()) + G.page_examples(fmt, _page(LOGIN, "miniwob/login-user", 2))
+  policy = parts.batched_policy(parts.init_state(0)["policy"], batch_size=8, seed=0)
+  replies = []
+
+  def act(prompt_ids, images):
+    out = policy.act(prompt_ids, images)
+    replies.extend(TOK.decode(ids) for ids, _, _ in out)
+    return out
+  res = G.grounding_accuracy(act, exs)
+  assert (res["n_where"], res["n_what"]) == (6, 6) and 0 <= res["where_hit"] <= 1 and 0 <= res["what_exact"] <= 1
+  assert len(replies) == 12 and all(accepts(parts.grammar, r) for r in replies)
+  hits = [G.score_reply(r, e.extra()) for r, e in zip(replies, exs)]
+  assert res["where_hit"] == np.mean([h for h, e in zip(hits, exs) if e.target.kind == "where"])

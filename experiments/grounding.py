@@ -12,8 +12,8 @@ sandbox's debug `elements` call, turned into one-turn episodes in the policy's o
 The config gives the image size, image slots, system prompt and grammar (coordinate grid, content
 cap). 'what' replies are `finished(content=...)`: when the config's grammar lacks 'finished' it is
 added (with a warning: the system prompt then lists it too, so train the policy with that grammar).
-Train seeds are env.train_seed_offset + [0, seeds); held-out seeds --heldout_offset (default
-env.eval_seed_offset) + [0, heldout_seeds), disjoint from them; --heldout_tasks appear only in the
+Train seeds are data.grounding_seed_offset + [0, seeds); held-out seeds --heldout_offset (default
+data.grounding_seed_offset + 1e6) + [0, heldout_seeds), disjoint from them and from evaluation seeds; --heldout_tasks appear only in the
 held-out set. Writes <out>/train and <out>/heldout (records), and <out>/grounding.json (format,
 counts per task and kind, skip reasons, timing).
 """
@@ -37,11 +37,13 @@ from tars_jax.train import state as state_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Policy config (image size, grammar, prompt).")
 _OUT = flags.DEFINE_string("out", None, "Output directory (train/, heldout/, grounding.json).")
-_TASKS = flags.DEFINE_list("tasks", list(G.DEFAULT_TASKS), "Tasks of both sets.")
-_SEEDS = flags.DEFINE_integer("seeds", 50, "Train seeds (pages) per task.")
-_HELDOUT_SEEDS = flags.DEFINE_integer("heldout_seeds", 10, "Held-out seeds per task.")
+_TASKS = flags.DEFINE_list("tasks", None, "Tasks of both sets (default: the config's data.grounding_tasks, "
+                           "or DEFAULT_TASKS when that is empty).")
+_SEEDS = flags.DEFINE_integer("seeds", None, "Train seeds (pages) per task (default: data.grounding_seeds).")
+_HELDOUT_SEEDS = flags.DEFINE_integer("heldout_seeds", None, "Held-out seeds per task (default: "
+                                      "data.grounding_heldout_seeds).")
 _HELDOUT_OFFSET = flags.DEFINE_integer("heldout_offset", None, "First held-out seed (default: the "
-                                       "config's env.eval_seed_offset).")
+                                       "config's data.grounding_seed_offset + 1e6).")
 _HELDOUT_TASKS = flags.DEFINE_list("heldout_tasks", [], "Tasks only in the held-out set.")
 _KINDS = flags.DEFINE_list("kinds", list(G.KINDS), "Example kinds: where, what.")
 _SERVERS = flags.DEFINE_list("servers", [], "Sandbox server URLs (default: launch one).")
@@ -51,6 +53,7 @@ _MAX_WHERE_CHARS = flags.DEFINE_integer("max_where_chars", 40, "Longest name ask
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Collect and count, write only grounding.json.")
 
 SOURCE = "grounding"
+HELDOUT_SHIFT = 1_000_000  # held-out pages: data.grounding_seed_offset + this + k
 
 
 def open_record_writer(directory: str, fmt: G.EpisodeFormat):
@@ -141,14 +144,15 @@ def run(config, out: str, tasks, seeds: int, heldout_seeds: int, heldout_offset:
   config = grounding_config(config, kinds)
   parts = state_lib.build(config)
   fmt = G.EpisodeFormat.from_parts(parts)
-  heldout_offset = config.env.eval_seed_offset if heldout_offset is None else heldout_offset
+  d = config.data
+  heldout_offset = d.grounding_seed_offset + HELDOUT_SHIFT if heldout_offset is None else heldout_offset
   train_jobs, held_jobs = G.split_jobs(tasks, seeds, heldout_seeds, heldout_offset,
-                                       train_offset=config.env.train_seed_offset, heldout_tasks=heldout_tasks)
+                                       train_offset=d.grounding_seed_offset, heldout_tasks=heldout_tasks)
   os.makedirs(out, exist_ok=True)
   summary = {"format": {"system": fmt.system, "image_hw": list(fmt.image_hw), "n_img_tokens": fmt.n_img_tokens,
                         "grammar_actions": list(config.grammar.actions), "coord_format": fmt.coord_format,
                         "max_content_bytes": fmt.max_content_bytes, "kinds": list(kinds)},
-             "seeds": {"train": [config.env.train_seed_offset, seeds], "heldout": [heldout_offset, heldout_seeds]}}
+             "seeds": {"train": [d.grounding_seed_offset, seeds], "heldout": [heldout_offset, heldout_seeds]}}
   with env_fleet(config.env, urls=list(servers)) as (loop, clients):
     for name, jobs in (("train", train_jobs), ("heldout", held_jobs)):
       sink = sink_factory(os.path.join(out, name), fmt)
@@ -178,7 +182,11 @@ def main(argv):
   del argv
   logging.getLogger().setLevel(logging.WARNING)  # no per-request httpx lines under the progress bar
   sink_factory = (lambda d, f: CountingSink()) if _DRY_RUN.value else open_record_writer
-  summary = run(_CONFIG.value, _OUT.value, _TASKS.value, _SEEDS.value, _HELDOUT_SEEDS.value,
+  d = _CONFIG.value.data
+  tasks = _TASKS.value or list(d.grounding_tasks) or list(G.DEFAULT_TASKS)
+  seeds = d.grounding_seeds if _SEEDS.value is None else _SEEDS.value
+  heldout_seeds = d.grounding_heldout_seeds if _HELDOUT_SEEDS.value is None else _HELDOUT_SEEDS.value
+  summary = run(_CONFIG.value, _OUT.value, tasks, seeds, heldout_seeds,
                 _HELDOUT_OFFSET.value, _HELDOUT_TASKS.value, tuple(_KINDS.value), _SERVERS.value,
                 _CONCURRENCY.value, _CHUNK.value, _MAX_WHERE_CHARS.value, sink_factory=sink_factory)
   for name in ("train", "heldout"):

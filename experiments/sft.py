@@ -85,7 +85,9 @@ def main(argv):
                               seed=config.seed, batch_size=s.batch_size, collate_fn=coll, shuffle=True,
                               process_index=jax.process_index(), process_count=jax.process_count(),
                               length_multiple=config.length_multiple)
-  heldout = [e for d in s.heldout for e, _ in records.read_episodes(d)]
+  heldout_pairs = [pair for d in s.heldout for pair in records.read_episodes(d)]  # (episode, provenance)
+  heldout = [e for e, _ in heldout_pairs]
+  ground = [pair for pair in heldout_pairs if pair[1]["source"] == "grounding"]
   heldout_batches = [coll([e for e in heldout[i:i + s.batch_size]]) for i in range(0, len(heldout), s.batch_size)]
   data_iter = iter(train_ds)
 
@@ -117,8 +119,7 @@ def main(argv):
         dep = image_dependence(parts.policy_gd, params, first, parts.table, temperature=config.sampling.temperature,
                                image_token_id=parts.hparams.image_token_id, grid_hw=parts.hparams.grid_hw)
         m.update({f"image_dependence/{k}": v for k, v in dep.items() if k not in ("embed", "decisions")})
-      ground = [e for e in heldout if e.task.startswith(grounding.TASK_PREFIX)]
-      if ground:
+      if ground:  # the policy's own sampled clicks / answers on held-out grounding examples
         pol = parts.batched_policy(params, batch_size=config.env.num_sessions, seed=config.seed + 7)
         m.update({f"grounding/{k}": float(v) for k, v in grounding.grounding_accuracy(pol.act, ground).items()})
     if s.eval_episodes:

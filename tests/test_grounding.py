@@ -317,7 +317,8 @@ def test_cli_collects_both_splits_from_a_real_server(server, tmp_path):
   assert summary["format"]["grammar_actions"] == ["click", "finished"]  # 'finished' added for 'what'
   grammar = build_grammar(TOK, ("click", "finished"), max_thought_bytes=0, max_content_bytes=16,
                           coord_format="tens3")
-  for name, seeds, all_tasks in (("train", {0, 1}, tasks), ("heldout", {500}, tasks + ["miniwob/click-button"])):
+  off = get_config("").data.grounding_seed_offset  # training pages apart from PPO's and evaluation's seeds
+  for name, seeds, all_tasks in (("train", {off, off + 1}, tasks), ("heldout", {500}, tasks + ["miniwob/click-button"])):
     exs = sinks[name].examples
     assert summary[name]["pages"] == len(seeds) * len(all_tasks) and summary[name]["lost"] == 0
     assert {e.episode.seed for e in exs} == seeds and {e.episode.task for e in exs} == set(all_tasks)

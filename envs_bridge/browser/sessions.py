@@ -108,30 +108,39 @@ REUSE_IMBALANCE = 1
 CLOSE_TIMEOUT_S = 10.0  # least time a page's context gets to close before its Chromium is killed
 # Visible elements of the task area for the debug `elements` call (experts, grounding data).
 ELEMENTS_SCRIPT = """() => {
-  const root = document.getElementById('wrap') || document.body;
+  // The whole body, not only #wrap: jQuery UI dialogs (click-dialog) are appended to <body>; what lies
+  // outside the viewport (MiniWoB's reward panel right of #wrap) is dropped by the clipping below.
+  const root = document.body;
   const vw = window.innerWidth, vh = window.innerHeight;
   const clean = t => (t || '').replace(/\\s+/g, ' ').trim().slice(0, 200);
-  const visible = el => {
+  const visible = el => {  // the box clipped to the viewport and to every scrolling / clipping ancestor
     const r = el.getBoundingClientRect();
-    if (r.width < 1 || r.height < 1 || r.right <= 0 || r.bottom <= 0 || r.left >= vw || r.top >= vh) return null;
+    if (r.width < 1 || r.height < 1) return null;
     const st = getComputedStyle(el);
     if (st.visibility === 'hidden' || st.display === 'none' || parseFloat(st.opacity) === 0) return null;
-    return r;
+    let x0 = Math.max(0, r.left), y0 = Math.max(0, r.top), x1 = Math.min(vw, r.right), y1 = Math.min(vh, r.bottom);
+    for (let p = el.parentElement; p && p !== root; p = p.parentElement) {
+      const ps = getComputedStyle(p);
+      if (ps.overflowX === 'visible' && ps.overflowY === 'visible') continue;
+      const q = p.getBoundingClientRect();
+      x0 = Math.max(x0, q.left); y0 = Math.max(y0, q.top); x1 = Math.min(x1, q.right); y1 = Math.min(y1, q.bottom);
+    }
+    return x1 - x0 >= 1 && y1 - y0 >= 1 ? {x0, y0, x1, y1} : null;
   };
   const out = [], seen = new Map();
   for (const el of root.querySelectorAll('*')) {
+    const tag = el.tagName.toLowerCase();
+    if (tag === 'script' || tag === 'style') continue;
     const r = visible(el);
     if (!r) continue;
     seen.set(el, out.length);
-    const tag = el.tagName.toLowerCase();
     const isInput = tag === 'input' || tag === 'textarea' || tag === 'select';
     const box = tag === 'input' && (el.type === 'checkbox' || el.type === 'radio');
     const text = box ? '' : isInput ? clean(el.value || el.placeholder || '') : clean(el.innerText);
-    const x0 = Math.max(0, r.left), y0 = Math.max(0, r.top);
     out.push({tag, id: el.id || '', classes: clean(typeof el.className === 'string' ? el.className : ''),
               type: clean(el.getAttribute('type')), text, value: isInput ? String(el.value ?? '') : '',
               checked: !!el.checked, focused: document.activeElement === el, leaf: true,
-              x: x0, y: y0, width: Math.min(vw, r.right) - x0, height: Math.min(vh, r.bottom) - y0});
+              x: r.x0, y: r.y0, width: r.x1 - r.x0, height: r.y1 - r.y0});
   }
   for (const [el, i] of seen) {
     let p = el.parentElement;
@@ -873,9 +882,9 @@ class BrowserSandbox:
     return obs
 
   async def elements(self, sid: str) -> list[dict]:
-    """Every visible element of the task area (MiniWoB's #wrap), in document order, as
+    """Every visible element of the page, in document order, as
     {tag, id, classes, type, text, value, checked, focused, leaf, x, y, width, height}: box in
-    screenshot pixels clipped to the viewport, `text` the element's rendered text (innerText, or
+    screenshot pixels clipped to the viewport (= MiniWoB's #wrap) and to scrolling ancestors, `text` the element's rendered text (innerText, or
     value / placeholder of inputs; whitespace collapsed, at most 200 characters), `leaf` True when no
     visible element is inside it. What scripted experts and grounding data read (tars_jax/data/);
     agents only ever see screenshots.

@@ -46,17 +46,6 @@ _CONCURRENCY = flags.DEFINE_integer("concurrency", 32, "Episodes played at once.
 _SERVERS = flags.DEFINE_list("servers", [], "Sandbox server URLs (default: launch one).")
 
 
-def jobs_for(tasks, seeds: int, seed_offset: int, eval_seed_offset: int) -> list[tuple[str, int]]:
-  """(task, seed) for seeds seed_offset + k, k < seeds. Raises ValueError when they reach the
-  evaluation seeds (eval_seed_offset and up) or are negative."""
-  if seeds < 1 or seed_offset < 0:
-    raise ValueError(f"need seeds >= 1 and seed_offset >= 0, got {seeds}, {seed_offset}")
-  if seed_offset + seeds > eval_seed_offset:
-    raise ValueError(f"seeds {seed_offset}..{seed_offset + seeds - 1} reach the evaluation seeds "
-                     f"({eval_seed_offset}+); choose a lower --seed_offset")
-  return [(t, seed_offset + k) for t in tasks for k in range(seeds)]
-
-
 def _jsonable(counts) -> dict:
   """Writer counts with their keys as text ((source, task) tuples joined by '/')."""
   return {"/".join(map(str, k)) if isinstance(k, tuple) else str(k): v for k, v in dict(counts or {}).items()}
@@ -69,7 +58,7 @@ def main(argv):
   parts = state_lib.build(config)
   spec = demos.DemoSpec.from_parts(parts, thoughts=_THOUGHTS.value)
   tasks = list(_TASKS.value or config.tasks)
-  jobs = jobs_for(tasks, _SEEDS.value, _SEED_OFFSET.value, config.env.eval_seed_offset)
+  jobs = demos.jobs_for(tasks, _SEEDS.value, _SEED_OFFSET.value, config.env.eval_seed_offset)
   os.makedirs(_OUT.value, exist_ok=True)
   t0 = time.perf_counter()
   with env_fleet(config.env, urls=_SERVERS.value) as (loop, clients):

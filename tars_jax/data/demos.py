@@ -235,6 +235,17 @@ async def collect(clients: Sequence[SandboxClient], jobs: Sequence[tuple[str, in
   return stats
 
 
+def jobs_for(tasks, seeds: int, seed_offset: int, eval_seed_offset: int) -> list[tuple[str, int]]:
+  """(task, seed) for seeds seed_offset + k, k < seeds. Raises ValueError when they reach the
+  evaluation seeds (eval_seed_offset and up) or are negative."""
+  if seeds < 1 or seed_offset < 0:
+    raise ValueError(f"need seeds >= 1 and seed_offset >= 0, got {seeds}, {seed_offset}")
+  if seed_offset + seeds > eval_seed_offset:
+    raise ValueError(f"seeds {seed_offset}..{seed_offset + seeds - 1} reach the evaluation seeds "
+                     f"({eval_seed_offset}+); choose a lower --seed_offset")
+  return [(t, seed_offset + k) for t in tasks for k in range(seeds)]
+
+
 def format_stats(stats: dict[str, TaskStats]) -> str:
   """A table of expert success per task."""
   lines = [f"{'task':34s} {'expert':30s} {'success':>8s} {'ok':>5s} {'fail':>5s} {'err':>4s} {'lost':>4s} "

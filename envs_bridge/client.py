@@ -137,6 +137,12 @@ class SandboxClient:
     screenshot pixels). Raises the typed session errors."""
     return (await self._call("GET", f"/debug/sessions/{session_id}/elements"))["elements"]
 
+  async def game_state(self, session_id: str) -> dict:
+    """DEBUG / EXPERTS ONLY: the privileged state of a game session (`GAME.debugState()`, read by the
+    reference players of envs_bridge/games/reference.py). Raises: InvalidAction (not a game), the
+    typed session errors."""
+    return (await self._call("GET", f"/debug/sessions/{session_id}/game_state"))["state"]
+
   async def element_box(self, session_id: str, selector: str) -> dict | None:
     """DEBUG / TESTS ONLY: {x, y, width, height} px of the first element matching `selector`."""
     return (await self._call("GET", f"/debug/sessions/{session_id}/element_box",

@@ -78,6 +78,12 @@ def create_app(step_ms: int = 1000, lease_s: float = 300.0, max_sessions: int = 
     box (`BrowserSandbox.elements`). Scripted experts and grounding data read it; agents never do."""
     return {"elements": await sandbox.elements(sid)}
 
+  @app.get("/debug/sessions/{sid}/game_state", tags=["debug"])
+  async def game_state(sid: str):
+    """DEBUG / EXPERTS ONLY: a game session's privileged state (`BrowserSandbox.game_state`), what the
+    games' reference players read; agents never do."""
+    return {"state": await sandbox.game_state(sid)}
+
   @app.get("/debug/sessions/{sid}/element_box", tags=["debug"])
   async def element_box(sid: str, selector: str):
     """DEBUG / TESTS ONLY: pixel bounding box of a DOM element (CSS selector), or null. Lets tests

@@ -82,6 +82,7 @@ from envs_bridge.browser import executor
 from envs_bridge.browser import launcher
 from envs_bridge.browser import tasks
 from envs_bridge.browser.telemetry import EventLog, SandboxMetrics
+from envs_bridge.games import catalog
 from tars_jax.agent import actions as A
 
 # Debian's chromium-headless-shell (same source and version as /usr/bin/chromium, without the
@@ -898,6 +899,20 @@ class BrowserSandbox:
           return await s.page.evaluate(ELEMENTS_SCRIPT)
       except (TimeoutError, PlaywrightError) as e:
         await self._page_failed(s, e, "elements")
+
+  async def game_state(self, sid: str) -> dict:
+    """DEBUG / EXPERTS ONLY: the privileged state of a game session (`GAME.debugState()`, the JSON the
+    reference players of envs_bridge/games/reference.py read). Raises: InvalidAction for a session
+    that is not a game; the typed session errors."""
+    s = self._get(sid)
+    if not s.task.startswith(catalog.PREFIX):
+      raise P.InvalidAction(f"game_state: session {sid} runs {s.task!r}, not a game ({catalog.PREFIX}...)")
+    async with s.lock:
+      try:
+        async with asyncio.timeout(self.page_timeout_s):
+          return await s.page.evaluate(catalog.DEBUG_STATE_SCRIPT)
+      except (TimeoutError, PlaywrightError) as e:
+        await self._page_failed(s, e, "game_state")
 
   async def element_box(self, sid: str, selector: str) -> dict | None:
     """Bounding box {x, y, width, height} (px) of the first element matching a CSS `selector`, or

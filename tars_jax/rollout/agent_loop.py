@@ -64,13 +64,53 @@ class _Live:
     self.pending_obs_ids: list[int] = []
 
 
-async def _open(client: SandboxClient, task: str, seed: int, tok: ByteTokenizer, cfg: LoopConfig,
-                version: int) -> _Live:
+async def open_episode(client: SandboxClient, task: str, seed: int, tok: ByteTokenizer, cfg: LoopConfig,
+                       version: int = 0) -> tuple[str, Episode, np.ndarray]:
+  """Opens a session of `task`/`seed`; returns (session id, the empty Episode with its prefix ids, the
+  first screenshot preprocessed to cfg.image_hw: [H, W, 3] uint8). Raises: as SandboxClient.open."""
   sid, obs = await client.open(task, seed)
   instruction = obs.info.get("instruction", "")
   prefix = prompts.encode_episode_prefix(tok, instruction, cfg.system)
   ep = Episode(task=task, seed=seed, instruction=instruction, prefix_ids=prefix, policy_version=version)
-  return _Live(ep, client, sid, preprocess(obs.image(), cfg.image_hw), None)
+  return sid, ep, preprocess(obs.image(), cfg.image_hw)
+
+
+def observation_ids(tok: ByteTokenizer, cfg: LoopConfig, ep: Episode, obs_text: str | None) -> list[int]:
+  """Observation ids before the next reply of `ep` (`prompts.encode_observation`). The previous
+  reply's TURN_END is environment-written, so it opens this observation (none before the first)."""
+  return ([tok.turn_end_id] if ep.turns else []) + prompts.encode_observation(tok, cfg.n_img_tokens, obs_text)
+
+
+def record_turn(ep: Episode, out: protocol.Observation, *, image: np.ndarray, obs_ids: list[int],
+                reply_ids: list[int], logprobs, states, text: str, last_turn: bool, cfg: LoopConfig,
+                tok: ByteTokenizer) -> dict[str, float]:
+  """Appends the Turn of one reply (`text`, its ids ending with EOS) and the sandbox's answer `out`
+  to `ep`, with the shaped reward of `rl.rewards.turn_reward_terms`; sets `ep.truncated` (last turn
+  of the step budget and not done). Returns the reward terms (for the rollout stats)."""
+  error = out.info.get("error")
+  truncated = last_turn and not out.done
+  terms = turn_reward_terms(out.reward, error is not None, truncated, cfg.rewards,
+                            thought_tokens=len(tok.encode(thought_of(text))))
+  ep.turns.append(Turn(image=image, obs_ids=obs_ids, reply_ids=list(reply_ids),
+                       logprobs=np.asarray(logprobs, np.float32), states=np.asarray(states, np.int32),
+                       text=text, reward=terms["total"], env_reward=float(out.reward),
+                       done=bool(out.done), error=error,
+                       info={k: v for k, v in out.info.items() if k != "instruction"}))
+  ep.truncated = truncated
+  return terms
+
+
+def next_view(out: protocol.Observation, cfg: LoopConfig) -> tuple[np.ndarray, str | None]:
+  """What the next turn sees after `out`: (screenshot at cfg.image_hw [H, W, 3] uint8, observation
+  text or None). SDK results (desktop/hybrid sandboxes) and errors are observations too."""
+  return (preprocess(out.image(), cfg.image_hw),
+          "\n".join(filter(None, [out.info.get("tool_output"), out.info.get("error")])) or None)
+
+
+async def _open(client: SandboxClient, task: str, seed: int, tok: ByteTokenizer, cfg: LoopConfig,
+                version: int) -> _Live:
+  sid, ep, image = await open_episode(client, task, seed, tok, cfg, version)
+  return _Live(ep, client, sid, image, None)
 
 
 async def _safe_close(live: _Live) -> None:
@@ -149,9 +189,7 @@ async def _run_round(act, clients, jobs, idxs, cfg, tok, version, stats, results
     prompts_ids, images = [], []
     for i in order:
       lv = live[i]
-      # The previous reply's TURN_END is environment-written, so it opens this observation.
-      obs_ids = ([tok.turn_end_id] if lv.ep.turns else []) + prompts.encode_observation(
-          tok, cfg.n_img_tokens, lv.obs_text)
+      obs_ids = observation_ids(tok, cfg, lv.ep, lv.obs_text)
       lv.pending_obs_ids = obs_ids
       prompts_ids.append(lv.ep.token_ids() + obs_ids)
       images.append([t.image for t in lv.ep.turns] + [lv.image])
@@ -181,26 +219,16 @@ async def _run_round(act, clients, jobs, idxs, cfg, tok, version, stats, results
         lost.append(i)
         del live[i]
         continue
-      error = out.info.get("error")
-      truncated = last_turn and not out.done
-      terms = turn_reward_terms(out.reward, error is not None, truncated, cfg.rewards,
-                                thought_tokens=len(tok.encode(thought_of(txt))))
+      terms = record_turn(lv.ep, out, image=lv.image, obs_ids=lv.pending_obs_ids, reply_ids=ids, logprobs=lp,
+                          states=st, text=txt, last_turn=last_turn, cfg=cfg, tok=tok)
       for k, v in terms.items():
         stats.reward_terms[k] = stats.reward_terms.get(k, 0.0) + v
-      lv.ep.turns.append(Turn(image=lv.image, obs_ids=lv.pending_obs_ids, reply_ids=list(ids),
-                              logprobs=np.asarray(lp, np.float32), states=np.asarray(st, np.int32),
-                              text=txt, reward=terms["total"], env_reward=float(out.reward),
-                              done=bool(out.done), error=error,
-                              info={k: v for k, v in out.info.items() if k != "instruction"}))
-      lv.ep.truncated = truncated
       if out.done or last_turn:
         results[i] = lv.ep
         del live[i]
         await _safe_close(lv)
       else:
-        lv.image = preprocess(out.image(), cfg.image_hw)
-        # SDK results (desktop/hybrid sandboxes) are observations too: the next turn sees them.
-        lv.obs_text = "\n".join(filter(None, [out.info.get("tool_output"), error])) or None
+        lv.image, lv.obs_text = next_view(out, cfg)
     if on_turn:
       on_turn(turn_idx)
   return lost

@@ -1,0 +1,256 @@
+"""Expert demonstrations collected through the sandbox, in the policy's own trajectory format.
+
+An expert (`data/experts.py`) plays an episode through the same protocol as the agent: every turn it
+reads the privileged view of its session (`SandboxClient.elements`, or `game_state` for games; never
+part of the episode), decides a reply `Thought: …\\nAction: …` and sends it with `client.step`.
+The episode is built by the agent loop's own functions (`rollout.agent_loop.open_episode`,
+`observation_ids`, `record_turn`, `next_view`), so it is exactly the Episode `run_episodes` builds
+when the policy samples the same replies: same prefix and observation ids, preprocessed screenshots
+at the policy's image size, reply ids = reply bytes + EOS, shaped reward, env reward, done and
+truncation of the step budget (tests/test_demos.py replays demos through `run_episodes` and compares).
+Logprobs are 0 (no behaviour policy sampled them); states are the grammar states before each reply
+token (`grammar.walk`), as the constrained sampler records them.
+
+Only successful episodes (`Episode.success`: done with positive raw reward) reach the writer; an
+episode the expert fails (or gives up on: `ExpertError`) is counted and dropped.
+
+  spec = DemoSpec.from_parts(state.build(config))
+  stats = await collect(clients, jobs, spec, writer)      # writer.write(ep, source='expert', ...)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import Any, Sequence
+
+import numpy as np
+from tqdm import tqdm
+
+from envs_bridge import protocol
+from envs_bridge.client import SandboxClient
+from tars_jax.agent.grammar import Grammar, accepts, walk
+from tars_jax.agent.tokenizer import ByteTokenizer
+from tars_jax.agent.trajectory import Episode
+from tars_jax.data import experts as E
+from tars_jax.rollout import agent_loop
+from tars_jax.rollout.agent_loop import LoopConfig
+
+SOURCE = "expert"  # provenance of demonstrations in the records (`RecordWriter.write(source=)`)
+
+
+class ReplyNotInGrammar(ValueError):
+  """An expert's reply is outside the configured grammar: the config cannot express the demos (add
+  the actions the task needs, raise grammar.max_thought_bytes, or collect without thoughts)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoSpec:
+  """What makes a demonstration the policy's own: its loop config (prompt, image size, image slots,
+  step budget, rewards), tokenizer, grammar and coordinate format; `thoughts=False` writes empty
+  thoughts."""
+
+  loop: LoopConfig
+  tokenizer: ByteTokenizer
+  grammar: Grammar
+  coord_format: str
+  thoughts: bool = True
+
+  @classmethod
+  def from_parts(cls, parts, thoughts: bool = True) -> "DemoSpec":
+    """From `train.state.build(config)`: parts.loop_cfg, tokenizer, grammar, config.grammar.coord_format
+    ('int' when the grammar is unconstrained, as the sandbox's parser reads any integers)."""
+    g = parts.config.grammar
+    return cls(parts.loop_cfg, parts.tokenizer, parts.grammar, g.coord_format if g.constrained else "int",
+               thoughts)
+
+
+@dataclasses.dataclass
+class TaskStats:
+  """Counts of one task's expert episodes."""
+
+  task: str
+  expert: str
+  episodes: int = 0  # played to the end (not lost)
+  successes: int = 0  # written
+  failures: int = 0  # played but not successful (incl. expert errors)
+  expert_errors: int = 0  # the expert found no move (ExpertError)
+  lost: int = 0  # the session died on every attempt
+  turns: int = 0  # turns of the successful episodes
+
+  @property
+  def success_rate(self) -> float:
+    return self.successes / self.episodes if self.episodes else 0.0
+
+  def as_dict(self) -> dict:
+    return {**dataclasses.asdict(self), "success_rate": self.success_rate}
+
+
+class MemoryWriter:
+  """Keeps written episodes in memory, with the interface of `data.records.RecordWriter`
+  (`write(episode, *, source, policy_version, extra)`, `close() -> counts`)."""
+
+  def __init__(self):
+    self.episodes: list[tuple[Episode, dict]] = []
+
+  def write(self, episode: Episode, *, source: str, policy_version: int = 0, extra: dict | None = None) -> None:
+    self.episodes.append((episode, {"source": source, "policy_version": policy_version, **(extra or {})}))
+
+  def close(self) -> dict:
+    counts: dict[str, int] = {}
+    for ep, prov in self.episodes:
+      key = f"{prov['source']}/{ep.task}"
+      counts[key] = counts.get(key, 0) + 1
+    return counts
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+
+def open_writer(directory: str | None, spec: DemoSpec):
+  """Where demonstrations go: a `data.records.RecordWriter(directory, DatasetMeta(...))` (ArrayRecord
+  shards + dataset.json) when that module is present; otherwise, or with directory None, a
+  `MemoryWriter` (a warning says so when a directory was asked for)."""
+  if directory is not None:
+    try:
+      from tars_jax.data.records import DatasetMeta, RecordWriter
+    except ImportError:
+      logging.warning("tars_jax.data.records not available: demonstrations are kept in memory, not written")
+    else:
+      meta = DatasetMeta(image_hw=tuple(spec.loop.image_hw), n_img_tokens=spec.loop.n_img_tokens,
+                         tokenizer="byte", vocab_size=spec.tokenizer.vocab_size)
+      return RecordWriter(directory, meta)
+  return MemoryWriter()
+
+
+def write_demo(writer, episode: Episode, expert: E.Expert) -> None:
+  """One successful demonstration to `writer` (source 'expert', policy version 0, the expert's name)."""
+  writer.write(episode, source=SOURCE, policy_version=0, extra={"expert": expert.name})
+
+
+async def _view(client: SandboxClient, sid: str, expert: E.Expert) -> Any:
+  if expert.reads == "game_state":
+    return await client.game_state(sid)
+  return await client.elements(sid)
+
+
+async def play(client: SandboxClient, task: str, seed: int, spec: DemoSpec, expert: E.Expert
+               ) -> tuple[Episode, str | None]:
+  """Plays one episode of `task`/`seed` with `expert`; returns (episode, why it stopped early or
+  None). An ExpertError ends the episode where it is (not done: a failure).
+
+  Raises: ReplyNotInGrammar (the config cannot express the expert's reply); the sandbox errors of
+  the client (the caller retries the retryable ones).
+  """
+  cfg, tok = spec.loop, spec.tokenizer
+  sid, ep, image = await agent_loop.open_episode(client, task, seed, tok, cfg)
+  obs_text, stopped = None, None
+  try:
+    for turn in range(cfg.max_turns):
+      view = await _view(client, sid, expert)
+      try:
+        thought, action = E.decide(task, ep.instruction, view, turn, coord_format=spec.coord_format,
+                                   thoughts=spec.thoughts, max_turns=cfg.max_turns, expert=expert)
+      except E.ExpertError as e:
+        stopped = f"ExpertError: {e}"
+        break
+      text = E.reply_text(thought, action)
+      if not accepts(spec.grammar, text, tok):
+        raise ReplyNotInGrammar(f"{task} seed {seed}: the expert's reply {text!r} is not in the configured "
+                                "grammar (grammar.actions, max_thought_bytes, max_content_bytes, coord_format)")
+      reply_ids = tok.encode(text) + [tok.eos_id]
+      obs_ids = agent_loop.observation_ids(tok, cfg, ep, obs_text)
+      out = await client.step(sid, text)
+      last_turn = turn == cfg.max_turns - 1
+      agent_loop.record_turn(ep, out, image=image, obs_ids=obs_ids, reply_ids=reply_ids,
+                             logprobs=np.zeros(len(reply_ids), np.float32), states=walk(spec.grammar, reply_ids),
+                             text=text, last_turn=last_turn, cfg=cfg, tok=tok)
+      if out.done or last_turn:
+        break
+      image, obs_text = agent_loop.next_view(out, cfg)
+  finally:
+    try:
+      await client.close(sid)
+    except Exception:  # best effort, as the loop's: the lease reclaims the rest
+      pass
+  return ep, stopped
+
+
+async def collect(clients: Sequence[SandboxClient], jobs: Sequence[tuple[str, int]], spec: DemoSpec,
+                  writer, *, concurrency: int = 32, experts: dict[str, E.Expert] | None = None,
+                  progress: bool = True) -> dict[str, TaskStats]:
+  """Plays every (task, seed) job with its task's expert, `concurrency` episodes at a time spread
+  round-robin over `clients`, and writes each successful episode as it ends (`write_demo`).
+
+  A session lost to a retryable error (`protocol.is_retryable`) is replayed from its seed up to
+  `spec.loop.max_retries` times, then counted as lost. Returns {task: TaskStats}.
+  Raises: KeyError (a task without an expert), ReplyNotInGrammar, non-retryable sandbox errors.
+  """
+  table = E.experts() if experts is None else experts
+  chosen = {t: E.expert_for(t, table) for t in dict.fromkeys(t for t, _ in jobs)}
+  stats = {t: TaskStats(t, ex.name) for t, ex in chosen.items()}
+  sem = asyncio.Semaphore(concurrency)
+  bar = tqdm(total=len(jobs), desc="expert episodes", unit="ep", disable=not progress)
+
+  def record(task: str, seed: int, res) -> None:
+    st = stats[task]
+    if res is None:
+      st.lost += 1
+      return
+    ep, stopped = res
+    st.episodes += 1
+    st.expert_errors += stopped is not None
+    if ep.success:
+      st.successes += 1
+      st.turns += len(ep.turns)
+      write_demo(writer, ep, chosen[task])
+    else:
+      st.failures += 1
+      logging.info("expert failed %s/%d: return %.2f, %d turns, %s", task, seed, ep.env_return,
+                   len(ep.turns), stopped or "played out")
+
+  async def one(k: int, task: str, seed: int):
+    async with sem:
+      res = None
+      for attempt in range(spec.loop.max_retries + 1):
+        try:
+          res = await play(clients[(k + attempt) % len(clients)], task, seed, spec, chosen[task])
+          break
+        except Exception as e:
+          if not protocol.is_retryable(e):
+            raise
+          logging.warning("expert episode %s/%d lost (attempt %d): %s", task, seed, attempt + 1, e)
+      # Written as each episode ends (in completion order): nothing piles up in memory.
+      record(task, seed, res)
+      bar.update(1)
+
+  try:
+    await asyncio.gather(*[one(k, t, s) for k, (t, s) in enumerate(jobs)])
+  finally:
+    bar.close()
+  return stats
+
+
+def jobs_for(tasks, seeds: int, seed_offset: int, eval_seed_offset: int) -> list[tuple[str, int]]:
+  """(task, seed) for seeds seed_offset + k, k < seeds. Raises ValueError when they reach the
+  evaluation seeds (eval_seed_offset and up) or are negative."""
+  if seeds < 1 or seed_offset < 0:
+    raise ValueError(f"need seeds >= 1 and seed_offset >= 0, got {seeds}, {seed_offset}")
+  if seed_offset + seeds > eval_seed_offset:
+    raise ValueError(f"seeds {seed_offset}..{seed_offset + seeds - 1} reach the evaluation seeds "
+                     f"({eval_seed_offset}+); choose a lower --seed_offset")
+  return [(t, seed_offset + k) for t in tasks for k in range(seeds)]
+
+
+def format_stats(stats: dict[str, TaskStats]) -> str:
+  """A table of expert success per task."""
+  lines = [f"{'task':34s} {'expert':30s} {'success':>8s} {'ok':>5s} {'fail':>5s} {'err':>4s} {'lost':>4s} "
+           f"{'turns':>5s}"]
+  for t, s in stats.items():
+    lines.append(f"{t:34s} {s.expert:30s} {s.success_rate:8.3f} {s.successes:5d} {s.failures:5d} "
+                 f"{s.expert_errors:4d} {s.lost:4d} {s.turns / max(1, s.successes):5.2f}")
+  return "\n".join(lines)

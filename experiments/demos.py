@@ -5,6 +5,7 @@ sandbox, in the trajectory format of the policy that `--config` builds (prompt, 
 coordinate format, step budget: tars_jax/data/demos.py). Prints a table of expert success per task,
 writes it to OUT/experts.json, and records ONLY the successful episodes under OUT (source 'expert').
 
+  python -m experiments.demos --config experiments/configs/miniwob_pipeline.py --out runs/x/demos  # main job
   python -m experiments.demos --config experiments/configs/miniwob_ppo.py \
       --config.env.max_turns=8 --config.grammar.actions="('click','type')" \
       --config.grammar.max_thought_bytes=48 \
@@ -16,12 +17,14 @@ writes it to OUT/experts.json, and records ONLY the successful episodes under OU
 
 The config must be able to express every expert reply (its grammar's actions, thought and content
 lengths): a reply outside it stops the run with `ReplyNotInGrammar`. Multi-step tasks need a step
-budget (`env.max_turns`) of their length (login-user: 5 turns; click-checkboxes: up to 7).
+budget of their length (login-user: 5 turns; click-checkboxes: up to 7): the experts get
+max(env.max_turns, data.demo_max_turns).
 Seeds must stay below the config's evaluation seeds (`env.eval_seed_offset`, 10_000_000).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging as std_logging
 import os
@@ -36,10 +39,10 @@ from tars_jax.train import state as state_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", "experiments/configs/miniwob_ppo.py",
                                           "Config of the policy the demos are for (get_config(arg)).")
-_TASKS = flags.DEFINE_list("tasks", None, "Tasks (default: the config's tasks).")
-_SEEDS = flags.DEFINE_integer("seeds", 100, "Seeds (episodes) per task.")
-_SEED_OFFSET = flags.DEFINE_integer("seed_offset", 2_000_000, "Seeds are seed_offset + k, k < seeds; apart "
-                                    "from training seeds (0, 1, ..) and value pretraining (5_000_000).")
+_TASKS = flags.DEFINE_list("tasks", None, "Tasks (default: the config's data.demo_tasks, else its tasks).")
+_SEEDS = flags.DEFINE_integer("seeds", None, "Seeds (episodes) per task (default: data.demo_seeds).")
+_SEED_OFFSET = flags.DEFINE_integer("seed_offset", None, "Seeds are seed_offset + k, k < seeds (default: "
+                                    "data.demo_seed_offset); below the config's evaluation seeds.")
 _OUT = flags.DEFINE_string("out", None, "Output directory (experts.json and the records).", required=True)
 _THOUGHTS = flags.DEFINE_bool("thoughts", True, "False: empty thoughts (`Thought: \\nAction: ...`).")
 _CONCURRENCY = flags.DEFINE_integer("concurrency", 32, "Episodes played at once.")
@@ -57,8 +60,14 @@ def main(argv):
   config = _CONFIG.value
   parts = state_lib.build(config)
   spec = demos.DemoSpec.from_parts(parts, thoughts=_THOUGHTS.value)
-  tasks = list(_TASKS.value or config.tasks)
-  jobs = demos.jobs_for(tasks, _SEEDS.value, _SEED_OFFSET.value, config.env.eval_seed_offset)
+  d = config.data
+  # the experts' step budget: multi-step tasks need more turns than an RL stage may give its policy
+  spec = dataclasses.replace(spec, loop=dataclasses.replace(spec.loop, max_turns=max(spec.loop.max_turns,
+                                                                                     d.demo_max_turns)))
+  tasks = list(_TASKS.value or d.demo_tasks or config.tasks)
+  seeds = d.demo_seeds if _SEEDS.value is None else _SEEDS.value
+  offset = d.demo_seed_offset if _SEED_OFFSET.value is None else _SEED_OFFSET.value
+  jobs = demos.jobs_for(tasks, seeds, offset, config.env.eval_seed_offset)
   os.makedirs(_OUT.value, exist_ok=True)
   t0 = time.perf_counter()
   with env_fleet(config.env, urls=_SERVERS.value) as (loop, clients):
@@ -70,8 +79,7 @@ def main(argv):
   wall = time.perf_counter() - t0
   print(demos.format_stats(stats))
   print(f"{len(jobs)} episodes in {wall:.0f} s; written: {counts}")
-  out = {"tasks": {t: s.as_dict() for t, s in stats.items()}, "seeds": _SEEDS.value,
-         "seed_offset": _SEED_OFFSET.value, "thoughts": _THOUGHTS.value, "max_turns": spec.loop.max_turns,
+  out = {"tasks": {t: s.as_dict() for t, s in stats.items()}, "seeds": seeds, "seed_offset": offset, "thoughts": _THOUGHTS.value, "max_turns": spec.loop.max_turns,
          "coord_format": spec.coord_format, "wall_s": wall, "written": _jsonable(counts)}
   with open(os.path.join(_OUT.value, "experts.json"), "w") as f:
     json.dump(out, f, indent=1)

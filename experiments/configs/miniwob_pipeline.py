@@ -16,7 +16,8 @@ SFT on expert demonstrations → value pretraining under the SFT policy → PPO 
 
 Every stage uses the same model, grammar and system prompt (the prompt lists the actions: a stage with
 another action set would train on another context than the next stage acts in). The grammar allows
-`click`, `type` (demonstrations of typing tasks) and `finished` (grounding answers "what is at (x,y)?").
+`click`, `type` (demonstrations of typing tasks) and `finished` (grounding answers "what is at (x,y)?"),
+and thoughts of up to 48 bytes.
 
 Args (`ARGS`): "" = the SFT-on-demonstrations, value-pretraining and PPO stages; "grounding" = the
 grounding stage (its `sft` section); "grpo" = the RL stage with group-relative advantages instead of
@@ -32,8 +33,8 @@ STAGES = ("", "grounding", "grpo", "thoughts")
 ARGS = (*STAGES, *(s + "+smoke" for s in STAGES))
 
 # The demonstrations' tasks (tars_jax/data/experts.py): clicking, typing and several steps.
-DEMO_TASKS = ("miniwob/click-test", "miniwob/click-test-2", "miniwob/click-button", "miniwob/click-link",
-              "miniwob/click-dialog", "miniwob/click-tab", "miniwob/enter-text", "miniwob/focus-text",
+DEMO_TASKS = ("miniwob/click-test", "miniwob/click-test-2", "miniwob/click-button", "miniwob/click-button-sequence",
+              "miniwob/click-link", "miniwob/click-tab", "miniwob/enter-text", "miniwob/focus-text",
               "miniwob/click-checkboxes", "miniwob/login-user")
 
 
@@ -47,7 +48,10 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
 
   c.grammar.actions = ("click", "type", "finished")
   c.grammar.max_content_bytes = 16
-  c.grammar.max_thought_bytes = 48 if stage == "thoughts" else 0
+  # Thoughts: the demonstrations record templated thoughts; the SFT stage trains on them ("thoughts")
+  # or on empty ones (the rest). The grammar allows them in every stage, so the variants differ only
+  # in their training targets, not in prompt or grammar.
+  c.grammar.max_thought_bytes = 48
   c.sft.thoughts = stage == "thoughts"
   c.data.demo_tasks = DEMO_TASKS[:2] if smoke else DEMO_TASKS
   c.data.demo_seeds = 4 if smoke else 400

@@ -71,11 +71,12 @@ def data_section(smoke: bool) -> mlc.ConfigDict:
   d = mlc.ConfigDict()
   d.demo_tasks = ()  # tasks with a scripted expert (tars_jax/data/experts.py); () = none
   d.demo_seeds = 4 if smoke else 200  # expert episodes attempted per task (only successes are kept)
-  d.demo_seed_offset = 20_000_000  # apart from training (0+), vpt (5e6+) and evaluation (1e7+) seeds
-  d.grounding_tasks = ()  # MiniWoB++ tasks whose pages yield grounding examples; () = none
+  d.demo_seed_offset = 2_000_000  # apart from training (0+), vpt (5e6+) and evaluation (1e7+) seeds
+  d.demo_max_turns = 8  # step budget of the experts' episodes (login-user takes 5 turns)
+  d.grounding_tasks = ()  # MiniWoB++ tasks whose pages yield grounding examples; () = data/grounding.py's list
   d.grounding_seeds = 4 if smoke else 60  # pages per task for training examples
   d.grounding_heldout_seeds = 2 if smoke else 8  # pages per task for held-out examples
-  d.grounding_seed_offset = 30_000_000  # training pages; held-out pages from offset + 1e6
+  d.grounding_seed_offset = 3_000_000  # training pages; held-out pages from offset + 1e6
   return d
 
 

@@ -34,6 +34,7 @@ from tars_jax.agent.grammar import Grammar, accepts, walk
 from tars_jax.agent.tokenizer import ByteTokenizer
 from tars_jax.agent.trajectory import Episode
 from tars_jax.data import experts as E
+from tars_jax.data import records
 from tars_jax.rollout import agent_loop
 from tars_jax.rollout.agent_loop import LoopConfig
 
@@ -113,18 +114,12 @@ class MemoryWriter:
 
 def open_writer(directory: str | None, spec: DemoSpec):
   """Where demonstrations go: a `data.records.RecordWriter(directory, DatasetMeta(...))` (ArrayRecord
-  shards + dataset.json) when that module is present; otherwise, or with directory None, a
-  `MemoryWriter` (a warning says so when a directory was asked for)."""
-  if directory is not None:
-    try:
-      from tars_jax.data.records import DatasetMeta, RecordWriter
-    except ImportError:
-      logging.warning("tars_jax.data.records not available: demonstrations are kept in memory, not written")
-    else:
-      meta = DatasetMeta(image_hw=tuple(spec.loop.image_hw), n_img_tokens=spec.loop.n_img_tokens,
-                         tokenizer="byte", vocab_size=spec.tokenizer.vocab_size)
-      return RecordWriter(directory, meta)
-  return MemoryWriter()
+  shards + dataset.json), or with directory None a `MemoryWriter`."""
+  if directory is None:
+    return MemoryWriter()
+  meta = records.DatasetMeta(image_hw=tuple(spec.loop.image_hw), n_img_tokens=spec.loop.n_img_tokens,
+                             tokenizer=spec.tokenizer.name, vocab_size=spec.tokenizer.vocab_size)
+  return records.RecordWriter(directory, meta)
 
 
 def write_demo(writer, episode: Episode, expert: E.Expert) -> None:

@@ -1,5 +1,6 @@
-r"""Learning-curve plot of a run: success rate and reward per iteration (PNG); or several runs'
-per-task success side by side (ablations).
+r"""Learning-curve plot of a run: success rate and reward per iteration, and a row of exploration
+panels (entropy per free decision, informative fraction, distinct clicks per screen) (PNG); or
+several runs' per-task success side by side (ablations).
 
   python -m experiments.plot --run runs/miniwob_ppo [--out runs/miniwob_ppo/learning_curve.png]
   python -m experiments.plot --compare runs/ppo,runs/grpo --out docs/ppo_vs_grpo.png
@@ -31,35 +32,69 @@ def smooth(y: np.ndarray, k: int = 5) -> np.ndarray:
   return np.array([(c[i + 1] - c[max(0, i + 1 - k)]) / (i + 1 - max(0, i + 1 - k)) for i in range(len(y))])
 
 
-def plot_run(run: str, out: str) -> str:
-  rows = read_metrics(run)
+# Exploration panels (second row of `plot_run`), against iteration: (title, ((metric, label), ...)).
+# Raw values, not smoothed, so a collapse onto one fixed click shows in the iteration it happens.
+EXPLORE_PANELS = (
+    ("entropy per free decision (nats)", (("explore/entropy_free", "sampled (rollout)"),
+                                          ("train/entropy", "update (mean over steps)"))),
+    ("informative fraction of episodes", (("train/informative_fraction", "informative episodes"),)),
+    ("distinct first clicks per screen", (("explore/distinct_clicks_per_screen", "distinct clicks"),)),
+)
+
+
+def run_figure(rows: list[dict], title: str = "") -> plt.Figure:
+  """Figure of a run's metrics rows (`read_metrics`): 2 x 3 axes.
+
+  Row 1, against episodes: training success per task, reward / baseline quality, policy statistics.
+  Row 2, against iteration (`step`), one panel per `EXPLORE_PANELS` entry, one line per metric
+  (NaN where a row lacks it; a metric no row has is not drawn): entropy per free decision,
+  informative fraction, distinct clicks per screen. Collapse looks like all three falling together
+  (entropy to 0, informative fraction to 0, distinct clicks to 1).
+  Raises: ValueError for no rows.
+  """
   if not rows:
-    raise FileNotFoundError(f"no metrics.jsonl rows in {run}")
+    raise ValueError("no metrics rows to plot")
   ep = np.array([r.get("episodes_total", r["step"]) for r in rows])
-  fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+  fig, axes = plt.subplots(2, 3, figsize=(15, 8))
   keys = sorted({k for r in rows for k in r if k.startswith("success/")})
   for k in keys or ["success_rate"]:
     y = np.array([r.get(k, np.nan) for r in rows])
-    axes[0].plot(ep, smooth(y), label=k.removeprefix("success/"))
-  axes[0].set(title="training success rate (5-iter avg)", xlabel="episodes", ylim=(-0.02, 1.02))
-  axes[0].legend()
-  axes[1].plot(ep, smooth(np.array([r["reward"] for r in rows])), label="env reward")
+    axes[0, 0].plot(ep, smooth(y), label=k.removeprefix("success/"))
+  axes[0, 0].set(title="training success rate (5-iter avg)", xlabel="episodes", ylim=(-0.02, 1.02))
+  axes[0, 0].legend()
+  axes[0, 1].plot(ep, smooth(np.array([r["reward"] for r in rows])), label="env reward")
   if any("train/explained_variance" in r for r in rows):  # PPO: how well the critic tracks returns
-    axes[1].plot(ep, smooth(np.array([r.get("train/explained_variance", np.nan) for r in rows])),
-                 label="value explained var.")
-  if any("train/informative_fraction" in r for r in rows):  # GRPO/RLOO: groups that carry signal
-    axes[1].plot(ep, smooth(np.array([r.get("train/informative_fraction", np.nan) for r in rows])),
-                 label="informative episodes (GRPO)")
-  axes[1].set(title="reward / baseline", xlabel="episodes")
-  axes[1].legend()
-  axes[2].plot(ep, [r.get("train/entropy", np.nan) for r in rows], label="entropy (nats/token)")
-  axes[2].plot(ep, [r.get("train/approx_kl", np.nan) for r in rows], label="approx KL")
-  axes[2].plot(ep, [r.get("train/clipfrac", np.nan) for r in rows], label="clip fraction")
-  axes[2].set(title="policy", xlabel="episodes")
-  axes[2].legend()
-  fig.suptitle(os.path.basename(os.path.normpath(run)))
+    axes[0, 1].plot(ep, smooth(np.array([r.get("train/explained_variance", np.nan) for r in rows])),
+                    label="value explained var.")
+  axes[0, 1].set(title="reward / baseline", xlabel="episodes")
+  axes[0, 1].legend()
+  axes[0, 2].plot(ep, [r.get("train/entropy", np.nan) for r in rows], label="entropy (nats/decision)")
+  axes[0, 2].plot(ep, [r.get("train/approx_kl", np.nan) for r in rows], label="approx KL")
+  axes[0, 2].plot(ep, [r.get("train/clipfrac", np.nan) for r in rows], label="clip fraction")
+  axes[0, 2].set(title="policy", xlabel="episodes")
+  axes[0, 2].legend()
+  it = np.array([r["step"] for r in rows])
+  for ax, (panel, metrics) in zip(axes[1], EXPLORE_PANELS):
+    for key, label in metrics:
+      if any(key in r for r in rows):
+        ax.plot(it, [r.get(key, np.nan) for r in rows], label=label, marker="o" if len(rows) < 30 else None)
+    ax.set(title=panel, xlabel="iteration")
+    if ax.lines:
+      ax.legend()
+  fig.suptitle(title)
   fig.tight_layout()
+  return fig
+
+
+def plot_run(run: str, out: str) -> str:
+  """`run_figure` of `<run>/metrics.jsonl` saved as PNG `out`; returns `out`.
+  Raises: FileNotFoundError if the run has no metrics rows."""
+  rows = read_metrics(run)
+  if not rows:
+    raise FileNotFoundError(f"no metrics.jsonl rows in {run}")
+  fig = run_figure(rows, os.path.basename(os.path.normpath(run)))
   fig.savefig(out, dpi=100)
+  plt.close(fig)
   return out
 
 

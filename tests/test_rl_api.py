@@ -144,13 +144,13 @@ def test_compute_advantages_uses_per_sequence_length_adaptive_lambda():
   hp = _hp(gamma=0.9, lam_critic=1.0, length_adaptive_alpha=0.5, whiten_advantages=False)
   lam = [1 - 1 / 4, 1 - 1 / 2.5, 0.0]  # 1 - 1/(0.5 * 8), 1 - 1/(0.5 * 5)
   np.testing.assert_allclose(ppo.policy_lambda(jnp.asarray(m), hp), lam, atol=1e-6)
-  adv, ret = ppo.compute_advantages(jnp.asarray(v), batch, hp)
+  adv, ret = ppo.compute_advantages(jnp.asarray(v), batch, hp, jnp.asarray(m))
   want_adv, _ = A.gae(r, v, m, 0.9, np.array(lam))
   _, want_ret = A.gae(r, v, m, 0.9, 1.0)
   np.testing.assert_allclose(adv, want_adv * m, atol=1e-5)
   np.testing.assert_allclose(ret, want_ret * m, atol=1e-5)
   off = _hp(gamma=0.9, lam_policy=0.3, lam_critic=1.0, whiten_advantages=False)
-  np.testing.assert_allclose(ppo.compute_advantages(jnp.asarray(v), batch, off)[0],
+  np.testing.assert_allclose(ppo.compute_advantages(jnp.asarray(v), batch, off, jnp.asarray(m))[0],
                              A.gae(r, v, m, 0.9, 0.3)[0] * m, atol=1e-5)
 
 

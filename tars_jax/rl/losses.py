@@ -21,6 +21,25 @@ KL_KINDS = ("k1", "k2", "k3", "abs")
 _KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}  # verl's other names
 
 
+def decision_mask(mask: jax.Array, num_allowed: jax.Array | None) -> jax.Array:
+  """[B, T] float32: `mask` on sampled decisions, 0 on grammar-forced tokens.
+
+  A token is forced when the grammar allowed exactly one token at its position: the sampler had no
+  choice, its log-prob is exactly 0 under the constrained distribution, its entropy 0 and its
+  policy gradient 0. Counting it would dilute per-token means (entropy, token-mean losses) and the
+  length of VAPO's length-adaptive lambda by the share of forced tokens, which depends on the
+  reply's grammar, not on the policy.
+  Args:
+    mask: [B, T] {0, 1} (bool or float), 1 on model-written tokens.
+    num_allowed: [B, T] int, the number of tokens the grammar allowed at each position
+      (`(table >= 0).sum(-1)[states]`), or None (unconstrained sampling: every token is a decision).
+  """
+  mask = jnp.asarray(mask, jnp.float32)
+  if num_allowed is None:
+    return mask
+  return mask * (jnp.asarray(num_allowed) > 1).astype(jnp.float32)
+
+
 def aggregate(loss: jax.Array, mask: jax.Array, mode: str = "token-mean") -> jax.Array:
   """Reduces a per-token loss [B, T] to a scalar float32, as verl `agg_loss`.
 
@@ -32,6 +51,8 @@ def aggregate(loss: jax.Array, mask: jax.Array, mode: str = "token-mean") -> jax
                            across steps to keep the scale fixed). Note: not divided by B.
   Sequences with no masked token count as sequences of loss 0 in the seq-mean modes (verl divides
   by B too; where verl's seq-mean-token-mean gives NaN for them, this gives 0, as tunix).
+  Pass `decision_mask(...)` as the mask under a grammar: the number of tokens that normalises
+  (token-mean, seq-mean-token-mean) then counts only sampled decisions, not forced tokens.
   Raises: ValueError for an unknown mode.
   """
   loss = jnp.asarray(loss, jnp.float32)

@@ -28,3 +28,31 @@ def masked_corr(x: jax.Array, y: jax.Array, mask: jax.Array) -> jax.Array:
   cov = masked_mean(xm * ym, mask)
   var = masked_mean(xm ** 2, mask) * masked_mean(ym ** 2, mask)
   return cov * jax.lax.rsqrt(jnp.maximum(var, 1e-16))
+
+
+# |advantage| (reward units, before whitening) below which a critic-PPO episode counts as carrying
+# no signal: 1% of a success reward. A critic is never exact, so 0 (the group baselines' test) would
+# count every episode; a critic that has learnt a collapsed policy's returns leaves advantages of
+# this size or less.
+PPO_INFORMATIVE_EPS = 1e-2
+
+
+def informative_fraction(advantages: jax.Array, free: jax.Array, eps: float = PPO_INFORMATIVE_EPS
+                         ) -> jax.Array:
+  """Fraction of episodes whose mean |advantage| over their free decisions exceeds `eps`; scalar float32.
+
+  The critic-PPO analogue of the group baselines' `informative_fraction` (episodes of groups whose
+  returns differ): an episode whose decisions all have advantage ~0 moves nothing.
+  Args:
+    advantages: [B, T] float32, per-token GAE advantages before whitening (whitening shifts them by
+      the batch mean, so every episode would look informative).
+    free: [B, T] {0, 1} mask of sampled decisions (`losses.decision_mask`); rows without any (padding
+      rows) are not episodes and are left out of the fraction.
+    eps: threshold in reward units.
+  Returns 0 when no row has a free decision.
+  """
+  adv, free = jnp.asarray(advantages, jnp.float32), jnp.asarray(free, jnp.float32)
+  n = free.sum(-1)
+  mean_abs = jnp.abs(adv * free).sum(-1) / jnp.maximum(n, 1.0)
+  rows = (n > 0).astype(jnp.float32)
+  return ((mean_abs > eps) * rows).sum() / jnp.maximum(rows.sum(), 1.0)

@@ -10,6 +10,7 @@ import numpy as np
 
 from tensorboardX import SummaryWriter
 
+from tars_jax.agent import actions
 from tars_jax.rl.rewards import thought_of
 
 
@@ -52,9 +53,100 @@ def read_metrics(workdir: str) -> list[dict]:
     return [json.loads(l) for l in f if l.strip()]
 
 
-def episode_metrics(episodes, tasks, tokenizer) -> dict[str, float]:
+def free_tokens(states: np.ndarray, num_allowed: np.ndarray | None) -> np.ndarray:
+  """[n] bool: which reply tokens were sampled decisions (the grammar allowed more than one token).
+
+  states: [n] int32 grammar state before each reply token (`Turn.states`; -1 = sampled without
+  the grammar, a decision). num_allowed: [S] int, allowed tokens per grammar state
+  (`(table >= 0).sum(-1)`), or None (no grammar: every token is a decision).
+  The numpy twin of `rl.losses.decision_mask` for episodes (turns) instead of padded batches.
+  """
+  states = np.asarray(states, np.int64)
+  if num_allowed is None:
+    return np.ones(states.shape, bool)
+  return (states < 0) | (np.asarray(num_allowed)[np.maximum(states, 0)] > 1)
+
+
+# Coordinates compared as written (whatever the run's coordinate mode): a huge "absolute" screen
+# accepts every non-negative point and maps distinct points to distinct keys.
+_ANY_COORDS = actions.CoordSpec("absolute", width=10 ** 9, height=10 ** 9)
+
+
+def click_point(text: str) -> tuple[float, float] | None:
+  """The point a reply acts on (click, left_double, right_single, scroll; a drag's start), in the
+  reply's own coordinates scaled by 1e-9 (only equality matters); None for a reply that does not
+  parse or whose action has no point (type, hotkey, wait, ...)."""
+  try:
+    a = actions.parse(text, _ANY_COORDS)
+  except actions.ActionParseError:
+    return None
+  if isinstance(a, actions.Drag):
+    return (a.x1, a.y1)
+  if isinstance(a, (actions.Click, actions.LeftDouble, actions.RightSingle, actions.Scroll)):
+    return (a.x, a.y)
+  return None
+
+
+def distinct_clicks_per_screen(screens: list[tuple[str, int]], clicks: list) -> float:
+  """How spread the first clicks are on each screen: collapse onto one fixed click shows as 1.
+
+  screens: [N] (task, seed) of each episode (a group of a group baseline); clicks: [N] the point
+  of its first-turn action (`click_point`) or None (no point: not counted as a click).
+  With groups (some (task, seed) holds >= 2 episodes): the number of distinct points among each
+  group's first clicks, averaged over groups of >= 2 episodes (a group whose other episodes were
+  lost says nothing about spread); between 0 and the group size.
+  Without groups (every (task, seed) holds one episode, group_size 1 / PPO): for each task, the
+  number of distinct first clicks over its episodes divided by its episodes, averaged over tasks;
+  in (0, 1], 1 / episodes when every episode of the task clicks the same point.
+  0.0 for no episodes.
+  Raises: ValueError if the two lists differ in length.
+  """
+  if len(screens) != len(clicks):
+    raise ValueError(f"{len(screens)} screens but {len(clicks)} clicks")
+  groups: dict[tuple[str, int], list] = {}
+  for key, c in zip(screens, clicks):
+    groups.setdefault(tuple(key), []).append(c)
+  if any(len(g) > 1 for g in groups.values()):
+    return float(np.mean([len({c for c in g if c is not None}) for g in groups.values() if len(g) > 1]))
+  by_task: dict[str, list] = {}
+  for (task, _), g in groups.items():
+    by_task.setdefault(task, []).extend(g)
+  if not by_task:
+    return 0.0
+  return float(np.mean([len({c for c in g if c is not None}) / len(g) for g in by_task.values()]))
+
+
+def exploration_metrics(episodes, table=None) -> dict[str, float]:
+  """`explore/*` statistics of an iteration's episodes: how much the policy still explores.
+
+  entropy_free: mean over sampled (free) decisions of -log p of the sampled token under the
+    distribution the sampler drew from (`Turn.logprobs`: grammar-masked, temperature-scaled), in
+    nats: a Monte-Carlo estimate of the entropy per decision at rollout time (its expectation is
+    the entropy). Grammar-forced tokens (log-prob 0) are left out, so it does not move with reply
+    length or format; 0 = every decision collapsed onto one token.
+  free_decisions_per_turn: free decisions per reply (turn).
+  distinct_clicks_per_screen: `distinct_clicks_per_screen` of the first-turn actions.
+  table: [S, V] grammar table (numpy or jax; -1 = not allowed) the replies were sampled under, or
+    None (no grammar: every reply token is a decision).
+  """
+  num_allowed = None if table is None else (np.asarray(table) >= 0).sum(-1)
+  turns = [t for e in episodes for t in e.turns]
+  free = [free_tokens(t.states, num_allowed) for t in turns]
+  n_free = sum(int(f.sum()) for f in free)
+  neg_logp = sum(float(-np.asarray(t.logprobs, np.float64)[f].sum()) for t, f in zip(turns, free))
+  return {
+      "explore/entropy_free": neg_logp / max(1, n_free),
+      "explore/free_decisions_per_turn": n_free / max(1, len(turns)),
+      "explore/distinct_clicks_per_screen": distinct_clicks_per_screen(
+          [(e.task, e.seed) for e in episodes], [click_point(e.turns[0].text) if e.turns else None
+                                                 for e in episodes]),
+  }
+
+
+def episode_metrics(episodes, tasks, tokenizer, table=None) -> dict[str, float]:
   """Per-iteration episode statistics (overall and per task); think_tokens = mean tokens of a
-  reply's `Thought:` text, steps_per_episode = episode_length = mean turns per episode."""
+  reply's `Thought:` text, steps_per_episode = episode_length = mean turns per episode; plus
+  `exploration_metrics(episodes, table)` (pass the grammar table the run samples under)."""
   turns = [t for e in episodes for t in e.turns]
   m = {
       "reward": float(np.mean([e.env_return for e in episodes])),
@@ -72,4 +164,5 @@ def episode_metrics(episodes, tasks, tokenizer) -> dict[str, float]:
     eps = [e for e in episodes if e.task == task]
     if eps:
       m[f"success/{task}"] = float(np.mean([e.success for e in eps]))
+  m.update(exploration_metrics(episodes, table))
   return m

@@ -12,6 +12,12 @@ groups left with one episode (no baseline).
 
 The policy log-probs are those of the grammar-constrained, temperature-scaled distribution the
 sampler drew from (`models.sampler.generate`), rebuilt here from the grammar states of the batch.
+
+Grammar-forced tokens (one allowed token: log-prob 0, entropy 0, zero gradient; e.g. the fixed third
+digit of a 'tens3' coordinate, `Action: click(start_box='(`) are not decisions: the policy and KL
+losses, their token-mean denominators, the entropy mean, advantage whitening and VAPO's length count
+only free decisions (`free_decisions`). GAE itself still runs over every model token (rewards sit
+on the reply's EOS, which is usually forced) and the critic is fitted on every model token.
 """
 
 from __future__ import annotations
@@ -112,6 +118,19 @@ def _allowed(table, states, mask):
   return jnp.where(mask[..., None] > 0, allowed, True)
 
 
+def free_decisions(table, states, mask) -> jax.Array:
+  """[B, T] float32: `mask` where the grammar allowed more than one token (a sampled decision), 0 on
+  grammar-forced tokens and outside the mask (`losses.decision_mask`).
+
+  table: [S, V] int32 grammar table (-1 = not allowed) or None (unconstrained: every masked token is
+  a decision); states: [B, T] int32 grammar state before each target token; mask: [B, T].
+  """
+  if table is None:
+    return losses.decision_mask(mask, None)
+  num_allowed = (jnp.asarray(table) >= 0).sum(-1)  # [S]: per state, so a gather instead of [B,T,V]
+  return losses.decision_mask(mask, num_allowed[states])
+
+
 def critic_values(critic_gd, critic_params, batch: dict, hp: PPOHparams) -> jax.Array:
   """Values of the prefix ending at each input token j, i.e. V(s) before target token j+1.
 
@@ -123,23 +142,37 @@ def critic_values(critic_gd, critic_params, batch: dict, hp: PPOHparams) -> jax.
   return values[:, :-1]
 
 
-def policy_lambda(mask: jax.Array, hp: PPOHparams) -> jax.Array:
-  """[B] lam_policy per sequence: VAPO's 1 - 1/(alpha * model tokens) if `length_adaptive_alpha`
-  is set, else the constant `lam_policy`."""
+def policy_lambda(free: jax.Array, hp: PPOHparams) -> jax.Array:
+  """[B] lam_policy per sequence: VAPO's 1 - 1/(alpha * free decisions) if `length_adaptive_alpha`
+  is set, else the constant `lam_policy`. free: [B, T] mask of sampled decisions (`free_decisions`;
+  forced tokens are not part of the length)."""
   if hp.length_adaptive_alpha is None:
-    return jnp.full((mask.shape[0],), hp.lam_policy, jnp.float32)
-  return adv_lib.length_adaptive_lambda(mask.sum(-1), hp.length_adaptive_alpha)
+    return jnp.full((free.shape[0],), hp.lam_policy, jnp.float32)
+  return adv_lib.length_adaptive_lambda(free.sum(-1), hp.length_adaptive_alpha)
 
 
-def compute_advantages(values: jax.Array, batch: dict, hp: PPOHparams) -> tuple[jax.Array, jax.Array]:
-  """(advantages [B,T-1], returns [B,T-1]) with decoupled lambdas (VC-PPO) and, optionally,
-  length-adaptive lam_policy (VAPO); report section 2.5.4."""
+def raw_advantages(values: jax.Array, batch: dict, hp: PPOHparams, free: jax.Array
+                   ) -> tuple[jax.Array, jax.Array]:
+  """(advantages, returns), [B,T-1] float32 zeroed off `loss_mask`, before whitening: decoupled
+  lambdas (VC-PPO) and, optionally, length-adaptive lam_policy (VAPO) from the free-decision count
+  of `free` [B,T-1]; report section 2.5.4."""
   mask = batch["loss_mask"]
-  adv, ret = adv_lib.decoupled_gae(batch["rewards"], values, mask, hp.gamma, policy_lambda(mask, hp),
+  adv, ret = adv_lib.decoupled_gae(batch["rewards"], values, mask, hp.gamma, policy_lambda(free, hp),
                                    hp.lam_critic)
-  if hp.whiten_advantages:
-    adv = adv_lib.masked_whiten(adv, mask)
   return adv * mask, ret * mask
+
+
+def _whiten(adv: jax.Array, mask: jax.Array, free: jax.Array, hp: PPOHparams) -> jax.Array:
+  # Statistics over free decisions only: forced tokens carry no gradient and would bias mean and std.
+  return adv_lib.masked_whiten(adv, free) * mask if hp.whiten_advantages else adv
+
+
+def compute_advantages(values: jax.Array, batch: dict, hp: PPOHparams, free: jax.Array
+                       ) -> tuple[jax.Array, jax.Array]:
+  """(advantages [B,T-1], returns [B,T-1]) float32: `raw_advantages`, whitened over the free
+  decisions `free` [B,T-1] if `hp.whiten_advantages`."""
+  adv, ret = raw_advantages(values, batch, hp, free)
+  return _whiten(adv, batch["loss_mask"], free, hp), ret
 
 
 def _token_logp(params, gd, table, mb, hp: PPOHparams):
@@ -161,14 +194,16 @@ def _token_logp(params, gd, table, mb, hp: PPOHparams):
 
 def _policy_loss(params, gd, table, mb, hp: PPOHparams):
   logp, logits, allowed, aux, dropped = _token_logp(params, gd, table, mb, hp)
-  mask = mb["loss_mask"]
-  pg, m = losses.ppo_policy_loss(logp, mb["old_logp"], mb["advantages"], mask, hp.clip_low,
+  # Forced tokens have zero gradient anyway; leaving them out of the mask keeps them out of the
+  # token-mean denominators, the entropy mean and the clip / KL statistics.
+  free = free_decisions(table, mb["states"], mb["loss_mask"])
+  pg, m = losses.ppo_policy_loss(logp, mb["old_logp"], mb["advantages"], free, hp.clip_low,
                                  hp.clip_high, hp.clip_c, hp.loss_agg)
-  ent = losses.aggregate(losses.entropy(logits, mask, allowed, hp.temperature), mask, "token-mean")
+  ent = losses.aggregate(losses.entropy(logits, free, allowed, hp.temperature), free, "token-mean")
   loss = pg - hp.ent_coef * ent + hp.aux_loss_coef * aux
   m = dict(m, pg_loss=pg, entropy=ent, moe_aux_loss=aux, moe_dropped_frac=dropped)
   if hp.kl_coef > 0:  # KL to the reference (initial) policy as a loss term (verl use_kl_loss)
-    kl = losses.aggregate(losses.kl_penalty(logp, mb["ref_logp"], hp.kl_kind), mask, hp.loss_agg)
+    kl = losses.aggregate(losses.kl_penalty(logp, mb["ref_logp"], hp.kl_kind), free, hp.loss_agg)
     loss = loss + hp.kl_coef * kl
     m["kl_ref"] = kl
   return loss, m
@@ -235,16 +270,27 @@ def outcome_advantages(scores: np.ndarray, group_ids: np.ndarray, algo: str) -> 
 
 
 @functools.partial(jax.jit, static_argnames=("critic_gd", "hp"))
-def prepare(critic_params, batch: dict, *, critic_gd, hp: PPOHparams):
-  """Values, advantages, returns and value diagnostics of a rollout batch (jitted)."""
+def prepare(critic_params, batch: dict, table=None, *, critic_gd, hp: PPOHparams):
+  """Values, advantages, returns [B,T-1] float32 and diagnostics of a rollout batch (jitted).
+
+  table: the grammar table the batch was sampled under ([S, V] int32), or None (unconstrained, or a
+  caller that needs only values and returns, which do not depend on it). Diagnostics:
+  explained_variance, value_return_corr, value_mean, return_mean (over model tokens);
+  lam_policy_mean (over episodes); advantage_abs_mean (mean |A| before whitening over free
+  decisions) and informative_fraction (`rl.metrics.informative_fraction` of the same advantages).
+  """
   values = critic_values(critic_gd, critic_params, batch, hp)
-  adv, ret = compute_advantages(values, batch, hp)
   mask = batch["loss_mask"]
+  free = free_decisions(table, batch["states"], mask)
+  raw, ret = raw_advantages(values, batch, hp, free)
+  adv = _whiten(raw, mask, free, hp)
   diag = dict(explained_variance=rl_metrics.explained_variance(ret, values, mask),
               value_return_corr=rl_metrics.masked_corr(values, ret, mask),
-              value_mean=adv_lib.masked_mean(values, mask), return_mean=adv_lib.masked_mean(ret, mask))
-  rows = (mask.sum(-1) > 0).astype(jnp.float32)  # mean lam_policy over sequences that have tokens
-  diag["lam_policy_mean"] = adv_lib.masked_mean(policy_lambda(mask, hp), rows)
+              value_mean=adv_lib.masked_mean(values, mask), return_mean=adv_lib.masked_mean(ret, mask),
+              advantage_abs_mean=adv_lib.masked_mean(jnp.abs(raw), free),
+              informative_fraction=rl_metrics.informative_fraction(raw, free))
+  rows = (free.sum(-1) > 0).astype(jnp.float32)  # mean lam_policy over sequences that have decisions
+  diag["lam_policy_mean"] = adv_lib.masked_mean(policy_lambda(free, hp), rows)
   return values * mask, adv, ret, diag
 
 
@@ -259,6 +305,12 @@ def ppo_update(state: dict, batch: dict[str, np.ndarray], table, *, policy_gd, c
   placed in a minibatch of their own. `hp.algo != "ppo"` needs `scores` [n_real] (episode returns)
   and `group_ids` [n_real] (same id = same task and seed); rows with zero advantage are skipped, and
   episodes alone in their group get zero advantage (metric `groups_dropped_singleton`).
+  `informative_fraction`: the share of the n_real episodes that carry signal. Group baselines: an
+  episode of a group (>= 2 episodes) whose returns differ, and not itself at the group's mean (its
+  advantage is 0 then; with 0/1 returns that never happens), i.e. the rows trained on. PPO: an
+  episode whose mean |advantage| before whitening over its free decisions exceeds
+  `rl.metrics.PPO_INFORMATIVE_EPS` (`prepare`). Per-token means (entropy, clip fractions, KL)
+  are over free decisions (`free_decisions`).
   `hp.kl_coef > 0` needs `ref_params` (the reference policy's nnx.State, e.g. the initial policy).
   Raises: ValueError if a group-relative algo gets no scores/group_ids or a KL penalty gets no
     reference; NonFiniteError (a ValueError) naming the positions of NaN/inf in rewards,
@@ -271,7 +323,7 @@ def ppo_update(state: dict, batch: dict[str, np.ndarray], table, *, policy_gd, c
       raise ValueError("rl.kl_coef > 0 needs ref_params (the reference policy)")
     batch["ref_logp"] = reference_logp(ref_params, batch, table, policy_gd=policy_gd, hp=hp)
   if hp.algo == "ppo":
-    values, adv, ret, diag = prepare(state["critic"], batch, critic_gd=critic_gd, hp=hp)
+    values, adv, ret, diag = prepare(state["critic"], batch, table, critic_gd=critic_gd, hp=hp)
     check_finite(values=values)
     batch.update(old_values=values, advantages=adv, returns=ret)
     rows = np.arange(n_real)

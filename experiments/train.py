@@ -137,7 +137,7 @@ def main(argv):
         policy.params = state["policy"]
         t_train = time.perf_counter() - t1
         train_tokens = train_m.pop("tokens_trained")
-        m = episode_metrics(episodes, tasks, parts.tokenizer)
+        m = episode_metrics(episodes, tasks, parts.tokenizer, parts.table)
         m.update({f"train/{k}": v for k, v in train_m.items()})
         m.update({f"reward_terms/{k}": v / max(1, len(episodes)) for k, v in stats.reward_terms.items()})
         m.update({f"image_dependence/{k}": v for k, v in image_dep.items() if k not in ("embed", "decisions")})

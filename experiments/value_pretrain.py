@@ -93,7 +93,7 @@ def main(argv):
         state, train_m = vpt.value_update(state, batch, critic_gd=parts.critic_gd, copt=copt, hp=hp,
                                           epochs=v.epochs, minibatch_size=v.minibatch_size, rng=rng,
                                           n_real=len(episodes))
-        m = episode_metrics(episodes, tasks, parts.tokenizer)
+        m = episode_metrics(episodes, tasks, parts.tokenizer, parts.table)
         m.update({f"train/{k}": x for k, x in train_m.items()})
         m.update({f"reward_terms/{k}": x / max(1, len(episodes)) for k, x in stats.reward_terms.items()})
         m["perf/wall_min"] = (time.time() - t_start) / 60

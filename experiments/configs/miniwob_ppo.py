@@ -173,7 +173,7 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   # lambda_policy < 1 lowers the variance of the policy's advantages. Used by algo "ppo" only.
   c.rl.lam_policy = 0.95
   c.rl.lam_critic = 1.0
-  # VAPO length-adaptive lam_policy = 1 - 1/(alpha * model tokens); unset (None) = off.
+  # VAPO length-adaptive lam_policy = 1 - 1/(alpha * free decisions); unset (None) = off.
   c.rl.length_adaptive_alpha = mlc.config_dict.placeholder(float)
   c.rl.whiten_advantages = True
   c.rl.clip_low = 0.2

@@ -66,8 +66,10 @@ def main(argv):
                                                                                      d.demo_max_turns)))
   tasks = list(_TASKS.value or d.demo_tasks or config.tasks)
   seeds = d.demo_seeds if _SEEDS.value is None else _SEEDS.value
+  # the RL stage's own tasks get data.demo_seeds_rl_tasks (unless --seeds says otherwise)
+  seeds_of = {t: d.demo_seeds_rl_tasks if _SEEDS.value is None and t in config.tasks else seeds for t in tasks}
   offset = d.demo_seed_offset if _SEED_OFFSET.value is None else _SEED_OFFSET.value
-  jobs = demos.jobs_for(tasks, seeds, offset, config.env.eval_seed_offset)
+  jobs = [j for t in tasks for j in demos.jobs_for([t], seeds_of[t], offset, config.env.eval_seed_offset)]
   os.makedirs(_OUT.value, exist_ok=True)
   t0 = time.perf_counter()
   with env_fleet(config.env, urls=_SERVERS.value) as (loop, clients):
@@ -79,7 +81,7 @@ def main(argv):
   wall = time.perf_counter() - t0
   print(demos.format_stats(stats))
   print(f"{len(jobs)} episodes in {wall:.0f} s; written: {counts}")
-  out = {"tasks": {t: s.as_dict() for t, s in stats.items()}, "seeds": seeds, "seed_offset": offset, "thoughts": _THOUGHTS.value, "max_turns": spec.loop.max_turns,
+  out = {"tasks": {t: s.as_dict() for t, s in stats.items()}, "seeds": seeds_of, "seed_offset": offset, "thoughts": _THOUGHTS.value, "max_turns": spec.loop.max_turns,
          "coord_format": spec.coord_format, "wall_s": wall, "written": _jsonable(counts)}
   with open(os.path.join(_OUT.value, "experts.json"), "w") as f:
     json.dump(out, f, indent=1)

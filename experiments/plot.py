@@ -5,10 +5,12 @@ several runs' per-task success side by side (ablations).
   python -m experiments.plot --run runs/miniwob_ppo [--out runs/miniwob_ppo/learning_curve.png]
   python -m experiments.plot --compare runs/ppo,runs/grpo --out docs/ppo_vs_grpo.png
   python -m experiments.plot --sweep runs/ablations [--out runs/ablations/comparison.png]
+  python -m experiments.plot --pipeline runs/main [--out runs/main/pipeline.png]   # scripts/demo.sh
 """
 
 from __future__ import annotations
 
+import json
 import os
 
 from absl import app, flags
@@ -24,6 +26,7 @@ _RUN = flags.DEFINE_string("run", None, "Run directory.")
 _OUT = flags.DEFINE_string("out", None, "Output PNG (default <run>/learning_curve.png).")
 _COMPARE = flags.DEFINE_list("compare", None, "Run directories to compare (per-task success).")
 _SWEEP = flags.DEFINE_string("sweep", None, "Parent dir of experiments/sweep.py (mean +- std over seeds).")
+_PIPELINE = flags.DEFINE_string("pipeline", None, "Pipeline run dir of scripts/demo.sh (all its stages).")
 
 
 def smooth(y: np.ndarray, k: int = 5) -> np.ndarray:
@@ -157,14 +160,93 @@ def plot_sweep(runs: list[dict], out: str, k: int = 5) -> str:
   return out
 
 
+def _series(rows: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
+  """(steps, values) of the rows that have `key`."""
+  xs = [(r["step"], r[key]) for r in rows if key in r]
+  return np.array([x for x, _ in xs]), np.array([y for _, y in xs])
+
+
+def pipeline_figure(run: str) -> plt.Figure:
+  """One figure of a pipeline run dir (scripts/demo.sh: <run>/{grounding,sft,vpt,ppo}, eval_*.json):
+  supervised stages' train / held-out cross-entropy and grounding accuracy, sandbox success during SFT
+  and RL, the RL stage's exploration, and the held-out evaluation of the SFT vs the RL policy.
+  Stages that have not run are left empty. Raises FileNotFoundError when no stage has metrics."""
+  stages = {s: read_metrics(os.path.join(run, s)) for s in ("grounding", "sft", "vpt", "ppo")}
+  if not any(stages.values()):
+    raise FileNotFoundError(f"no stage of {run} has metrics.jsonl rows")
+  fig, axes = plt.subplots(2, 3, figsize=(16, 8))
+  ax = axes[0, 0]
+  for stage in ("grounding", "sft"):
+    for key, style in (("train/ce", "-"), ("heldout/ce", "o--")):
+      x, y = _series(stages[stage], key)
+      if len(x):
+        ax.plot(x, smooth(y, 10) if style == "-" else y, style, label=f"{stage} {key}")
+  ax.set(title="supervised stages: cross-entropy (nats / reply token)", xlabel="step", yscale="log")
+  ax = axes[0, 1]
+  for stage in ("grounding", "sft"):
+    for key in ("grounding/where_hit", "grounding/what_exact"):
+      x, y = _series(stages[stage], key)
+      if len(x):
+        ax.plot(x, y, "o-", label=f"{stage}: {key.split('/')[1]}")
+  ax.set(title="held-out grounding accuracy (sampled)", xlabel="step", ylim=(-0.02, 1.02))
+  ax = axes[0, 2]
+  for stage, marker in (("sft", "o-"), ("ppo", "s-")):
+    for key in sorted({k for r in stages[stage] for k in r if k.startswith("eval/") and k.endswith("/success")}):
+      x, y = _series(stages[stage], key)
+      ax.plot(x, y, marker, label=f"{stage}: {key.split('/')[2]}")
+  ax.set(title="held-out success during training (sampled)", xlabel="step / iteration", ylim=(-0.02, 1.02))
+  ax = axes[1, 0]
+  for key, label in (("train/value_loss", "value loss"), ("train/explained_variance", "explained var.")):
+    x, y = _series(stages["vpt"], key)
+    if len(x):
+      ax.plot(x, y, "o-", label=f"vpt {label}")
+    x, y = _series(stages["ppo"], key)
+    if len(x):
+      ax.plot(x, smooth(y), label=f"ppo {label}")
+  ax.set(title="critic: value pretraining, then PPO", xlabel="iteration")
+  ax = axes[1, 1]
+  for key, label in (("explore/entropy_free", "entropy / free decision"),
+                     ("train/informative_fraction", "informative fraction"),
+                     ("explore/distinct_clicks_per_screen", "distinct clicks / screen")):
+    x, y = _series(stages["ppo"], key)
+    if len(x):
+      ax.plot(x, smooth(y), label=label)
+  ax.set(title="RL stage: exploration", xlabel="iteration")
+  ax = axes[1, 2]
+  evals = {}
+  for stage in ("sft", "ppo"):
+    path = os.path.join(run, f"eval_{stage}.json")
+    if os.path.exists(path):
+      with open(path) as f:
+        evals[stage] = json.load(f)["results"]
+  tasks = sorted({t for e in evals.values() for t in e})
+  for i, (stage, res) in enumerate(evals.items()):
+    ys = [res.get(t, {}).get("success", np.nan) for t in tasks]
+    bars = ax.bar(np.arange(len(tasks)) + 0.4 * i, ys, 0.4, label={"sft": "SFT", "ppo": "SFT + RL"}[stage])
+    ax.bar_label(bars, fmt="%.2f")
+  ax.set_xticks(np.arange(len(tasks)) + 0.2, [t.split("/")[-1] for t in tasks])
+  ax.set(title="held-out evaluation (200 seeds, sampled)", ylim=(0, 1.1))
+  for a in axes.flat:
+    if a.lines or a.patches:
+      a.legend(fontsize=8)
+  fig.suptitle(f"pipeline {os.path.basename(os.path.normpath(run))}: grounding -> SFT -> value pretraining -> PPO")
+  fig.tight_layout()
+  return fig
+
+
 def main(argv):
   del argv
   if _SWEEP.value:
-    import json
     with open(os.path.join(_SWEEP.value, "sweep.json")) as f:
       runs = json.load(f)["runs"]
     out = _OUT.value or os.path.join(_SWEEP.value, "comparison.png")
     print(f"[plot] wrote {plot_sweep(runs, out)}")
+    return
+  if _PIPELINE.value:
+    out = _OUT.value or os.path.join(_PIPELINE.value, "pipeline.png")
+    fig = pipeline_figure(_PIPELINE.value)
+    fig.savefig(out, dpi=100)
+    print(f"[plot] wrote {out}")
     return
   if _COMPARE.value:
     if not _OUT.value:

@@ -86,6 +86,9 @@ def main(argv):
                               process_index=jax.process_index(), process_count=jax.process_count(),
                               length_multiple=config.length_multiple)
   heldout_pairs = [pair for d in s.heldout for pair in records.read_episodes(d)]  # (episode, provenance)
+  # a fixed sample of `eval_examples` over all held-out tasks (the sets are written task by task)
+  pick = np.random.default_rng(0).permutation(len(heldout_pairs))[: s.eval_examples]
+  heldout_pairs = [heldout_pairs[i] for i in sorted(pick)]
   heldout = [e for e, _ in heldout_pairs]
   ground = [pair for pair in heldout_pairs if pair[1]["source"] == "grounding"]
   heldout_batches = [coll([e for e in heldout[i:i + s.batch_size]]) for i in range(0, len(heldout), s.batch_size)]

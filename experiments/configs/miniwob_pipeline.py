@@ -53,27 +53,33 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   # in their training targets, not in prompt or grammar.
   c.grammar.max_thought_bytes = 48
   c.sft.thoughts = stage == "thoughts"
+  # --- Data: grounding pages of 34 MiniWoB++ tasks; demonstrations of 10 tasks, most of them of the
+  # RL stage's two tasks (what the bar is measured on) ---------------------------------------------
   c.data.demo_tasks = DEMO_TASKS[:2] if smoke else DEMO_TASKS
-  c.data.demo_seeds = 4 if smoke else 400
+  c.data.demo_seeds = 4 if smoke else 60
+  c.data.demo_seeds_rl_tasks = 4 if smoke else 1000
+  c.data.grounding_seeds = 2 if smoke else 20
+  c.data.grounding_heldout_seeds = 1 if smoke else 4
 
-  # --- SFT on demonstrations (mixed with grounding examples so pointing is not forgotten) ---------
-  c.sft.steps = 4 if smoke else 1200
-  c.sft.max_minutes = 3.0 if smoke else 12.0
+  # --- SFT on demonstrations ----------------------------------------------------------------------
+  c.sft.steps = 4 if smoke else 1400
+  c.sft.max_minutes = 3.0 if smoke else 13.0
   c.sft.lr = 1e-3
+  c.sft.eval_every = 2 if smoke else 350
   if stage == "grounding":  # the CT-style stage: only grounding / perception examples
-    c.sft.steps = 4 if smoke else 600
-    c.sft.max_minutes = 3.0 if smoke else 6.0
-    c.sft.eval_episodes = 0  # no task success to measure yet
+    c.sft.steps = 4 if smoke else 400
+    c.sft.max_minutes = 3.0 if smoke else 4.0
+    c.sft.eval_every = 2 if smoke else 200
 
   # --- Value pretraining under the SFT policy (report 2.5.4) --------------------------------------
-  c.vpt.max_minutes = 2.0 if smoke else 3.0
+  c.vpt.max_minutes = 2.0 if smoke else 2.5
 
   # --- PPO from the SFT policy ---------------------------------------------------------------------
   c.rl.lr = 1e-4  # fine-tuning a trained policy: 5x below the from-scratch rate
   c.rl.ent_coef = 0.01
   c.iterations = 2 if smoke else 150
-  c.max_minutes = 2.0 if smoke else 8.0
-  c.eval_every = 0 if smoke else 50
+  c.max_minutes = 2.0 if smoke else 7.0
+  c.eval_every = 0 if smoke else 40
   if stage == "grpo":
     c.rl.algo, c.rl.group_size = "grpo", 4
   return c

@@ -62,6 +62,7 @@ def sft_section(smoke: bool) -> mlc.ConfigDict:
   s.log_every = 1 if smoke else 10
   s.eval_every = 2 if smoke else 250  # held-out loss, grounding accuracy, sandbox success; 0 = off
   s.eval_episodes = 2 if smoke else 32  # sandbox episodes per task of config.tasks at each eval; 0 = none
+  s.eval_examples = 8 if smoke else 256  # held-out records scored at each eval (loss, grounding accuracy)
   s.ckpt_every = 2 if smoke else 100
   return s
 
@@ -71,6 +72,7 @@ def data_section(smoke: bool) -> mlc.ConfigDict:
   d = mlc.ConfigDict()
   d.demo_tasks = ()  # tasks with a scripted expert (tars_jax/data/experts.py); () = none
   d.demo_seeds = 4 if smoke else 200  # expert episodes attempted per task (only successes are kept)
+  d.demo_seeds_rl_tasks = 4 if smoke else 200  # the same for the tasks of `tasks` (the RL stage's)
   d.demo_seed_offset = 2_000_000  # apart from training (0+), vpt (5e6+) and evaluation (1e7+) seeds
   d.demo_max_turns = 8  # step budget of the experts' episodes (login-user takes 5 turns)
   d.grounding_tasks = ()  # MiniWoB++ tasks whose pages yield grounding examples; () = data/grounding.py's list

@@ -142,8 +142,10 @@ def main(argv):
   params, opt_state = state["policy"], state["policy_opt"]
   bar = tqdm(total=s.steps, initial=start, desc="sft", unit="step", dynamic_ncols=True)
   try:
-    if start == 0 and s.eval_every:
-      writer.write(0, evaluate(params, 0))  # the starting policy, for the before / after comparison
+    if start == 0 and s.eval_every and not config.policy.init:
+      # the starting policy, for the before / after comparison (a policy.init run was measured at the
+      # end of the run it comes from)
+      writer.write(0, evaluate(params, 0))
     while step < s.steps:
       if (time.time() - t_start) / 60 > s.max_minutes:
         print(f"[sft] wall-clock budget of {s.max_minutes} min reached at step {step}")

@@ -65,11 +65,11 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.sft.steps = 4 if smoke else 1400
   c.sft.max_minutes = 3.0 if smoke else 13.0
   c.sft.lr = 1e-3
-  c.sft.eval_every = 2 if smoke else 350
+  c.sft.eval_every = 2 if smoke else 700
   if stage == "grounding":  # the CT-style stage: only grounding / perception examples
     c.sft.steps = 4 if smoke else 400
     c.sft.max_minutes = 3.0 if smoke else 4.0
-    c.sft.eval_every = 2 if smoke else 200
+    c.sft.eval_every = 2 if smoke else 400
 
   # --- Value pretraining under the SFT policy (report 2.5.4) --------------------------------------
   c.vpt.max_minutes = 2.0 if smoke else 2.5

@@ -73,10 +73,9 @@ def main(argv):
   else:
     state = dict(state, policy_opt=opt.init(state["policy"]))
   tok = parts.tokenizer
-  model_meta = dict(image_hw=tuple(parts.image_hw), n_img_tokens=parts.loop_cfg.n_img_tokens,
-                    tokenizer=tok.name, vocab_size=tok.vocab_size)
-  for d in (*s.data, *s.heldout):
-    records.check_compatible(records.load_meta(d), **model_meta)
+  for dirs in (s.data, s.heldout):  # mismatched or empty data fails here, before any step
+    if dirs:
+      sft.check_data(dirs, image_hw=parts.image_hw, n_img_tokens=parts.loop_cfg.n_img_tokens, tokenizer=tok)
   prep = functools.partial(sft.prepare, grammar=parts.grammar, tokenizer=tok, thoughts=s.thoughts)
   coll = functools.partial(_collate, prep=prep, pad_id=tok.pad_id, image_hw=parts.image_hw, length_multiple=config.length_multiple,
                            batch_size=s.batch_size)

@@ -11,7 +11,9 @@ from flax import nnx
 from experiments.configs import miniwob_pipeline
 from tars_jax.agent import prompts
 from tars_jax.agent.trajectory import Episode, Turn, collate
+from tars_jax.data import records
 from tars_jax.train import ppo, sft
+from tars_jax.train.metrics import read_metrics
 from tars_jax.train import state as state_lib
 from _shared import assert_close_f32
 
@@ -122,3 +124,62 @@ def test_optimizer_schedule_and_state_tree_match_ppo():
   np.testing.assert_allclose(lrs[59], mid, rtol=1e-3)
   np.testing.assert_allclose(lrs[-1], 1e-4, rtol=1e-2)
   assert optax.global_norm(u) > 0
+
+
+def _write(directory, parts, image_hw, n_img_tokens, episodes):
+  meta = records.DatasetMeta(image_hw=image_hw, n_img_tokens=n_img_tokens, tokenizer="byte",
+                             vocab_size=parts.tokenizer.vocab_size)
+  with records.RecordWriter(str(directory), meta) as w:
+    for ep in episodes:
+      w.write(ep, source="expert")
+
+
+def test_check_data_names_the_mismatch_before_training(parts, tmp_path):
+  ep = sft.prepare(_episode(parts, REPLIES[:1]), grammar=parts.grammar, tokenizer=parts.tokenizer, thoughts=True)
+  n = parts.loop_cfg.n_img_tokens
+  kw = dict(image_hw=parts.image_hw, n_img_tokens=n, tokenizer=parts.tokenizer)
+  _write(tmp_path / "ok", parts, parts.image_hw, n, [ep])
+  assert sft.check_data([str(tmp_path / "ok")], **kw).image_hw == tuple(parts.image_hw)
+  _write(tmp_path / "empty", parts, parts.image_hw, n, [])
+  with pytest.raises(records.EmptyDataset, match="no records"):
+    sft.check_data([str(tmp_path / "empty")], **kw)
+  with pytest.raises(records.DatasetMismatch, match="n_img_tokens"):
+    sft.check_data([str(tmp_path / "ok")], **dict(kw, n_img_tokens=n + 4))
+  with pytest.raises(records.DatasetMismatch, match="image_hw"):
+    sft.check_data([str(tmp_path / "ok")], **dict(kw, image_hw=(112, 84)))
+  with pytest.raises(FileNotFoundError, match="dataset.json"):
+    sft.check_data([str(tmp_path / "nothing")], **kw)
+  with pytest.raises(ValueError, match="empty"):
+    sft.check_data([], **kw)
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_with_the_same_data_order(parts, tmp_path):
+  """experiments/sft.py resumed from its step-2 checkpoint repeats steps 3-4 exactly as the
+  uninterrupted run did: the same batches (grain iterator state in the checkpoint), the same losses."""
+  import os
+  import shutil
+  import subprocess
+  eps = [sft.prepare(_episode(parts, REPLIES[: 1 + s % 3], seed=s), grammar=parts.grammar,
+                     tokenizer=parts.tokenizer, thoughts=True) for s in range(12)]
+  _write(tmp_path / "data", parts, parts.image_hw, parts.loop_cfg.n_img_tokens, eps)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+  def run(workdir):
+    cmd = [os.path.join(root, ".venv", "bin", "python"), "-m", "experiments.sft", "--config",
+           "experiments/configs/miniwob_pipeline.py:thoughts+smoke", f"--workdir={workdir}",
+           f"--config.sft.data=('{tmp_path / 'data'}',)", "--config.sft.eval_every=0", "--config.sft.steps=4",
+           "--config.sft.ckpt_every=2"]
+    p = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p.stdout
+
+  run(tmp_path / "a")
+  full = read_metrics(str(tmp_path / "a"))
+  shutil.copytree(tmp_path / "a", tmp_path / "b")
+  shutil.rmtree(tmp_path / "b" / "checkpoints" / "4")  # as if killed after the step-2 checkpoint
+  assert "resumed from" in run(tmp_path / "b")
+  resumed = read_metrics(str(tmp_path / "b"))
+  assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+  for a, b in zip(full, resumed):
+    assert a["train/ce"] == b["train/ce"] and a["train/tokens"] == b["train/tokens"]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +29,7 @@ from flax import nnx
 from tars_jax.agent.grammar import Grammar, walk
 from tars_jax.agent.tokenizer import ByteTokenizer
 from tars_jax.agent.trajectory import Episode
+from tars_jax.data import records
 from tars_jax.rl import losses
 from tars_jax.train import ppo
 
@@ -68,6 +69,25 @@ def prepare(ep: Episode, *, grammar: Grammar, tokenizer: ByteTokenizer, thoughts
     turns.append(dataclasses.replace(t, text=text, reply_ids=ids, states=states,
                                      logprobs=np.zeros(len(ids), np.float32)))
   return dataclasses.replace(ep, turns=turns)
+
+
+def check_data(dirs: Sequence[str], *, image_hw: tuple[int, int], n_img_tokens: int,
+               tokenizer: ByteTokenizer) -> records.DatasetMeta:
+  """Checks, before any step, that record dirs can train this model; returns their DatasetMeta.
+
+  Raises: ValueError for no dirs; FileNotFoundError for a dir that is not a records dataset;
+    records.DatasetMismatch naming the field (image size, image slots, tokenizer, vocabulary) with
+    the dataset's and the model's values, or two dirs that differ; records.EmptyDataset when they
+    hold no records.
+  """
+  if not dirs:
+    raise ValueError("no record dirs to train on (config.sft.data is empty)")
+  meta = records.load_meta(list(dirs))
+  records.check_compatible(meta, image_hw=tuple(image_hw), n_img_tokens=n_img_tokens, tokenizer=tokenizer.name,
+                           vocab_size=tokenizer.vocab_size)
+  if not sum(shard["records"] for d in dirs for shard in records.read_index(d)["shards"]):
+    raise records.EmptyDataset(f"no records in {list(dirs)}")
+  return meta
 
 
 def make_optimizer(lr: float, warmup_steps: int, total_steps: int, final_fraction: float,

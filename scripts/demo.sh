@@ -32,7 +32,7 @@ stage "expert demonstrations"
 [[ -f $RUN/demos/done ]] || { $PY -m experiments.demos --config "$(cfg "$ARG")" --out "$RUN/demos"; touch "$RUN/demos/done"; }
 stage "SFT on demonstrations"
 $PY -m experiments.sft --config "$(cfg "$ARG")" --workdir "$RUN/sft" --config.policy.init="$RUN/grounding" \
-  --config.sft.data="('$RUN/demos','$RUN/grounding/data/train')" --config.sft.heldout="('$RUN/grounding/data/heldout',)"
+  --config.sft.data="('$RUN/demos',)" --config.sft.heldout="('$RUN/grounding/data/heldout',)"
 stage "value pretraining under the SFT policy"
 [[ -f $RUN/vpt/value_pretrain.json ]] || \
   $PY -m experiments.value_pretrain --config "$(cfg "$ARG")" --workdir "$RUN/vpt" --config.vpt.policy_run="$RUN/sft"

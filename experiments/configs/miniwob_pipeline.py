@@ -8,7 +8,8 @@ SFT on expert demonstrations → value pretraining under the SFT policy → PPO 
   python -m experiments.sft --config experiments/configs/miniwob_pipeline.py:grounding --workdir R/grounding \
       --config.sft.data="('R/grounding/data/train',)" --config.sft.heldout="('R/grounding/data/heldout',)"
   python -m experiments.sft --config experiments/configs/miniwob_pipeline.py --workdir R/sft \
-      --config.policy.init=R/grounding --config.sft.data="('R/demos','R/grounding/data/train')"
+      --config.policy.init=R/grounding --config.sft.data="('R/demos',)" \
+      --config.sft.heldout="('R/grounding/data/heldout',)"
   python -m experiments.value_pretrain --config experiments/configs/miniwob_pipeline.py --workdir R/vpt \
       --config.vpt.policy_run=R/sft
   python -m experiments.train --config experiments/configs/miniwob_pipeline.py --workdir R/ppo \
@@ -57,15 +58,15 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   # RL stage's two tasks (what the bar is measured on) ---------------------------------------------
   c.data.demo_tasks = DEMO_TASKS[:2] if smoke else DEMO_TASKS
   c.data.demo_seeds = 4 if smoke else 60
-  c.data.demo_seeds_rl_tasks = 4 if smoke else 1000
+  c.data.demo_seeds_rl_tasks = 4 if smoke else 1500
   c.data.grounding_seeds = 2 if smoke else 20
   c.data.grounding_heldout_seeds = 1 if smoke else 4
 
   # --- SFT on demonstrations ----------------------------------------------------------------------
-  c.sft.steps = 4 if smoke else 1400
-  c.sft.max_minutes = 3.0 if smoke else 13.0
+  c.sft.steps = 4 if smoke else 2000
+  c.sft.max_minutes = 3.0 if smoke else 15.0
   c.sft.lr = 1e-3
-  c.sft.eval_every = 2 if smoke else 700
+  c.sft.eval_every = 2 if smoke else 1000
   if stage == "grounding":  # the CT-style stage: only grounding / perception examples
     c.sft.steps = 4 if smoke else 400
     c.sft.max_minutes = 3.0 if smoke else 4.0

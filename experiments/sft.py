@@ -43,7 +43,7 @@ from tars_jax.rollout import evaluation
 from tars_jax.train import checkpoint as ckpt
 from tars_jax.train import sft
 from tars_jax.train import state as state_lib
-from tars_jax.train.metrics import MetricsWriter
+from tars_jax.train.metrics import MetricsWriter, episode_metrics
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (get_config(arg)).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (created; resumed if it has checkpoints).")
@@ -128,10 +128,14 @@ def main(argv):
       pol = parts.batched_policy(params, batch_size=config.env.num_sessions, seed=config.seed + 7)
       from envs_bridge.launch import env_fleet  # a sandbox only when success is measured
       with env_fleet(config.env) as (loop, clients):
+        t0 = time.perf_counter()
         ev = evaluation.play(loop, pol.act, clients,
                              evaluation.eval_jobs(list(config.tasks), s.eval_episodes, config.env.eval_seed_offset),
                              parts.loop_cfg, tok, sessions=config.env.num_sessions, version=step)
+        m["perf/eval_episodes_s"] = time.perf_counter() - t0
       m.update(evaluation.metrics(evaluation.summarize(ev)))
+      done = [e for e in ev if not e.lost]  # what the policy writes: think length (thoughts variant)
+      m["eval/think_tokens"] = episode_metrics(done, list(config.tasks), tok, parts.table)["think_tokens"]
     return m
 
   # ----------------------------------------------------------------------------------------------

@@ -135,7 +135,8 @@ def main(argv):
         m["perf/eval_episodes_s"] = time.perf_counter() - t0
       m.update(evaluation.metrics(evaluation.summarize(ev)))
       done = [e for e in ev if not e.lost]  # what the policy writes: think length (thoughts variant)
-      m["eval/think_tokens"] = episode_metrics(done, list(config.tasks), tok, parts.table)["think_tokens"]
+      if done:
+        m["eval/think_tokens"] = episode_metrics(done, list(config.tasks), tok, parts.table)["think_tokens"]
     return m
 
   # ----------------------------------------------------------------------------------------------

@@ -77,8 +77,8 @@ def main(argv):
     if dirs:
       sft.check_data(dirs, image_hw=parts.image_hw, n_img_tokens=parts.loop_cfg.n_img_tokens, tokenizer=tok)
   prep = functools.partial(sft.prepare, grammar=parts.grammar, tokenizer=tok, thoughts=s.thoughts)
-  coll = functools.partial(_collate, prep=prep, pad_id=tok.pad_id, image_hw=parts.image_hw, length_multiple=config.length_multiple,
-                           batch_size=s.batch_size)
+  coll = functools.partial(_collate, prep=prep, pad_id=tok.pad_id, image_hw=parts.image_hw,
+                           length_multiple=config.length_multiple, batch_size=s.batch_size)
   corrupt = records.CorruptCounter()
   train_ds = pipeline.batches(records.episodes(tuple(s.data), skip_corrupt=s.skip_corrupt, counter=corrupt),
                               seed=config.seed, batch_size=s.batch_size, collate_fn=coll, shuffle=True,
@@ -90,7 +90,7 @@ def main(argv):
   heldout_pairs = [heldout_pairs[i] for i in sorted(pick)]
   heldout = [e for e, _ in heldout_pairs]
   ground = [pair for pair in heldout_pairs if pair[1]["source"] == "grounding"]
-  heldout_batches = [coll([e for e in heldout[i:i + s.batch_size]]) for i in range(0, len(heldout), s.batch_size)]
+  heldout_batches = [coll(heldout[i:i + s.batch_size]) for i in range(0, len(heldout), s.batch_size)]
   data_iter = iter(train_ds)
 
   mngr = ckpt.manager(workdir, config.keep_checkpoints, cleanup_tmp=True)

@@ -8,7 +8,8 @@ r"""PPO trainer for GUI agents against sandbox servers (one linear script; big_v
       --config.policy.init=runs/x/sft --config.critic.init=runs/x/vpt/critic   # from the SFT policy
 
 Re-running the same command resumes from the last complete checkpoint in `--workdir`.
-Layout of the run dir: config.json, metrics.jsonl, tensorboard/, checkpoints/, trajectories/.
+Layout of the run dir: config.json, metrics.jsonl, tensorboard/, checkpoints/, trajectories/ (a few
+episodes as PNG + JSON for a person), rollouts/ (every trained episode as trajectory records).
 Every `eval_every` iterations the policy plays `eval_episodes` held-out seeds per task
 (env.eval_seed_offset + k) through the same rollout path, logged as eval/<task>/success.
 A config with `vpt.enabled` (value pretraining first) is refused unless `critic.init` holds the
@@ -36,6 +37,7 @@ from tqdm import tqdm
 from envs_bridge.launch import env_fleet
 from tars_jax.agent.trajectory import collate
 from tars_jax.analysis.image_dependence import image_dependence
+from tars_jax.data import records
 from tars_jax.rollout import evaluation
 from tars_jax.rollout.agent_loop import RolloutStats, run_episodes, trainable
 from tars_jax.rollout.jobs import group_ids, rollout_jobs
@@ -163,6 +165,8 @@ def main(argv):
             save_episodes(os.path.join(workdir, "trajectories", f"eval_{it + 1:05d}"),
                           ev[: config.log_trajectories])
         writer.write(it + 1, m)
+        if config.record_rollouts:
+          _record_rollouts(os.path.join(workdir, "rollouts"), it + 1, episodes, parts)
         if config.log_trajectories and (it % config.save_trajectories_every == 0 or it + 1 == config.iterations):
           save_episodes(os.path.join(workdir, "trajectories", f"iter_{it + 1:05d}"),
                         episodes[: config.log_trajectories])
@@ -182,7 +186,24 @@ def main(argv):
   print(f"[train] done: {it} iterations in {(time.time() - t_start) / 60:.1f} min | "
         f"checkpoints: {mngr.directory} (latest {mngr.latest_step()}) | "
         f"metrics: {writer.path} | tensorboard --logdir {writer.tb_dir} | "
-        f"trajectories: {os.path.join(workdir, 'trajectories')}")
+        f"trajectories: {os.path.join(workdir, 'trajectories')}"
+        + (f" | rollout records: {os.path.join(workdir, 'rollouts')}" if config.record_rollouts else ""))
+
+
+def _record_rollouts(directory: str, iteration: int, episodes, parts) -> None:
+  """Writes an iteration's trained episodes as records (prefix `iter_<iteration>`, source 'rollout',
+  policy version = the episodes' own). An iteration replayed after a resume is identical to the one a
+  killed run already committed (resume is deterministic), so a committed prefix is kept, not rewritten."""
+  prefix = f"iter_{iteration:06d}"
+  if os.path.exists(os.path.join(directory, records.INDEX_FILE)) and any(
+      sh["file"].startswith(prefix + "-") for sh in records.read_index(directory)["shards"]):
+    return
+  tok = parts.tokenizer
+  meta = records.DatasetMeta(image_hw=tuple(parts.image_hw), n_img_tokens=parts.loop_cfg.n_img_tokens,
+                             tokenizer=tok.name, vocab_size=tok.vocab_size)
+  with records.RecordWriter(directory, meta, prefix=prefix) as w:
+    for ep in episodes:
+      w.write(ep, source="rollout")
 
 
 def _real_rows(batch: dict, n: int) -> dict:

@@ -45,6 +45,11 @@ def test_every_stage_ran_and_handed_on(pipeline_run):
   assert f"policy initialised from {run}/sft/checkpoints/" in out and f"critic initialised from {run}/vpt/critic" in out
   cfg = json.load(open(run / "ppo" / "config.json"))
   assert cfg["policy"]["init"] == f"{run}/sft" and cfg["rl"]["algo"] == "ppo" and cfg["rl"]["lam_critic"] == 1.0
+  # every trained RL episode is a record, with the iteration that sampled it as its policy version
+  rolled = records.read_episodes(str(run / "ppo" / "rollouts"))
+  n_iter = read_metrics(str(run / "ppo"))[-1]["step"]
+  assert len(rolled) == n_iter * cfg["env"]["num_sessions"]
+  assert {p["policy_version"] for _, p in rolled} == set(range(n_iter)) and {p["source"] for _, p in rolled} == {"rollout"}
   # supervised stages trained on reply tokens and logged held-out metrics
   for stage in ("grounding", "sft"):
     rows = read_metrics(str(run / stage))

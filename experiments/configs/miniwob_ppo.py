@@ -217,6 +217,9 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.max_minutes = 25.0  # stop training (and checkpoint) after this wall-clock budget
   c.ckpt_every = 10
   c.keep_checkpoints = 3
+  # every trained episode as a trajectory record in <workdir>/rollouts (tars_jax/data/records.py:
+  # screenshots, ids, behaviour log-probs, rewards, policy version), the flywheel's raw material
+  c.record_rollouts = True
   c.log_trajectories = 4  # episodes (with screenshots) saved per iteration for inspection
   c.save_trajectories_every = 5
   # In-training eval every `eval_every` iterations (0 = off): `eval_episodes` held-out seeds per task

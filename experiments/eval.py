@@ -25,7 +25,7 @@ import ml_collections as mlc
 
 from envs_bridge.launch import env_fleet
 from experiments.game_scores import format_games, game_episode_records, game_scores
-from tars_jax.rollout.evaluation import eval_jobs, format_table, play, summarize
+from tars_jax.rollout.evaluation import eval_jobs, format_table, play, resolve_run, summarize
 from tars_jax.train import checkpoint as ckpt
 from tars_jax.train import state as state_lib
 
@@ -37,24 +37,6 @@ _EPISODES = flags.DEFINE_integer("episodes", 200, "Held-out episodes (seeds) per
 _JSON = flags.DEFINE_string("json", None, "Write the per-task results here.")
 _SERVERS = flags.DEFINE_list("servers", [], "Sandbox server URLs (default: launch one).")
 _SESSIONS = flags.DEFINE_integer("sessions", None, "Concurrent episodes (default: config.env.num_sessions).")
-
-
-# Stages of a pipeline run dir (scripts/demo.sh: runs/<name>/{grounding,demos,sft,vpt,ppo}) that hold
-# a policy, newest first.
-POLICY_STAGES = ("ppo", "sft", "grounding")
-
-
-def resolve_run(run: str) -> str:
-  """The run dir to evaluate: `run` itself when it has a config.json, else the newest stage of a
-  pipeline run dir that has checkpoints (`POLICY_STAGES`: ppo, then sft, then grounding).
-  Raises: FileNotFoundError naming what was looked for."""
-  if os.path.exists(os.path.join(run, "config.json")):
-    return run
-  for stage in POLICY_STAGES:
-    d = os.path.join(run, stage)
-    if os.path.exists(os.path.join(d, "config.json")) and os.path.isdir(os.path.join(d, "checkpoints")):
-      return d
-  raise FileNotFoundError(f"{run}: no config.json, and no pipeline stage {POLICY_STAGES} with checkpoints in it")
 
 
 def evaluate(run: str, tasks: list[str] | None, episodes: int, step: int | None = None,

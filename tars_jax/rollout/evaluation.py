@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Sequence
 
 import numpy as np
@@ -67,3 +68,21 @@ def format_table(summary: dict[str, dict[str, float]]) -> str:
     rows.append(f"{task:32s} {r['success']:8.3f} {r['episodes']:9d} {r['mean_reward']:8.3f} "
                 f"{r['mean_steps']:6.2f} {r['invalid_rate']:8.3f}")
   return "\n".join(rows)
+
+
+# Stages of a pipeline run dir (scripts/demo.sh: runs/<name>/{grounding,demos,sft,vpt,ppo}) that hold
+# a policy, newest first.
+POLICY_STAGES = ("ppo", "sft", "grounding")
+
+
+def resolve_run(run: str) -> str:
+  """The run dir to evaluate: `run` itself when it has a config.json, else the newest stage of a
+  pipeline run dir that has checkpoints (`POLICY_STAGES`: ppo, then sft, then grounding).
+  Raises: FileNotFoundError naming what was looked for."""
+  if os.path.exists(os.path.join(run, "config.json")):
+    return run
+  for stage in POLICY_STAGES:
+    d = os.path.join(run, stage)
+    if os.path.exists(os.path.join(d, "config.json")) and os.path.isdir(os.path.join(d, "checkpoints")):
+      return d
+  raise FileNotFoundError(f"{run}: no config.json, and no pipeline stage {POLICY_STAGES} with checkpoints in it")

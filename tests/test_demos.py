@@ -178,7 +178,8 @@ def test_cli_measures_the_experts_and_writes_experts_json(tmp_path):
   assert r.returncode == 0, r.stderr[-3000:]
   assert "miniwob/click-test-2" in r.stdout
   res = json.load(open(out / "experts.json"))
-  assert res["seeds"] == 3 and res["seed_offset"] == 2_000_000 and res["coord_format"] == "tens3"
+  assert res["seeds"] == {"miniwob/click-test": 3, "miniwob/click-test-2": 3}  # per task: --seeds for all
+  assert res["seed_offset"] == 2_000_000 and res["coord_format"] == "tens3"
   for t in ("miniwob/click-test", "miniwob/click-test-2"):
     assert res["tasks"][t]["success_rate"] == 1.0 and res["tasks"][t]["successes"] == 3
 

@@ -81,7 +81,8 @@ def main(argv):
   wall = time.perf_counter() - t0
   print(demos.format_stats(stats))
   print(f"{len(jobs)} episodes in {wall:.0f} s; written: {counts}")
-  out = {"tasks": {t: s.as_dict() for t, s in stats.items()}, "seeds": seeds_of, "seed_offset": offset, "thoughts": _THOUGHTS.value, "max_turns": spec.loop.max_turns,
+  out = {"tasks": {t: s.as_dict() for t, s in stats.items()}, "seeds": seeds_of, "seed_offset": offset,
+         "thoughts": _THOUGHTS.value, "max_turns": spec.loop.max_turns,
          "coord_format": spec.coord_format, "wall_s": wall, "written": _jsonable(counts)}
   with open(os.path.join(_OUT.value, "experts.json"), "w") as f:
     json.dump(out, f, indent=1)

@@ -28,9 +28,7 @@ def open_record_writer(directory: str, fmt: G.EpisodeFormat):
   """The one place that knows the record format (`tars_jax.data.records`): a RecordWriter of
   `directory` whose meta is the policy's image size and image slots. Returns an object with
   `write(example)` and `close() -> dict`."""
-  meta = records.DatasetMeta(image_hw=tuple(fmt.image_hw), n_img_tokens=fmt.n_img_tokens,
-                             tokenizer=fmt.tokenizer.name,
-                             vocab_size=fmt.tokenizer.vocab_size)
+  meta = records.DatasetMeta.for_model(fmt.image_hw, fmt.n_img_tokens, fmt.tokenizer)
   writer = records.RecordWriter(directory, meta)
 
   class _Sink:

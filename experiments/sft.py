@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from tars_jax.agent.trajectory import collate
+from tars_jax.agent.trajectory import collate, real_rows
 from tars_jax.analysis.image_dependence import image_dependence
 from tars_jax.data import grounding, pipeline, records
 from tars_jax.rollout import evaluation
@@ -117,14 +117,14 @@ def main(argv):
         m[f"heldout/{k}"] = float(np.average([x[k] for x in rows], weights=w))
       n = min(len(heldout), s.batch_size)
       if n > 1:  # how much the decisions depend on the screenshot, per layer (issue #25 item 7)
-        first = {k: v[:n] if getattr(v, "ndim", 0) else v for k, v in heldout_batches[0].items()}
-        dep = image_dependence(parts.policy_gd, params, first, parts.table, temperature=config.sampling.temperature,
+        dep = image_dependence(parts.policy_gd, params, real_rows(heldout_batches[0], n), parts.table,
+                               temperature=config.sampling.temperature,
                                image_token_id=parts.hparams.image_token_id, grid_hw=parts.hparams.grid_hw)
         m.update({f"image_dependence/{k}": v for k, v in dep.items() if k not in ("embed", "decisions")})
       if ground:  # the policy's own sampled clicks / answers on held-out grounding examples
         pol = parts.batched_policy(params, batch_size=config.env.num_sessions, seed=config.seed + 7)
         m.update({f"grounding/{k}": float(v) for k, v in grounding.grounding_accuracy(pol.act, ground).items()})
-    if s.eval_episodes:
+    if s.eval_episodes:  # its own sampling stream: the result does not depend on the grounding eval
       pol = parts.batched_policy(params, batch_size=config.env.num_sessions, seed=config.seed + 7)
       from envs_bridge.launch import env_fleet  # a sandbox only when success is measured
       with env_fleet(config.env) as (loop, clients):

@@ -35,7 +35,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from envs_bridge.launch import env_fleet
-from tars_jax.agent.trajectory import collate
+from tars_jax.agent.trajectory import collate, real_rows
 from tars_jax.analysis.image_dependence import image_dependence
 from tars_jax.data import records
 from tars_jax.rollout import evaluation
@@ -125,7 +125,7 @@ def main(argv):
         image_dep = {}
         if config.image_dependence_every and it % config.image_dependence_every == 0 and len(episodes) > 1:
           # the policy that played this batch (before its update); screenshots swapped between rows
-          image_dep = image_dependence(parts.policy_gd, state["policy"], _real_rows(batch, len(episodes)),
+          image_dep = image_dependence(parts.policy_gd, state["policy"], real_rows(batch, len(episodes)),
                                        parts.table, temperature=config.sampling.temperature,
                                        image_token_id=hp.image_token_id, grid_hw=hp.grid_hw)
         t1 = time.perf_counter()
@@ -198,17 +198,10 @@ def _record_rollouts(directory: str, iteration: int, episodes, parts) -> None:
   if os.path.exists(os.path.join(directory, records.INDEX_FILE)) and any(
       sh["file"].startswith(prefix + "-") for sh in records.read_index(directory)["shards"]):
     return
-  tok = parts.tokenizer
-  meta = records.DatasetMeta(image_hw=tuple(parts.image_hw), n_img_tokens=parts.loop_cfg.n_img_tokens,
-                             tokenizer=tok.name, vocab_size=tok.vocab_size)
+  meta = records.DatasetMeta.for_model(parts.image_hw, parts.loop_cfg.n_img_tokens, parts.tokenizer)
   with records.RecordWriter(directory, meta, prefix=prefix) as w:
     for ep in episodes:
       w.write(ep, source="rollout")
-
-
-def _real_rows(batch: dict, n: int) -> dict:
-  """The first `n` rows of a collated batch (the rest is padding up to the bucketed batch size)."""
-  return {k: v[:n] if getattr(v, "ndim", 0) and v.shape[0] >= n else v for k, v in batch.items()}
 
 
 if __name__ == "__main__":

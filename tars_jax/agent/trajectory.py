@@ -137,6 +137,12 @@ def episode_arrays(ep: Episode) -> dict[str, np.ndarray]:
               state=np.asarray(state, np.int32))
 
 
+def real_rows(batch: dict, n: int) -> dict:
+  """The first `n` rows of a collated batch dict (the rows after them are padding up to a fixed
+  batch size); scalars and shorter arrays are kept as they are."""
+  return {k: v[:n] if getattr(v, "ndim", 0) and v.shape[0] >= n else v for k, v in batch.items()}
+
+
 def collate(episodes: list[Episode], *, pad_id: int, max_images: int, image_hw: tuple[int, int],
             length_multiple: int = 64, batch_size: int | None = None) -> Batch:
   """Episodes -> right-padded `Batch` (see class docstring for shapes).

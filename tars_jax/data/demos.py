@@ -117,8 +117,7 @@ def open_writer(directory: str | None, spec: DemoSpec):
   shards + dataset.json), or with directory None a `MemoryWriter`."""
   if directory is None:
     return MemoryWriter()
-  meta = records.DatasetMeta(image_hw=tuple(spec.loop.image_hw), n_img_tokens=spec.loop.n_img_tokens,
-                             tokenizer=spec.tokenizer.name, vocab_size=spec.tokenizer.vocab_size)
+  meta = records.DatasetMeta.for_model(spec.loop.image_hw, spec.loop.n_img_tokens, spec.tokenizer)
   return records.RecordWriter(directory, meta)
 
 

@@ -116,6 +116,13 @@ class DatasetMeta:
                 vocab_size=self.vocab_size)
 
   @classmethod
+  def for_model(cls, image_hw: tuple[int, int], n_img_tokens: int, tokenizer) -> "DatasetMeta":
+    """The meta of records a policy with this input size, image slots and tokenizer (an object with
+    `name` and `vocab_size`, e.g. `agent.tokenizer.ByteTokenizer`) writes and reads."""
+    return cls(image_hw=tuple(image_hw), n_img_tokens=n_img_tokens, tokenizer=tokenizer.name,
+               vocab_size=tokenizer.vocab_size)
+
+  @classmethod
   def from_json(cls, d: dict) -> "DatasetMeta":
     return cls(image_hw=tuple(d["image_hw"]), n_img_tokens=int(d["n_img_tokens"]), tokenizer=str(d["tokenizer"]),
                vocab_size=int(d["vocab_size"]))

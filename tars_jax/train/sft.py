@@ -83,8 +83,8 @@ def check_data(dirs: Sequence[str], *, image_hw: tuple[int, int], n_img_tokens: 
   if not dirs:
     raise ValueError("no record dirs to train on (config.sft.data is empty)")
   meta = records.load_meta(list(dirs))
-  records.check_compatible(meta, image_hw=tuple(image_hw), n_img_tokens=n_img_tokens, tokenizer=tokenizer.name,
-                           vocab_size=tokenizer.vocab_size)
+  model = records.DatasetMeta.for_model(image_hw, n_img_tokens, tokenizer)
+  records.check_compatible(meta, **dataclasses.asdict(model))
   if not sum(shard["records"] for d in dirs for shard in records.read_index(d)["shards"]):
     raise records.EmptyDataset(f"no records in {list(dirs)}")
   return meta

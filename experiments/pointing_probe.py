@@ -1,132 +1,231 @@
-r"""Supervised pointing probe: how fast does the demo's policy learn to point with *perfect* labels?
+r"""Supervised pointing probe: how many SFT updates does a model need to point at the right button?
 
-An upper bound on what the RL signal could teach per update (README, "Main job"; measured runs in
-benchmarks/RESULTS.md): the same model, config and optimiser as
-`experiments/configs/miniwob_ppo.py`, trained by cross-entropy on replies `click(start_box='(x,y)')`
-whose (x, y) is the centre of the correct button, read from the DOM through the sandbox's debug
-endpoint (never shown to agents). Prints the single-click hit rate of the policy's own sampled
-clicks on 100 held-out screens per task at a few update counts.
+An upper bound on what demonstrations teach per update (README, "Main job"; measured runs in
+benchmarks/RESULTS.md, issue #25): the SFT stage's loss, optimiser and jitted update
+(`tars_jax/train/sft.py`) on replies `click(start_box='(x,y)')` whose (x, y) is the centre of the
+correct button, read from the DOM through the sandbox's debug endpoint (never shown to agents).
+At each of `--eval_at` it prints, per task, the hit rate of the policy's own sampled clicks
+(temperature of the config) on held-out screens and, for click-test-2, how often it hit the other
+button instead (the policy found *a* button but not the one named).
 
-  PYTHONPATH=. .venv/bin/python -m experiments.pointing_probe 1024 800   # N_TRAIN screens, updates
+Two steps, so the training step runs where the sandbox is not (e.g. a GPU machine):
+
+  # 1. screens + button boxes from the real sandbox (Chromium), saved as PNGs in one .npz
+  python -m experiments.pointing_probe --collect /tmp/screens.npz --train_screens 4000 --test_screens 200
+  # 2. train and evaluate on them; model fields not in the config are set with --set
+  python -m experiments.pointing_probe --screens /tmp/screens.npz \
+      --config experiments/configs/miniwob_pipeline.py --steps 3000 --eval_at 500,1000,2000,3000 \
+      [--config.model.vision_depth=4] [--set spatial_merge_size=1] [--json out.json]
 """
-import asyncio, sys, time, re
-import numpy as np, jax, jax.numpy as jnp, optax
-from flax import nnx
-from experiments.configs.miniwob_ppo import get_config
-from tars_jax.train.state import build
-from tars_jax.train import ppo
-from tars_jax.rl import losses
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import io
+import json
+import re
+import time
+
+from absl import app, flags
+from ml_collections import config_flags
+
+import jax
+import numpy as np
+from PIL import Image
+
 from tars_jax.agent import prompts
 from tars_jax.agent.images import preprocess
-from tars_jax.agent.grammar import walk
-from tars_jax.agent.trajectory import Episode, Turn, collate
-from envs_bridge.launch import launch_server
-from envs_bridge.client import SandboxClient
+from tars_jax.agent.trajectory import collate
+from tars_jax.train import sft
+from tars_jax.train.state import build
 
-N_TRAIN = int(sys.argv[1]) if len(sys.argv) > 1 else 1024
-STEPS = int(sys.argv[2]) if len(sys.argv) > 2 else 800
-cfg = get_config("")
-parts = build(cfg)
-tok = parts.tokenizer
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Training config (its model, grammar, SFT lr).")
+_COLLECT = flags.DEFINE_string("collect", None, "Collect screens from the sandbox into this .npz and exit.")
+_SCREENS = flags.DEFINE_list("screens", None, "Train and evaluate on the screens of these .npz files.")
+_TRAIN = flags.DEFINE_integer("train_screens", 4000, "--collect: training screens per task.")
+_TEST = flags.DEFINE_integer("test_screens", 200, "--collect: held-out screens per task.")
+_TASKS = flags.DEFINE_list("tasks", ["miniwob/click-test", "miniwob/click-test-2"], "--collect: tasks.")
+_TRAIN_TASKS = flags.DEFINE_list("train_tasks", None, "Tasks trained on (default: all in the file).")
+_STEPS = flags.DEFINE_integer("steps", 3000, "Updates (the cosine schedule's length).")
+_BATCH = flags.DEFINE_integer("batch", None, "Screens per update (default: config.sft.batch_size).")
+_LR = flags.DEFINE_float("lr", None, "Peak learning rate (default: config.sft.lr).")
+_EVAL_AT = flags.DEFINE_list("eval_at", ["500", "1000", "2000", "3000"], "Updates after which to evaluate.")
+_MAX_SECONDS = flags.DEFINE_float("max_seconds", 0.0, "Stop (after an evaluation) past this many seconds; 0 = no limit.")
+_SET = flags.DEFINE_multi_string("set", [], "key=value model fields (Python literals), e.g. spatial_merge_size=1.")
+_LABEL = flags.DEFINE_string("label", None, "Name of this variant in the output (default: the --set values).")
+_JSON = flags.DEFINE_string("json", None, "Append the results as one JSON line to this file.")
 
-async def collect(client, task, seeds):
-  out = []
+_POINT = re.compile(r"click\(start_box='\((\d+),(\d+)\)'\)")
+_SELECTORS = {"miniwob/click-test": ("#subbtn", None), "miniwob/click-test-2": ("#subbtn", "#subbtn2")}
+
+
+async def _collect_task(client, task: str, seeds) -> list[dict]:
   sem = asyncio.Semaphore(16)
+
   async def one(seed):
     async with sem:
       sid, obs = await client.open(task, seed)
-      instr = obs.info["instruction"]
-      sel = "#subbtn"
-      if task.endswith("click-test-2") and "TWO" in instr:
-        sel = "#subbtn2"
-      box = await client.element_box(sid, sel)
-      await client.close(sid)
-      return task, seed, instr, preprocess(obs.image(), parts.image_hw), box, obs.image().shape
-  return await asyncio.gather(*[one(s) for s in seeds])
+      try:
+        instr = obs.info["instruction"]
+        sel, other = _SELECTORS[task]
+        if "TWO" in instr:  # click-test-2 names its button; the other one is the distractor
+          sel, other = other, sel
+        box = await client.element_box(sid, sel)
+        obox = await client.element_box(sid, other) if other else None
+      finally:
+        await client.close(sid)
+      buf = io.BytesIO()
+      Image.fromarray(obs.image()[..., :3]).save(buf, format="PNG")
+      return {"task": task, "seed": seed, "instruction": instr, "png": buf.getvalue(), "box": box,
+              "other": obox}
+  return list(await asyncio.gather(*[one(s) for s in seeds]))
 
-def target_text(box, shape):
-  h, w = shape[:2]
-  cx = (box["x"] + box["width"] / 2) / w * 1000
-  cy = (box["y"] + box["height"] / 2) / h * 1000
-  return f"Thought: \nAction: click(start_box='({int(round(cx/10))*10:03d},{int(round(cy/10))*10:03d})')"
 
-def episode(rec, reply_text=None):
-  task, seed, instr, img, box, shape = rec
-  prefix = prompts.encode_episode_prefix(tok, instr, parts.loop_cfg.system)
-  obs_ids = prompts.encode_observation(tok, parts.loop_cfg.n_img_tokens, None)
-  ep = Episode(task=task, seed=seed, instruction=instr, prefix_ids=prefix)
-  if reply_text is not None:
-    rep = tok.encode(reply_text) + [tok.eos_id]
-    st = walk(parts.grammar, rep)
-    assert (st >= 0).all(), reply_text
-    ep.turns.append(Turn(image=img, obs_ids=obs_ids, reply_ids=rep, logprobs=np.zeros(len(rep), np.float32), states=st))
-  return ep, prefix + obs_ids
-
-def hit(text, box, shape):
-  m = re.search(r"\((\d+),(\d+)\)", text)
-  if not m: return False
-  h, w = shape[:2]
-  px, py = int(m.group(1)) / 1000 * w, int(m.group(2)) / 1000 * h
-  return box["x"] <= px <= box["x"] + box["width"] and box["y"] <= py <= box["y"] + box["height"]
-
-def main():
+def collect(path: str, tasks, n_train: int, n_test: int) -> None:
+  """Writes `path` (.npz): per screen its task, split, instruction, PNG bytes and the target / other
+  button boxes [x, y, w, h] in screenshot pixels (other = -1 where there is none)."""
+  from envs_bridge.client import SandboxClient
+  from envs_bridge.launch import launch_server
   server = launch_server(step_ms=1000, lease_s=600)
-  client = SandboxClient(server.url)
-  loop = asyncio.new_event_loop()
-  t0 = time.time()
-  train, test = [], []
-  for task in cfg.tasks:
-    train += loop.run_until_complete(collect(client, task, range(N_TRAIN // 2)))
-    test += loop.run_until_complete(collect(client, task, range(10_000_000, 10_000_000 + 100)))
-  print(f"collected {len(train)} train / {len(test)} test in {time.time()-t0:.0f}s", flush=True)
-  loop.run_until_complete(client.aclose()); loop.close(); server.stop()
+  recs, t0 = [], time.time()
 
-  state = parts.init_state(cfg.seed)
-  params, opt_state = state["policy"], state["policy_opt"]
-  gd, table, hp = parts.policy_gd, parts.table, parts.hparams
-  eps = [episode(r, target_text(r[4], r[5]))[0] for r in train]
+  async def run():
+    async with SandboxClient(server.url) as client:
+      for task in tasks:
+        for split, seeds in (("train", range(n_train)), ("test", range(10_000_000, 10_000_000 + n_test))):
+          for r in await _collect_task(client, task, seeds):
+            recs.append(dict(r, split=split))
+  try:
+    asyncio.run(run())
+  finally:
+    server.stop()
+  box = lambda b: [b["x"], b["y"], b["width"], b["height"]] if b else [-1, -1, -1, -1]
+  pngs = [r["png"] for r in recs]
+  np.savez(path, task=np.array([r["task"] for r in recs]), split=np.array([r["split"] for r in recs]),
+           seed=np.array([r["seed"] for r in recs]), instruction=np.array([r["instruction"] for r in recs]),
+           box=np.array([box(r["box"]) for r in recs], np.float32),
+           other=np.array([box(r["other"]) for r in recs], np.float32),
+           png=np.frombuffer(b"".join(pngs), np.uint8), png_end=np.cumsum([len(p) for p in pngs]))
+  print(f"[probe] {len(recs)} screens of {list(tasks)} in {time.time() - t0:.0f} s -> {path}")
 
-  def loss_fn(p, mb):
-    policy = nnx.merge(gd, p)
-    pos = ppo._positions(mb["tokens"], mb["attn_mask"], hp)
-    logits, aux, _, _ = policy(mb["tokens"], pos, mb["attn_mask"], mb["pixel_values"], mb["image_mask"])
-    logits = logits[:, :-1]
-    mask = mb["loss_mask"]
-    allowed = ppo._allowed(table, mb["states"], mask)
-    logp_all = losses.masked_log_softmax(logits, allowed, 1.0)
-    logp = jnp.take_along_axis(logp_all, mb["tokens"][:, 1:, None], axis=-1)[..., 0]
-    return -(logp * mask).sum() / mask.sum() + 0.01 * aux
 
-  @jax.jit
-  def step(p, o, mb):
-    l, g = jax.value_and_grad(loss_fn)(p, mb)
-    u, o = parts.popt.update(g, o, p)
-    return optax.apply_updates(p, u), o, l
+def load(path: str, image_hw) -> list[dict]:
+  z = np.load(path)
+  starts = np.concatenate([[0], z["png_end"][:-1]])
+  out = []
+  for i in range(len(z["task"])):
+    img = np.asarray(Image.open(io.BytesIO(z["png"][starts[i]:z["png_end"][i]].tobytes())).convert("RGB"))
+    out.append({"task": str(z["task"][i]), "split": str(z["split"][i]), "instruction": str(z["instruction"][i]),
+                "image": preprocess(img, image_hw), "hw": img.shape[:2], "box": z["box"][i], "other": z["other"][i]})
+  return out
 
-  def evaluate(p):
-    pol = parts.batched_policy(p, batch_size=32, seed=1)
+
+def target_reply(box, hw) -> str:
+  """`click` at the box centre on the 0-1000 'tens3' grid, empty thought."""
+  (h, w), (x, y, bw, bh) = hw, box
+  cx, cy = (x + bw / 2) / w * 1000, (y + bh / 2) / h * 1000
+  return f"Thought: \nAction: click(start_box='({int(round(cx / 10)) * 10:03d},{int(round(cy / 10)) * 10:03d})')"
+
+
+def inside(point, box, hw) -> bool:
+  """point (x, y) on the 0-1000 grid inside box [x, y, w, h] px of a screen of hw = (h, w) px."""
+  if box[2] < 0:
+    return False
+  px, py = point[0] / 1000 * hw[1], point[1] / 1000 * hw[0]
+  return box[0] <= px <= box[0] + box[2] and box[1] <= py <= box[1] + box[3]
+
+
+def main(argv):
+  del argv
+  if _COLLECT.value:
+    collect(_COLLECT.value, _TASKS.value, _TRAIN.value, _TEST.value)
+    return
+  config = _CONFIG.value
+  with config.model.unlocked():
+    for kv in _SET.value:
+      k, v = kv.split("=", 1)
+      config.model[k] = ast.literal_eval(v)
+  parts = build(config)
+  tok, s = parts.tokenizer, config.sft
+  batch, lr = _BATCH.value or s.batch_size, _LR.value or s.lr
+  screens = [r for path in _SCREENS.value for r in load(path, parts.image_hw)]
+  train_tasks = set(_TRAIN_TASKS.value or {r["task"] for r in screens})
+  train = [r for r in screens if r["split"] == "train" and r["task"] in train_tasks]
+  test = [r for r in screens if r["split"] == "test"]
+
+  def episode(r, with_reply: bool):
+    return sft.prepare(demo_episode(parts, r["task"], r["instruction"], r["image"],
+                                    target_reply(r["box"], r["hw"]) if with_reply else None),
+                       grammar=parts.grammar, tokenizer=tok, thoughts=False)
+
+  eps = [episode(r, True) for r in train]
+  opt = sft.make_optimizer(lr, s.warmup_steps, _STEPS.value, s.final_lr_fraction, config.rl.max_grad_norm,
+                           config.rl.weight_decay)
+  params = parts.init_state(config.seed)["policy"]
+  opt_state = opt.init(params)
+
+  def evaluate(p) -> dict:
+    pol = parts.batched_policy(p, batch_size=50, seed=1)
     res = {}
-    for task in cfg.tasks:
-      recs = [r for r in test if r[0] == task]
-      hits = 0
-      for i in range(0, len(recs), 32):
-        chunk = recs[i:i+32]
-        pr = [episode(r)[1] for r in chunk]
-        outs = pol.act(pr, [[r[3]] for r in chunk])
-        hits += sum(hit(tok.decode(ids), r[4], r[5]) for (ids, _, _), r in zip(outs, chunk))
-      res[task] = hits / len(recs)
+    for task in sorted({r["task"] for r in test}):
+      recs = [r for r in test if r["task"] == task]
+      pr = [prompts.encode_episode_prefix(tok, r["instruction"], parts.loop_cfg.system)
+            + prompts.encode_observation(tok, parts.loop_cfg.n_img_tokens, None) for r in recs]
+      outs = pol.act(pr, [[r["image"]] for r in recs])
+      hit = other = 0
+      for (ids, _, _), r in zip(outs, recs):
+        m = _POINT.search(tok.decode(ids))
+        if m:
+          pt = (int(m[1]), int(m[2]))
+          hit += inside(pt, r["box"], r["hw"])
+          other += inside(pt, r["other"], r["hw"]) and not inside(pt, r["box"], r["hw"])
+      res[task] = {"hit": hit / len(recs), "other": other / len(recs)}
     return res
 
-  rng = np.random.default_rng(0)
-  t0 = time.time()
-  for s in range(1, STEPS + 1):
-    idx = rng.choice(len(eps), 16, replace=False)
-    b = collate([eps[i] for i in idx], pad_id=tok.pad_id, max_images=cfg.env.max_turns,
-                image_hw=parts.image_hw, length_multiple=cfg.length_multiple, batch_size=16).as_dict()
-    params, opt_state, l = step(params, opt_state, b)
-    if s in (50, 100, 200, 400, 800, 1600) or s == STEPS:
-      print(f"step {s} loss {float(l):.3f} t {time.time()-t0:.0f}s eval(sampled) {evaluate(params)}", flush=True)
+  label = _LABEL.value or " ".join(_SET.value) or "config"
+  print(f"[probe] {label}: {len(train)} train / {len(test)} test screens, batch {batch}, lr {lr}, "
+        f"{_STEPS.value} updates, backend {jax.default_backend()}", flush=True)
+  rng, t0, t_train, rows = np.random.default_rng(config.seed), time.time(), 0.0, []
+  eval_at = sorted(int(x) for x in _EVAL_AT.value)
+  for step in range(1, _STEPS.value + 1):
+    idx = rng.choice(len(eps), batch, replace=False)
+    b = collate([eps[i] for i in idx], pad_id=tok.pad_id, max_images=1, image_hw=parts.image_hw,
+                length_multiple=config.length_multiple, batch_size=batch).as_dict()
+    params, opt_state, m = sft.train_step(params, opt_state, b, parts.table, graphdef=parts.policy_gd, opt=opt,
+                                          hp=parts.hparams, aux_coef=config.rl.aux_loss_coef)
+    if step == 1:  # compilation is not a step's cost
+      jax.block_until_ready(params)
+      t_mark = time.time()
+    if step in eval_at or step == _STEPS.value:
+      jax.block_until_ready(params)
+      t_train += time.time() - t_mark  # wall clock of the updates (batching included), evaluations excluded
+      res = evaluate(params)
+      t_mark = time.time()
+      rows.append({"step": step, "ce_free": float(m["ce_free"]), "seconds": time.time() - t0,
+                   "step_seconds": t_train / max(1, step - 1), **res})
+      print(f"[probe] {label} step {step}: ce/free {float(m['ce_free']):.3f} "
+            + " ".join(f"{t.split('/')[-1]} {v['hit']:.3f} (other {v['other']:.3f})" for t, v in res.items())
+            + f" | {time.time() - t0:.0f} s", flush=True)
+      if _MAX_SECONDS.value and time.time() - t0 > _MAX_SECONDS.value:
+        break
+  if _JSON.value:
+    with open(_JSON.value, "a") as f:
+      f.write(json.dumps({"label": label, "set": _SET.value, "batch": batch, "lr": lr, "steps": _STEPS.value,
+                          "backend": jax.default_backend(), "rows": rows}) + "\n")
+
+
+def demo_episode(parts, task: str, instruction: str, image: np.ndarray, reply: str | None):
+  """A one-turn Episode on `image` (preprocessed), reply text `reply` (None: prompt only)."""
+  from tars_jax.agent.trajectory import Episode, Turn
+  tok = parts.tokenizer
+  ep = Episode(task=task, seed=0, instruction=instruction,
+               prefix_ids=prompts.encode_episode_prefix(tok, instruction, parts.loop_cfg.system))
+  ep.turns.append(Turn(image=image, obs_ids=prompts.encode_observation(tok, parts.loop_cfg.n_img_tokens, None),
+                       reply_ids=[], logprobs=np.zeros(0, np.float32), states=np.zeros(0, np.int32),
+                       text=reply or "Thought: \nAction: finished()"))
+  return ep
 
 
 if __name__ == "__main__":
-  main()
+  app.run(main)

@@ -65,9 +65,11 @@ def main(argv):
   spec = dataclasses.replace(spec, loop=dataclasses.replace(spec.loop, max_turns=max(spec.loop.max_turns,
                                                                                      d.demo_max_turns)))
   tasks = list(_TASKS.value or d.demo_tasks or config.tasks)
-  seeds = d.demo_seeds if _SEEDS.value is None else _SEEDS.value
-  # the RL stage's own tasks get data.demo_seeds_rl_tasks (unless --seeds says otherwise)
-  seeds_of = {t: d.demo_seeds_rl_tasks if _SEEDS.value is None and t in config.tasks else seeds for t in tasks}
+  if _SEEDS.value is None:  # the config's counts: RL tasks, other tasks, per-task overrides
+    seeds_of = demos.seeds_per_task(tasks, config.tasks, seeds=d.demo_seeds, rl_seeds=d.demo_seeds_rl_tasks,
+                                    by_task=d.demo_seeds_by_task)
+  else:  # --seeds: the same count for every task
+    seeds_of = {t: _SEEDS.value for t in tasks}
   offset = d.demo_seed_offset if _SEED_OFFSET.value is None else _SEED_OFFSET.value
   jobs = [j for t in tasks for j in demos.jobs_for([t], seeds_of[t], offset, config.env.eval_seed_offset)]
   os.makedirs(_OUT.value, exist_ok=True)

@@ -189,3 +189,13 @@ def test_demo_seeds_stay_below_the_evaluation_seeds():
   assert jobs_for(["a"], 2, 5, 100) == [("a", 5), ("a", 6)]
   with pytest.raises(ValueError, match="reach the evaluation seeds"):
     jobs_for(["a"], 100, 9_999_950, 10_000_000)
+
+
+def test_seeds_per_task_from_the_config():
+  """RL tasks get their own count, the others the default, `data.demo_seeds_by_task` overrides both;
+  a task it names that is not demonstrated is an error (a typo would silently change nothing)."""
+  got = demos.seeds_per_task(["a", "b", "c"], ("a", "b"), seeds=20, rl_seeds=1500, by_task=(("a", 500),))
+  assert got == {"a": 500, "b": 1500, "c": 20}
+  assert demos.seeds_per_task(["c"], ("a",), seeds=7, rl_seeds=9) == {"c": 7}
+  with pytest.raises(ValueError, match="not among the demonstration tasks"):
+    demos.seeds_per_task(["a"], (), seeds=1, rl_seeds=1, by_task=(("miniwob/typo", 5),))

@@ -23,7 +23,7 @@ from _shared import f32_atol, forward_terms  # noqa: E402
 FAMILIES = ["qwen3_vl_moe", "qwen2_5_vl"]
 
 
-def _hf_config(family):
+def _hf_config(family, merge: int = 2):
   from transformers import Qwen2_5_VLConfig, Qwen3VLMoeConfig
   if family == "qwen2_5_vl":
     return Qwen2_5_VLConfig(
@@ -44,7 +44,7 @@ def _hf_config(family):
                        rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[4, 2, 2],
                                             mrope_interleaved=True)),
       vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14,
-                         temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=64,
+                         temporal_patch_size=2, spatial_merge_size=merge, out_hidden_size=64,
                          num_position_embeddings=25, deepstack_visual_indexes=[0, 1], initializer_range=0.2),
       image_token_id=IMAGE, video_token_id=263, vision_start_token_id=VISION_START,
       vision_end_token_id=VISION_END, tie_word_embeddings=False)
@@ -66,12 +66,12 @@ def pair(request, tmp_path_factory):
   return hf, ours, path
 
 
-def _processor(family):
+def _processor(family, merge: int = 2):
   """transformers' Qwen2-VL image processor (no resizing) with the family's normalisation."""
   from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
   from tars_jax.models.config import CLIP_MEAN, CLIP_STD
   mean, std = (CLIP_MEAN, CLIP_STD) if family == "qwen2_5_vl" else ((0.5,) * 3, (0.5,) * 3)
-  return Qwen2VLImageProcessorPil(do_resize=False, patch_size=14, temporal_patch_size=2, merge_size=2,
+  return Qwen2VLImageProcessorPil(do_resize=False, patch_size=14, temporal_patch_size=2, merge_size=merge,
                                   image_mean=list(mean), image_std=list(std))
 
 
@@ -84,7 +84,8 @@ def _inputs(pair, rng, rows_images, text_len=(3, 7)):
     r = [BOS] + list(rng.integers(0, 256, rng.integers(*text_len)))
     for h, w in sizes:
       images.append(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
-      r += [VISION_START] + [IMAGE] * ((h // 28) * (w // 28)) + [VISION_END] + list(rng.integers(0, 256, 2))
+      side = 14 * pair[1].cfg.spatial_merge_size  # pixels per decoder token
+      r += [VISION_START] + [IMAGE] * ((h // side) * (w // side)) + [VISION_END] + list(rng.integers(0, 256, 2))
     rows.append(r)
   t = max(len(r) for r in rows)
   ids = np.full((len(rows), t), PAD, np.int64)
@@ -93,7 +94,7 @@ def _inputs(pair, rng, rows_images, text_len=(3, 7)):
     ids[i, t - len(r):], mask[i, t - len(r):] = r, 1
   if not images:
     return ids, mask, None, None, images
-  out = _processor(pair[1].cfg.family)(images=images, return_tensors="np")
+  out = _processor(pair[1].cfg.family, pair[1].cfg.spatial_merge_size)(images=images, return_tensors="np")
   return ids, mask, out["pixel_values"], out["image_grid_thw"], images
 
 
@@ -152,6 +153,30 @@ def test_padded_batch_and_policy_api(pair):
   pos = rope_positions(toks, m, IMAGE, pol.cfg.merged_grid)
   imgs = jnp.asarray(np.stack(images)[:, None] / 255.0, jnp.float32)
   got = jax.jit(lambda *a: pol(*a).logits)(toks, pos, m, imgs)
+  err = float(np.abs(np.asarray(got)[mask.astype(bool)] - want[mask.astype(bool)]).max())
+  assert err <= f32_atol(np.abs(want[mask.astype(bool)]).max(), forward_terms(pol.cfg, ids.shape[1])), err
+
+
+def test_unmerged_patches(tmp_path):
+  """`spatial_merge_size=1` (one decoder token per 14-px patch, no 2x2 merge; the config knob the
+  click-test-2 sweep tried, benchmarks/RESULTS.md): Qwen3-VL-MoE with merge size 1 in transformers and
+  ours give the same logits, through `HFModel.forward` and through the `Policy` call with
+  `rope_positions` on the unmerged grid."""
+  from transformers import AutoModelForImageTextToText
+  torch.manual_seed(1)
+  hf = AutoModelForImageTextToText.from_config(_hf_config("qwen3_vl_moe", merge=1)).eval()
+  hf.save_pretrained(str(tmp_path))
+  ours = hf_io.load_pretrained(str(tmp_path), image_h=56, image_w=84)
+  assert ours.cfg.spatial_merge_size == 1 and tuple(ours.cfg.merged_grid) == (4, 6)
+  pair = (hf, ours, str(tmp_path))
+  ids, mask, pix, grid, images = _inputs(pair, np.random.default_rng(7), [[(56, 84)], [(56, 84)]], text_len=(2, 9))
+  assert (ids == IMAGE).sum() == 2 * 24  # 4 x 6 patches per image, none merged
+  _check(pair, ids, mask, pix, grid)
+  want, _ = _hf_forward(hf, ids, mask, pix, grid)
+  pol = ours.policy
+  toks, m = jnp.asarray(ids, jnp.int32), jnp.asarray(mask, bool)
+  pos = rope_positions(toks, m, IMAGE, pol.cfg.merged_grid)
+  got = pol(toks, pos, m, jnp.asarray(np.stack(images)[:, None] / 255.0, jnp.float32)).logits
   err = float(np.abs(np.asarray(got)[mask.astype(bool)] - want[mask.astype(bool)]).max())
   assert err <= f32_atol(np.abs(want[mask.astype(bool)]).max(), forward_terms(pol.cfg, ids.shape[1])), err
 

@@ -47,12 +47,6 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   smoke = mod == "smoke"
   c = miniwob_ppo.get_config("smoke" if smoke else "ppo")  # critic PPO, one episode per seed
 
-  # --- Model: one decoder token per 14 x 14 patch (no 2x2 merge): a 28-px token held both buttons'
-  # words of click-test-2 poorly; unmerged, supervised pointing tells ONE from TWO after ~1 000
-  # updates of 16 instead of ~4 000, for ~16 % more CPU time per update (benchmarks/RESULTS.md,
-  # "Which model for click-test-2": the pointing-probe sweep) --------------------------------------
-  c.model.spatial_merge_size = 1
-
   c.grammar.actions = ("click", "type", "finished")
   c.grammar.max_content_bytes = 16
   # Thoughts: the demonstrations record templated thoughts; the SFT stage trains on them ("thoughts")

@@ -73,6 +73,7 @@ def data_section(smoke: bool) -> mlc.ConfigDict:
   d.demo_tasks = ()  # tasks with a scripted expert (tars_jax/data/experts.py); () = none
   d.demo_seeds = 4 if smoke else 200  # expert episodes attempted per task (only successes are kept)
   d.demo_seeds_rl_tasks = 4 if smoke else 200  # the same for the tasks of `tasks` (the RL stage's)
+  d.demo_seeds_by_task = ()  # ((task, seeds), ...): per-task counts over the two above
   d.demo_seed_offset = 2_000_000  # apart from training (0+), vpt (5e6+) and evaluation (1e7+) seeds
   d.demo_max_turns = 8  # step budget of the experts' episodes (login-user takes 5 turns)
   d.grounding_tasks = ()  # MiniWoB++ tasks whose pages yield grounding examples; () = data/grounding.py's list
@@ -115,7 +116,8 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.model.vision_heads = 4
   c.model.vision_mlp = 192
   # Patches merged 2x2 into one decoder token (Qwen3-VL's own value): 224 x 168 -> 8 x 6 = 48 image
-  # tokens per screenshot. experiments/configs/miniwob_pipeline.py sets 1 (16 x 12 = 192 tokens).
+  # tokens per screenshot. 1 (16 x 12 = 192 tokens) learns click-test-2 in fewer updates but costs
+  # twice the CPU time per update (benchmarks/RESULTS.md, "Which model for click-test-2").
   c.model.spatial_merge_size = 2
   c.model.hidden = 128
   c.model.layers = 4

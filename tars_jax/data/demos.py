@@ -229,6 +229,20 @@ async def collect(clients: Sequence[SandboxClient], jobs: Sequence[tuple[str, in
   return stats
 
 
+def seeds_per_task(tasks, rl_tasks, *, seeds: int, rl_seeds: int, by_task=()) -> dict[str, int]:
+  """Episodes to attempt per task: `rl_seeds` for the RL stage's tasks (`rl_tasks`), `seeds` for the
+  others, then the (task, count) pairs of `by_task` (config `data.demo_seeds_by_task`) over both.
+  Raises: ValueError for a count < 0 or a `by_task` task not in `tasks`."""
+  out = {t: rl_seeds if t in rl_tasks else seeds for t in tasks}
+  for t, n in by_task:
+    if t not in out:
+      raise ValueError(f"data.demo_seeds_by_task names {t!r}, which is not among the demonstration tasks {list(tasks)}")
+    out[t] = int(n)
+  if any(n < 0 for n in out.values()):
+    raise ValueError(f"negative episode count in {out}")
+  return out
+
+
 def jobs_for(tasks, seeds: int, seed_offset: int, eval_seed_offset: int) -> list[tuple[str, int]]:
   """(task, seed) for seeds seed_offset + k, k < seeds. Raises ValueError when they reach the
   evaluation seeds (eval_seed_offset and up) or are negative."""

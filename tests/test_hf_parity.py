@@ -176,7 +176,7 @@ def test_unmerged_patches(tmp_path):
   pol = ours.policy
   toks, m = jnp.asarray(ids, jnp.int32), jnp.asarray(mask, bool)
   pos = rope_positions(toks, m, IMAGE, pol.cfg.merged_grid)
-  got = pol(toks, pos, m, jnp.asarray(np.stack(images)[:, None] / 255.0, jnp.float32)).logits
+  got = jax.jit(lambda *a: pol(*a).logits)(toks, pos, m, jnp.asarray(np.stack(images)[:, None] / 255.0, jnp.float32))
   err = float(np.abs(np.asarray(got)[mask.astype(bool)] - want[mask.astype(bool)]).max())
   assert err <= f32_atol(np.abs(want[mask.astype(bool)]).max(), forward_terms(pol.cfg, ids.shape[1])), err
 

@@ -1,20 +1,20 @@
 """Screens and labels of the pointing probe (`experiments/pointing_probe.py`), flag-free so tests can
-import them: collection from the real sandbox into an .npz, loading, the target reply and the hit test."""
+import them: collection from the real sandbox into an .npz, loading, the target reply, the training
+episode and the hit test."""
 
 from __future__ import annotations
 
 import asyncio
 import io
-import re
 import time
 
 import numpy as np
 from PIL import Image
 
-from tars_jax.agent import prompts
 from tars_jax.agent.images import preprocess
+from tars_jax.agent.trajectory import Episode
+from tars_jax.data import grounding as G
 
-POINT = re.compile(r"click\(start_box='\((\d+),(\d+)\)'\)")
 _SELECTORS = {"miniwob/click-test": ("#subbtn", None), "miniwob/click-test-2": ("#subbtn", "#subbtn2")}
 
 
@@ -79,28 +79,35 @@ def load(path: str, image_hw) -> list[dict]:
   return out
 
 
-def target_reply(box, hw) -> str:
-  """`click` at the box centre on the 0-1000 'tens3' grid, empty thought."""
-  (h, w), (x, y, bw, bh) = hw, box
-  cx, cy = (x + bw / 2) / w * 1000, (y + bh / 2) / h * 1000
-  return f"Thought: \nAction: click(start_box='({int(round(cx / 10)) * 10:03d},{int(round(cy / 10)) * 10:03d})')"
+def target_point(box, hw, coord_format: str = "tens3") -> tuple[int, int]:
+  """The grid point nearest the centre of box [x, y, w, h] px on a screen of hw = (h, w) px
+  (`grounding.grid_point`, as the grounding examples label it).
+  Raises: ValueError when no grid point lies inside the box."""
+  pt = G.grid_point(box, (hw[1], hw[0]), coord_format)
+  if pt is None:
+    raise ValueError(f"no {coord_format} grid point inside box {list(box)} of a {hw[1]} x {hw[0]} screen")
+  return pt
 
 
-def inside(point, box, hw) -> bool:
-  """point (x, y) on the 0-1000 grid inside box [x, y, w, h] px of a screen of hw = (h, w) px."""
-  if box[2] < 0:
-    return False
-  px, py = point[0] / 1000 * hw[1], point[1] / 1000 * hw[0]
-  return box[0] <= px <= box[0] + box[2] and box[1] <= py <= box[1] + box[3]
+def _click_reply(pt: tuple[int, int], coord_format: str) -> str:
+  x, y = (G.format_coord(v, coord_format) for v in pt)
+  return f"Thought: \nAction: click(start_box='({x},{y})')"
 
 
-def demo_episode(parts, task: str, instruction: str, image: np.ndarray, reply: str | None):
-  """A one-turn Episode on `image` (preprocessed), reply text `reply` (None: prompt only)."""
-  from tars_jax.agent.trajectory import Episode, Turn
-  tok = parts.tokenizer
-  ep = Episode(task=task, seed=0, instruction=instruction,
-               prefix_ids=prompts.encode_episode_prefix(tok, instruction, parts.loop_cfg.system))
-  ep.turns.append(Turn(image=image, obs_ids=prompts.encode_observation(tok, parts.loop_cfg.n_img_tokens, None),
-                       reply_ids=[], logprobs=np.zeros(0, np.float32), states=np.zeros(0, np.int32),
-                       text=reply or "Thought: \nAction: finished()"))
-  return ep
+def target_reply(box, hw, coord_format: str = "tens3") -> str:
+  """`click` at `target_point`, empty thought."""
+  return _click_reply(target_point(box, hw, coord_format), coord_format)
+
+
+def hit(reply: str, box, hw) -> bool:
+  """True if the reply's click lies in box [x, y, w, h] px of a screen of hw = (h, w) px
+  (`grounding.score_reply`); a missing box ([-1, -1, -1, -1]) is never hit."""
+  return G.score_reply(reply, {"kind": "where", "box": tuple(box), "screen_wh": (hw[1], hw[0])})
+
+
+def episode(fmt: G.EpisodeFormat, r: dict) -> Episode:
+  """The one-turn training episode of a loaded screen `r`: its instruction, screenshot and the click
+  at the named button (`grounding.make_episode`, the grounding stage's episode builder)."""
+  pt = target_point(r["box"], r["hw"], fmt.coord_format)
+  target = G.Target("where", r["instruction"], _click_reply(pt, fmt.coord_format), "", "button", tuple(r["box"]), pt)
+  return G.make_episode(fmt, target, r["image"], r["task"], 0)

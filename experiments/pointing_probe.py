@@ -2,9 +2,9 @@ r"""Supervised pointing probe: how many SFT updates does a model need to point a
 
 An upper bound on what demonstrations teach per update (README, "Main job"; measured runs in
 benchmarks/RESULTS.md, issue #25): the SFT stage's loss, optimiser and jitted update
-(`tars_jax/train/sft.py`) on replies `click(start_box='(x,y)')` whose (x, y) is the centre of the
-correct button, read from the DOM through the sandbox's debug endpoint (never shown to agents).
-At each of `--eval_at` it prints, per task, the hit rate of the policy's own sampled clicks
+(`tars_jax/train/sft.py`) on replies `click(start_box='(x,y)')` whose (x, y) is the grid point
+nearest the centre of the correct button (labelled as the grounding examples are), read from the DOM
+through the sandbox's debug endpoint (never shown to agents). At each of `--eval_at` it prints, per task, the hit rate of the policy's own sampled clicks
 (temperature of the config) on held-out screens and, for click-test-2, how often it hit the other
 button instead (the policy found *a* button but not the one named).
 
@@ -30,9 +30,9 @@ from ml_collections import config_flags
 import jax
 import numpy as np
 
-from experiments.pointing_data import POINT, collect, demo_episode, inside, load, target_reply
-from tars_jax.agent import prompts
+from experiments.pointing_data import collect, episode, hit, load
 from tars_jax.agent.trajectory import collate
+from tars_jax.data import grounding
 from tars_jax.train import sft
 from tars_jax.train.state import build
 
@@ -70,12 +70,9 @@ def main(argv):
   train = [r for r in screens if r["split"] == "train" and r["task"] in train_tasks]
   test = [r for r in screens if r["split"] == "test"]
 
-  def episode(r, with_reply: bool):
-    return sft.prepare(demo_episode(parts, r["task"], r["instruction"], r["image"],
-                                    target_reply(r["box"], r["hw"]) if with_reply else None),
-                       grammar=parts.grammar, tokenizer=tok, thoughts=False)
-
-  eps = [episode(r, True) for r in train]
+  fmt = grounding.EpisodeFormat.from_parts(parts)
+  eps = [episode(fmt, r) for r in train]
+  test_eps = [episode(fmt, r) for r in test]  # evaluation prompts: prefix + first observation
   opt = sft.make_optimizer(lr, s.warmup_steps, _STEPS.value, s.final_lr_fraction, config.rl.max_grad_norm,
                            config.rl.weight_decay)
   params = parts.init_state(config.seed)["policy"]
@@ -85,18 +82,13 @@ def main(argv):
     pol = parts.batched_policy(p, batch_size=50, seed=1)
     res = {}
     for task in sorted({r["task"] for r in test}):
-      recs = [r for r in test if r["task"] == task]
-      pr = [prompts.encode_episode_prefix(tok, r["instruction"], parts.loop_cfg.system)
-            + prompts.encode_observation(tok, parts.loop_cfg.n_img_tokens, None) for r in recs]
-      outs = pol.act(pr, [[r["image"]] for r in recs])
-      hit = other = 0
-      for (ids, _, _), r in zip(outs, recs):
-        m = POINT.search(tok.decode(ids))
-        if m:
-          pt = (int(m[1]), int(m[2]))
-          hit += inside(pt, r["box"], r["hw"])
-          other += inside(pt, r["other"], r["hw"]) and not inside(pt, r["box"], r["hw"])
-      res[task] = {"hit": hit / len(recs), "other": other / len(recs)}
+      pairs = [(r, e) for r, e in zip(test, test_eps) if r["task"] == task]
+      recs = [r for r, _ in pairs]
+      outs = pol.act([list(e.prefix_ids) + list(e.turns[0].obs_ids) for _, e in pairs], [[r["image"]] for r in recs])
+      texts = [tok.decode(ids) for ids, *_ in outs]
+      res[task] = {"hit": float(np.mean([hit(t, r["box"], r["hw"]) for t, r in zip(texts, recs)])),
+                   "other": float(np.mean([hit(t, r["other"], r["hw"]) and not hit(t, r["box"], r["hw"])
+                                           for t, r in zip(texts, recs)]))}
     return res
 
   label = _LABEL.value or " ".join(_SET.value) or "config"

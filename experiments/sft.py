@@ -15,6 +15,8 @@ state of `state.Parts.init_state` (policy trained, critic untouched), so experim
 read a PPO run. Every `sft.eval_every` steps: held-out loss on `sft.heldout` records (grounding
 accuracy of the policy's own sampled clicks / answers on held-out grounding examples) and the success
 of the policy's own actions on `sft.eval_episodes` held-out seeds of each task in `config.tasks`.
+`sft.max_minutes` bounds the training time (compiles included, evaluations not), so a stage's updates
+do not depend on how long its evaluations take.
 Layout of the run dir: config.json, metrics.jsonl, tensorboard/, checkpoints/, sft.json (summary).
 """
 
@@ -52,6 +54,7 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (created; resumed
 def main(argv):
   del argv
   config, workdir = _CONFIG.value, _WORKDIR.value
+  jax.config.update("jax_default_matmul_precision", config.matmul_precision)  # before any compute
   s = config.sft
   if not s.data:
     raise app.UsageError("config.sft.data is empty: name the record dirs to train on, e.g. "
@@ -143,6 +146,7 @@ def main(argv):
   # Training loop.
   # ----------------------------------------------------------------------------------------------
   t_start, step, last = time.time(), start, {}
+  eval_s = 0.0  # evaluation time, not counted against the training budget `max_minutes`
   log_step, t_log = start, time.perf_counter()
   params, opt_state = state["policy"], state["policy_opt"]
   bar = tqdm(total=s.steps, initial=start, desc="sft", unit="step", dynamic_ncols=True)
@@ -150,10 +154,12 @@ def main(argv):
     if start == 0 and s.eval_every and not config.policy.init:
       # the starting policy, for the before / after comparison (a policy.init run was measured at the
       # end of the run it comes from)
+      t0 = time.time()
       writer.write(0, evaluate(params, 0))
+      eval_s += time.time() - t0
     while step < s.steps:
-      if (time.time() - t_start) / 60 > s.max_minutes:
-        print(f"[sft] wall-clock budget of {s.max_minutes} min reached at step {step}")
+      if (time.time() - t_start - eval_s) / 60 > s.max_minutes:
+        print(f"[sft] training budget of {s.max_minutes} min reached at step {step}")
         break
       batch = next(data_iter)
       params, opt_state, m = step_fn(params, opt_state, batch, parts.table)
@@ -165,7 +171,9 @@ def main(argv):
         m["perf/wall_min"] = (time.time() - t_start) / 60
         m["data/corrupt_skipped"] = corrupt.count
         if s.eval_every and step % s.eval_every == 0:
+          t0 = time.time()
           m.update(evaluate(params, step))
+          eval_s += time.time() - t0
         writer.write(step, m)
         last = m
         log_step, t_log = step, time.perf_counter()  # evaluation time not counted as training
@@ -204,5 +212,4 @@ def _collate(episodes, *, prep, pad_id, image_hw, length_multiple, batch_size) -
 
 if __name__ == "__main__":
   flags.mark_flags_as_required(["config", "workdir"])
-  jax.config.update("jax_default_matmul_precision", "float32")
   app.run(main)

@@ -54,6 +54,7 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (created; resumed
 def main(argv):
   del argv
   config, workdir = _CONFIG.value, _WORKDIR.value
+  jax.config.update("jax_default_matmul_precision", config.matmul_precision)  # before any compute
   if not workdir:
     raise app.UsageError("--workdir is required")
   if config.vpt.enabled and not config.critic.init:  # PPO alone would silently skip the stage
@@ -206,5 +207,4 @@ def _record_rollouts(directory: str, iteration: int, episodes, parts) -> None:
 
 if __name__ == "__main__":
   flags.mark_flags_as_required(["config"])
-  jax.config.update("jax_default_matmul_precision", "float32")
   app.run(main)

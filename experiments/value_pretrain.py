@@ -44,6 +44,7 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (critic checkp
 def main(argv):
   del argv
   config, workdir = _CONFIG.value, _WORKDIR.value
+  jax.config.update("jax_default_matmul_precision", config.matmul_precision)  # before any compute
   if not workdir:
     raise app.UsageError("--workdir is required")
   if "vpt" not in config:
@@ -120,5 +121,4 @@ def main(argv):
 
 if __name__ == "__main__":
   flags.mark_flags_as_required(["config"])
-  jax.config.update("jax_default_matmul_precision", "float32")
   app.run(main)

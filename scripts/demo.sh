@@ -13,6 +13,9 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 source scripts/env.sh
 RUN=${RUN:-runs/main}
+# One compilation cache for all stages: the sampler, SFT and PPO programs of one model are compiled
+# once per run, and a re-run compiles nothing (the cache only skips compiles, results are the same).
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$(realpath -m "$RUN")/jax_cache}
 ARG=${ARG:-}  # config arg of the data, SFT, value-pretraining and RL stages ("", grpo, thoughts)
 MOD=${MOD:-}  # "smoke": tiny model and budgets (tests/test_demo_pipeline.py)
 CFG=experiments/configs/miniwob_pipeline.py

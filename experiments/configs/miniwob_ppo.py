@@ -52,7 +52,7 @@ def sft_section(smoke: bool) -> mlc.ConfigDict:
   s.data = ()  # trajectory record dirs trained on (tars_jax/data/records.py), e.g. runs/x/demos
   s.heldout = ()  # record dirs of held-out examples: their loss every `eval_every` steps
   s.steps = 4 if smoke else 1500
-  s.max_minutes = 3.0 if smoke else 15.0  # stop (and checkpoint) after this wall-clock budget
+  s.max_minutes = 3.0 if smoke else 15.0  # stop (and checkpoint) after this much training (evaluations not counted)
   s.batch_size = 4 if smoke else 16
   s.lr = 1e-3
   s.warmup_steps = 2 if smoke else 50
@@ -87,6 +87,10 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   arg = arg or ""
   c = mlc.ConfigDict()
   c.seed = 0
+  # jax_default_matmul_precision, set by each trainer before any compute: "float32" = full precision
+  # on every backend; "default" = the backend's fast path (TF32 on Ampere+ GPUs, bf16 passes on TPU).
+  # On this project's CPUs both give the same error and the same SFT speed (benchmarks/RESULTS.md).
+  c.matmul_precision = "float32"
   c.tasks = ("miniwob/click-test", "miniwob/click-test-2")
 
   # --- Sandbox -----------------------------------------------------------------------------------

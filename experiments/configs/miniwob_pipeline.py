@@ -65,7 +65,7 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   # --- SFT on the demonstrations alone: with the grounding examples mixed in, the grounding skills
   # stay but the RL tasks get fewer updates (benchmarks/RESULTS.md, issue #25: runs 1 and 2) --------
   c.sft.steps = 4 if smoke else 2000
-  c.sft.max_minutes = 3.0 if smoke else 13.0  # training time; its two evaluations add ~2 min
+  c.sft.max_minutes = 3.0 if smoke else 12.0  # training time; its two evaluations add ~2 min
   c.sft.lr = 1e-3
   c.sft.eval_every = 2 if smoke else 1000
   if stage == "grounding":  # the CT-style stage: only grounding / perception examples
@@ -75,13 +75,13 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
     c.sft.eval_episodes = 2 if smoke else 0  # measured by held-out grounding; task success from the SFT stage on
 
   # --- Value pretraining under the SFT policy (report 2.5.4) --------------------------------------
-  c.vpt.max_minutes = 2.0 if smoke else 2.5
+  c.vpt.max_minutes = 2.0
 
   # --- PPO from the SFT policy ---------------------------------------------------------------------
   c.rl.lr = 1e-4  # fine-tuning a trained policy: 5x below the from-scratch rate
   c.rl.ent_coef = 0.01
   c.iterations = 2 if smoke else 150
-  c.max_minutes = 2.0 if smoke else 7.0
+  c.max_minutes = 2.0 if smoke else 4.5
   c.eval_every = 0 if smoke else 40
   if stage == "grpo":
     c.rl.algo, c.rl.group_size = "grpo", 4

@@ -4,9 +4,10 @@ An upper bound on what demonstrations teach per update (README, "Main job"; meas
 benchmarks/RESULTS.md, issue #25): the SFT stage's loss, optimiser and jitted update
 (`tars_jax/train/sft.py`) on replies `click(start_box='(x,y)')` whose (x, y) is the grid point
 nearest the centre of the correct button (labelled as the grounding examples are), read from the DOM
-through the sandbox's debug endpoint (never shown to agents). At each of `--eval_at` it prints, per task, the hit rate of the policy's own sampled clicks
-(temperature of the config) on held-out screens and, for click-test-2, how often it hit the other
-button instead (the policy found *a* button but not the one named).
+through the sandbox's debug endpoint (never shown to agents). At each of `--eval_at` it prints, per
+task, the hit rate of the policy's own sampled clicks (temperature of the config) on held-out screens
+and, for click-test-2, how often it hit the other button instead (the policy found *a* button but not
+the one named).
 
 Two steps, so the training step runs where the sandbox is not (e.g. a GPU machine):
 

@@ -111,7 +111,11 @@ def main(argv):
                               aux_coef=r.aux_loss_coef)
   eval_fn = functools.partial(sft.eval_metrics, graphdef=parts.policy_gd, hp=parts.hparams)
 
+  eval_s = 0.0  # time spent in evaluate(): not counted against the training budget `max_minutes`
+
   def evaluate(params, step: int) -> dict[str, float]:
+    nonlocal eval_s
+    t0 = time.time()
     m: dict[str, float] = {}
     if heldout_batches:
       rows = [jax.device_get(eval_fn(params, b, parts.table)) for b in heldout_batches]
@@ -140,13 +144,13 @@ def main(argv):
       done = [e for e in ev if not e.lost]  # what the policy writes: think length (thoughts variant)
       if done:
         m["eval/think_tokens"] = episode_metrics(done, list(config.tasks), tok, parts.table)["think_tokens"]
+    eval_s += time.time() - t0
     return m
 
   # ----------------------------------------------------------------------------------------------
   # Training loop.
   # ----------------------------------------------------------------------------------------------
   t_start, step, last = time.time(), start, {}
-  eval_s = 0.0  # evaluation time, not counted against the training budget `max_minutes`
   log_step, t_log = start, time.perf_counter()
   params, opt_state = state["policy"], state["policy_opt"]
   bar = tqdm(total=s.steps, initial=start, desc="sft", unit="step", dynamic_ncols=True)
@@ -154,9 +158,7 @@ def main(argv):
     if start == 0 and s.eval_every and not config.policy.init:
       # the starting policy, for the before / after comparison (a policy.init run was measured at the
       # end of the run it comes from)
-      t0 = time.time()
       writer.write(0, evaluate(params, 0))
-      eval_s += time.time() - t0
     while step < s.steps:
       if (time.time() - t_start - eval_s) / 60 > s.max_minutes:
         print(f"[sft] training budget of {s.max_minutes} min reached at step {step}")
@@ -171,9 +173,7 @@ def main(argv):
         m["perf/wall_min"] = (time.time() - t_start) / 60
         m["data/corrupt_skipped"] = corrupt.count
         if s.eval_every and step % s.eval_every == 0:
-          t0 = time.time()
           m.update(evaluate(params, step))
-          eval_s += time.time() - t0
         writer.write(step, m)
         last = m
         log_step, t_log = step, time.perf_counter()  # evaluation time not counted as training

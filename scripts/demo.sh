@@ -17,7 +17,7 @@ RUN=${RUN:-runs/main}
 # once per run, and a re-run compiles nothing (the cache only skips compiles, results are the same).
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$(realpath -m "$RUN")/jax_cache}
 ARG=${ARG:-}  # config arg of the data, SFT, value-pretraining and RL stages ("", grpo, thoughts)
-MOD=${MOD:-}  # "smoke": tiny model and budgets (tests/test_demo_pipeline.py)
+MOD=${MOD:-}  # "smoke": tiny model and budgets (tests/test_pipeline.py)
 CFG=experiments/configs/miniwob_pipeline.py
 cfg() { echo "$CFG:$1${MOD:++$MOD}"; }
 PY=.venv/bin/python

@@ -97,6 +97,16 @@ def load_critic(state: dict, path: str, copt) -> dict:
   return dict(state, critic=critic, critic_opt=copt.init(critic))
 
 
+def checkpoint_location(path: str) -> tuple[str, int | None]:
+  """(run dir, step) of a checkpoint named by a run dir (step None: its latest) or by one of its step
+  dirs `<run>/checkpoints/<step>`; the run dir absolute. Reads no file (shared with `tars_jax.merge`)."""
+  path = os.path.abspath(path)
+  parent, name = os.path.split(path)
+  if name.isdigit() and os.path.basename(parent) == "checkpoints":
+    return os.path.dirname(parent), int(name)
+  return path, None
+
+
 def load_policy(state: dict, path: str, popt) -> tuple[dict, str]:
   """`state` with its policy restored from another run (e.g. the SFT stage) and a fresh policy
   optimiser state; returns (state, "<checkpoint dir>/<step>") for the log.
@@ -106,11 +116,7 @@ def load_policy(state: dict, path: str, popt) -> tuple[dict, str]:
   Raises: FileNotFoundError (no such run / checkpoint); ValueError (from Orbax) for another model.
   """
   path = os.path.abspath(path)
-  parent, name = os.path.split(path)
-  if name.isdigit() and os.path.basename(parent) == "checkpoints":
-    run, step = os.path.dirname(parent), int(name)
-  else:
-    run, step = path, None
+  run, step = checkpoint_location(path)
   if not os.path.isdir(os.path.join(run, "checkpoints")):
     raise FileNotFoundError(f"policy.init={path!r}: no run dir with checkpoints/ (nor a <run>/checkpoints/<step>)")
   mngr = checkpoint.manager(run)

@@ -7,7 +7,6 @@
 #   RUN=runs/try2 bash scripts/demo.sh            # another run dir
 #   ARG=grpo bash scripts/demo.sh                 # the RL stage with GRPO instead of critic PPO
 #   ARG=thoughts bash scripts/demo.sh             # templated thoughts kept (think length logged)
-#   MOD=long bash scripts/demo.sh                 # a 28-min SFT stage (~60 min in all on 2 cores)
 # Re-running continues where it stopped: finished stages are skipped, a killed one resumes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +17,7 @@ RUN=${RUN:-runs/main}
 # once per run, and a re-run compiles nothing (the cache only skips compiles, results are the same).
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$(realpath -m "$RUN")/jax_cache}
 ARG=${ARG:-}  # config arg of the data, SFT, value-pretraining and RL stages ("", grpo, thoughts)
-MOD=${MOD:-}  # "smoke": tiny model and budgets (tests/test_pipeline.py); "long": the longer SFT stage
+MOD=${MOD:-}  # "smoke": tiny model and budgets (tests/test_pipeline.py)
 CFG=experiments/configs/miniwob_pipeline.py
 cfg() { echo "$CFG:$1${MOD:++$MOD}"; }
 PY=.venv/bin/python

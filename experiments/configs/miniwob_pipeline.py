@@ -23,10 +23,7 @@ and thoughts of up to 48 bytes.
 Args (`ARGS`): "" = the SFT-on-demonstrations, value-pretraining and PPO stages; "grounding" = the
 grounding stage (its `sft` section); "grpo" = the RL stage with group-relative advantages instead of
 the critic (one arg away, as the README's comparison runs it); "thoughts" = templated thoughts kept
-(non-empty `Thought:`; think length is logged); "+smoke" appended = tiny model and budgets (tests);
-"+long" appended = the same job with an SFT stage of 28 instead of 12 minutes at lr 3e-3 on
-click-test-2-heavy demonstrations (~60 min in all on the 2-core machine: what click-test-2's bar
-needs there, benchmarks/RESULTS.md), e.g. `MOD=long bash scripts/demo.sh`.
+(non-empty `Thought:`; think length is logged); "+smoke" appended = tiny model and budgets (tests).
 """
 
 import ml_collections as mlc
@@ -34,8 +31,7 @@ import ml_collections as mlc
 from experiments.configs import miniwob_ppo
 
 STAGES = ("", "grounding", "grpo", "thoughts")
-MODS = ("", "smoke", "long")
-ARGS = tuple(s + ("+" + m if m else "") for m in MODS for s in STAGES)
+ARGS = (*STAGES, *(s + "+smoke" for s in STAGES))
 
 # The demonstrations' tasks (tars_jax/data/experts.py): clicking, typing and several steps.
 DEMO_TASKS = ("miniwob/click-test", "miniwob/click-test-2", "miniwob/click-button", "miniwob/click-button-sequence",
@@ -46,7 +42,7 @@ DEMO_TASKS = ("miniwob/click-test", "miniwob/click-test-2", "miniwob/click-butto
 def get_config(arg: str | None = None) -> mlc.ConfigDict:
   arg = arg or ""
   stage, _, mod = arg.partition("+")
-  if stage not in STAGES or mod not in MODS:
+  if stage not in STAGES or mod not in ("", "smoke"):
     raise ValueError(f"unknown config arg {arg!r}; expected one of {ARGS}")
   smoke = mod == "smoke"
   c = miniwob_ppo.get_config("smoke" if smoke else "ppo")  # critic PPO, one episode per seed
@@ -89,12 +85,4 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.eval_every = 0 if smoke else 40
   if stage == "grpo":
     c.rl.algo, c.rl.group_size = "grpo", 4
-
-  if mod == "long":  # the SFT stage the pointing probe says click-test-2 needs (RESULTS.md, issue #25)
-    c.data.demo_seeds = 20  # multi-step tasks: fewer multi-turn batches (3-5x a one-screen batch's cost)
-    c.data.demo_seeds_by_task = (("miniwob/click-test", 250),)  # the rest: click-test-2's 1 500
-    if stage != "grounding":
-      c.sft.lr = 3e-3
-      c.sft.steps = 2400
-      c.sft.max_minutes = 28.0
   return c

@@ -12,6 +12,8 @@ command -v xterm >/dev/null 2>&1 || need_apt+=(xterm)
 command -v xedit >/dev/null 2>&1 || need_apt+=(x11-apps)
 command -v xmessage >/dev/null 2>&1 || need_apt+=(x11-utils)
 command -v bwrap >/dev/null 2>&1 || need_apt+=(bubblewrap)
+# The GUI-Browsing tasks' corpus: the Python documentation HTML (envs_bridge/browser/browsing.py).
+[[ -d /usr/share/doc/python3/html/library ]] || need_apt+=(python3-doc)
 # setpriv starts each sandbox Chromium with a parent-death signal (envs_bridge/browser/launcher.py).
 command -v setpriv >/dev/null 2>&1 || need_apt+=(util-linux)
 # g++ builds the CPU MoE expert kernels (tars_jax/models/cpu/expert_kernel.py) below.

@@ -586,6 +586,8 @@ class BrowserSandbox:
     ts = tasks.get(task)  # UnknownTask with the list
     if len(self.sessions) >= self.max_sessions:
       raise P.ServerBusy(f"{len(self.sessions)} sessions open (max {self.max_sessions})")
+    if ts.prepare is not None:  # browse: question generation (seconds, once) off the event loop
+      await asyncio.to_thread(ts.prepare)
     t0 = time.perf_counter()
     spec = A.CoordSpec(coords, ts.width, ts.height) if coords == "absolute" else A.CoordSpec()
     while True:
@@ -680,6 +682,8 @@ class BrowserSandbox:
     self._transit.add(ctx)  # the calling open owns it until the session is registered
     try:
       async with asyncio.timeout(self.page_timeout_s):
+        if ts.init_script:  # browse: in every document the page loads, before its scripts
+          await ctx.add_init_script(ts.init_script)
         page = await ctx.new_page()
         await page.clock.install(time=EPOCH_MS)
         await page.clock.pause_at(EPOCH_MS + 1000)  # paused: from now on only steps move time
@@ -714,8 +718,11 @@ class BrowserSandbox:
   async def _start_episode(page, ts: tasks.TaskSpec, seed: int, data_mode: str) -> str:
     """Cleans what a previous episode may have left on the page, then restarts it with `seed`.
 
-    Three page calls: (wall-clock date + clean), pointer move, (start + instruction read).
+    Three page calls: (wall-clock date + clean), pointer move, (start + instruction read); browse
+    tasks first load the episode's start page.
     """
+    if ts.start_url is not None:
+      await _goto(page, ts, ts.start_url(seed, data_mode))
     if page.main_frame.child_frames:  # Playwright's clock call sets the date in every frame
       await page.clock.set_system_time(EPOCH_MS)
       await page.evaluate(ts.clean_script)
@@ -775,6 +782,12 @@ class BrowserSandbox:
       info["error"] = f"invalid action: {getattr(e, 'reason', None) or e}"
     ts = tasks.get(s.task)
     st = await _advance_and_read(s.page, self.step_ms, ts.state_script)
+    if st.get("nav"):  # browse: a followed link / submitted form the init script held back
+      await _goto(s.page, ts, st["nav"])
+      st = await _advance_and_read(s.page, self.step_ms, ts.state_script)  # the new page's timers
+    if end and ts.judge is not None:  # browse: the answer in finished(content=...) is scored here
+      r, why = ts.judge(s.seed, s.data_mode, action)
+      st = {**st, "done": True, "reward": r, "raw_reward": r, "reason": why}
     s.elapsed_ms += self.step_ms
     s.done = bool(st["done"]) or end  # finished()/call_user(): ends with what the page has scored
     # The reward of the step that ends the episode, also by finished(): a game's current score /
@@ -1054,6 +1067,19 @@ async def _advance_and_read(page, step_ms: int, state_script: str) -> dict:
     await page.clock.run_for(step_ms)
     return await page.evaluate(state_script)
   return await page.evaluate(_advance_and_read_script(state_script), step_ms)
+
+
+async def _goto(page, ts: tasks.TaskSpec, url: str, settle_s: float = 5.0) -> None:
+  """Loads `url` in a task page (browse tasks navigate): waits for the load event, adds the task's
+  style and HIDE_CARET_CSS to the new document, and waits (at most settle_s) until the page's jQuery
+  requests are done (the search page's glossary), so the next screenshot does not race them.
+  Raises: PlaywrightError (failed load)."""
+  await page.goto(url)
+  await page.add_style_tag(content=(ts.css or "") + HIDE_CARET_CSS)
+  for _ in range(int(settle_s / 0.01)):
+    if await page.evaluate("() => !window.jQuery || jQuery.active === 0"):
+      return
+    await asyncio.sleep(0.01)
 
 
 async def _capture_png_b64(pg: _Page) -> str:

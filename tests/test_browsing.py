@@ -21,6 +21,7 @@ from envs_bridge import protocol as P
 from envs_bridge.browser import browse_tasks as bt
 from envs_bridge.browser import browsing as B
 from envs_bridge.browser import tasks
+from envs_bridge.client import SandboxClient
 from tars_jax.agent import actions as A
 from tars_jax.data import browse_expert as X
 from tars_jax.data import experts as E
@@ -302,24 +303,16 @@ def test_expert_reads_each_answer_kind_and_aims_inside_wrapped_links():
 
 
 # -- the real sandbox (real Chromium) --------------------------------------------------------------------
-async def _client(server):
-  from envs_bridge.client import SandboxClient
-  return SandboxClient(server.url)
-
-
 @needs_corpus
 @pytest.mark.browser
 def test_expert_solves_held_out_questions_and_a_wrong_answer_gets_zero(server, suite):
   async def go():
-    c = await _client(server)
-    try:
+    async with SandboxClient(server.url) as c:
       out = [await X.solve(c, task, 0, "test", max_turns=40) for task in bt.task_names()]  # ~20 turns each
       sid, obs = await c.open("browse/multi-condition", 0, data_mode="test")
       bad = await c.step(sid, "Thought: a guess\nAction: finished(content='certainly not the answer')")
       await c.close(sid)
       return out, obs, bad
-    finally:
-      await c.aclose()
   results, obs, bad = run(go())
   for r in results:
     assert r.reward == 1.0 and r.stopped is None, r
@@ -335,11 +328,8 @@ def test_expert_solves_held_out_questions_and_a_wrong_answer_gets_zero(server, s
 @pytest.mark.slow  # ~1.5 min: 20 episodes of ~20 turns
 def test_expert_success_on_ten_held_out_questions_per_family(server, suite):
   async def go():
-    c = await _client(server)
-    try:
+    async with SandboxClient(server.url) as c:
       return await X.evaluate([c], bt.task_names(), "test", limit=10, concurrency=1, max_turns=60)
-    finally:
-      await c.aclose()
   res = run(go())
   for task, rs in res.items():
     assert len(rs) == 10 and sum(r.reward == 1.0 for r in rs) >= 9, X.format_results(res)
@@ -349,8 +339,7 @@ def test_expert_success_on_ten_held_out_questions_per_family(server, suite):
 @pytest.mark.browser
 def test_scroll_search_box_and_reproducible_link_following(server, suite):
   async def go():
-    c = await _client(server)
-    try:
+    async with SandboxClient(server.url) as c:
       sid, o0 = await c.open("browse/multi-condition", 0, data_mode="test")
       before = await c.elements(sid)
       o1 = await c.step(sid, "scroll(start_box='(500,600)', direction='down')")
@@ -378,8 +367,6 @@ def test_scroll_search_box_and_reproducible_link_following(server, suite):
         shots.append((seq, o.info["page"]))
         await c.close(sid)
       return o0, o1, o1b, before, after, after_b, o2, results, shots
-    finally:
-      await c.aclose()
   o0, o1, o1b, before, after, after_b, o2, results, shots = run(go())
   assert o1.screenshot_png_b64 != o0.screenshot_png_b64 != o1b.screenshot_png_b64 and not o1.done
 

@@ -6,26 +6,41 @@ r"""Held-out evaluation of a run's policy: per-task success over seeds never use
   python -m experiments.eval --run runs/games --episodes 50 --checkpoint 0   # the untrained baseline
   python -m experiments.eval --run runs/main --json runs/main/eval.json   # pipeline: its newest stage
   python -m experiments.eval --run runs/main/sft --json runs/main/eval_sft.json   # one stage
+  python -m experiments.eval --run runs/main --max_turns 2,4,8,16 --json runs/main/eval_budgets.json \
+      --plot runs/main/eval_budgets.png   # success against the step budget
 
 Actions are the policy's own samples (same temperature and constrained grammar as in training).
 Game tasks ('games/<name>') also get their normalised score: 100 x mean over episodes of the game's
 score at the end of the episode / the reference player's score (envs_bridge/games/reference.py;
 report section 2.2 normalises to human play), and the JSON lists each game episode (seed, score,
 actions) so the scores can be replayed.
+
+Step-budget scaling (UI-TARS-2 report section 3, inference-time scaling with the step budget):
+`--max_turns 2,4,8,16` plays the same held-out seeds once per budget (maximum turns per episode; the
+loop config of each is `dataclasses.replace(parts.loop_cfg, max_turns=b)`, nothing global changes),
+prints success per task per budget with the mean steps, writes `--json` as
+`{"checkpoint": step, "budgets": {"2": {task: summary}, ...}}` and `--plot` a PNG of success against
+budget (log2 axis). With one budget, or none (the run's `config.env.max_turns`), the output is the
+single-budget one above.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
+from typing import Sequence
 
 from absl import app, flags
 import ml_collections as mlc
 
 from envs_bridge.launch import env_fleet
 from experiments.game_scores import format_games, game_episode_records, game_scores
-from tars_jax.rollout.evaluation import eval_jobs, format_table, play, resolve_run, summarize
+from tars_jax.rollout.agent_loop import ActFn
+from tars_jax.rollout.evaluation import eval_jobs, format_table, resolve_run, summarize
+from tars_jax.rollout.step_budget import (budget_loop_cfgs, budgets_json, format_budget_table, parse_budgets,
+                                          play_budgets, plot_budgets)
 from tars_jax.train import checkpoint as ckpt
 from tars_jax.train import state as state_lib
 
@@ -37,29 +52,70 @@ _EPISODES = flags.DEFINE_integer("episodes", 200, "Held-out episodes (seeds) per
 _JSON = flags.DEFINE_string("json", None, "Write the per-task results here.")
 _SERVERS = flags.DEFINE_list("servers", [], "Sandbox server URLs (default: launch one).")
 _SESSIONS = flags.DEFINE_integer("sessions", None, "Concurrent episodes (default: config.env.num_sessions).")
+_MAX_TURNS = flags.DEFINE_list("max_turns", None, "Step budgets (turns per episode), comma-separated positive "
+                               "ints; several = one evaluation per budget on the same seeds (default: the "
+                               "run's config.env.max_turns).")
+_PLOT = flags.DEFINE_string("plot", None, "With several --max_turns: write success against budget here (PNG).")
+
+
+
+
+
+
+
+
+def _summary(episodes: list[Episode]) -> dict:
+  """`summarize` of `episodes`, game tasks with their normalised scores (`game_scores`)."""
+  summary = summarize(episodes)
+  for task, g in game_scores(episodes).items():
+    summary[task].update(normalized_score=g["normalized_score"], mean_score=g["mean_score"],
+                         reference_score=g["reference_score"])
+  return summary
 
 
 def evaluate(run: str, tasks: list[str] | None, episodes: int, step: int | None = None,
              servers: list[str] | None = None, sessions: int | None = None,
-             episodes_out: list | None = None) -> tuple[int, dict]:
+             episodes_out: list | None = None, max_turns: int | None = None) -> tuple[int, dict]:
   """Returns (checkpoint step, {task: {success, episodes, ...}}) for the run's policy; game tasks
   also get normalized_score, mean_score and reference_score (`game_scores`). `episodes_out`, if
   given, receives every evaluated Episode. `step = 0` with no checkpoint 0 evaluates the policy the
   run started from (`init_state(config.seed)`, what iteration 1 sampled with): the untrained
-  baseline the trained checkpoints are compared with.
+  baseline the trained checkpoints are compared with. `max_turns`: the step budget (turns per
+  episode; default the run's config.env.max_turns).
 
   Episodes lost on every attempt (the sandbox went away: `rollout.agent_loop.run_episodes`) are not
   scored: each task's `lost` counts them and `episodes` counts only the scored ones.
 
   Raises:
     FileNotFoundError: the run has no config.json or no checkpoint.
+    ValueError: max_turns is not a positive int.
     envs_bridge.protocol.SandboxError: a sandbox error no retry fixes, at once (UnknownTask for a
       misspelt task name, Unauthorized for a wrong token, ...).
   """
+  out = {} if episodes_out is not None else None
+  step, summaries = evaluate_budgets(run, tasks, episodes, None if max_turns is None else [max_turns], step,
+                                     servers, sessions, episodes_out=out)
+  (summary,) = summaries.values()
+  if episodes_out is not None:
+    (eps,) = out.values()
+    episodes_out.extend(eps)
+  return step, summary
+
+
+def evaluate_budgets(run: str, tasks: list[str] | None, episodes: int, budgets: Sequence[int] | None,
+                     step: int | None = None, servers: list[str] | None = None, sessions: int | None = None,
+                     episodes_out: dict | None = None) -> tuple[int, dict[int, dict]]:
+  """`evaluate` once per step budget (turns per episode; report section 3, step-budget scaling), the
+  same held-out seeds at every budget: returns (checkpoint step, {budget: {task: summary}}), budgets
+  in the given order (None: the run's config.env.max_turns alone). The policy's sampler starts from
+  the same seed at each budget. `episodes_out`, if given, receives {budget: [Episode]}.
+  Raises: as `evaluate`; ValueError for a budget that is not a positive int."""
   run = resolve_run(run)
   with open(os.path.join(run, "config.json")) as f:
     config = mlc.ConfigDict(json.load(f))
   parts = state_lib.build(config)
+  budgets = list(budgets) if budgets else [parts.loop_cfg.max_turns]
+  budget_loop_cfgs(parts.loop_cfg, budgets)  # a bad budget fails before the checkpoint and the browser
   init = parts.init_state(config.seed)
   mngr = ckpt.manager(run)
   if step == 0 and 0 not in mngr.all_steps():
@@ -68,28 +124,43 @@ def evaluate(run: str, tasks: list[str] | None, episodes: int, step: int | None 
     step, state, _ = ckpt.restore(mngr, init, step)
   tasks = tasks or list(config.tasks)
   sessions = sessions or config.env.num_sessions
-  policy = parts.batched_policy(state["policy"], batch_size=sessions, seed=config.seed + 7)
   jobs = eval_jobs(tasks, episodes, config.env.eval_seed_offset)
+  policy = parts.batched_policy(state["policy"], batch_size=sessions, seed=config.seed + 7)
+
+  def act_for(budget: int) -> ActFn:  # image slots: the config's (as in training), or more for a longer budget
+    return dataclasses.replace(policy, max_images=max(budget, policy.max_images)).act
+
   with env_fleet(config.env, urls=servers or ()) as (loop, clients):
-    results = play(loop, policy.act, clients, jobs, parts.loop_cfg, parts.tokenizer, sessions=sessions,
-                   version=step, progress="eval")
+    results = play_budgets(loop, act_for, clients, jobs, parts.loop_cfg, parts.tokenizer, budgets,
+                           sessions=sessions, version=step, progress="eval")
   if episodes_out is not None:
-    episodes_out.extend(results)
-  summary = summarize(results)
-  for task, g in game_scores(results).items():
-    summary[task].update(normalized_score=g["normalized_score"], mean_score=g["mean_score"],
-                         reference_score=g["reference_score"])
-  return step, summary
+    episodes_out.update(results)
+  return step, {b: _summary(eps) for b, eps in results.items()}
+
+
+
+
+
+
 
 
 def main(argv):
   del argv
   logging.getLogger().setLevel(logging.WARNING)  # no per-request httpx lines under the progress bar
   tasks = _TASKS.value.split(",") if _TASKS.value else None
+  try:
+    budgets = parse_budgets(_MAX_TURNS.value)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
+  if budgets and len(budgets) > 1:
+    return main_budgets(tasks, budgets)
+  if _PLOT.value:
+    raise app.UsageError("--plot needs several --max_turns (success against step budget)")
   eps: list = []
   step, summary = evaluate(_RUN.value, tasks, _EPISODES.value, _CKPT.value, _SERVERS.value,
-                           _SESSIONS.value, episodes_out=eps)
-  print(f"checkpoint {step} of {resolve_run(_RUN.value)}, {_EPISODES.value} held-out seeds per task")
+                           _SESSIONS.value, episodes_out=eps, max_turns=budgets[0] if budgets else None)
+  print(f"checkpoint {step} of {resolve_run(_RUN.value)}, {_EPISODES.value} held-out seeds per task"
+        + (f", step budget {budgets[0]} turns" if budgets else ""))
   print(format_table(summary))
   lost = {task: r["lost"] for task, r in summary.items() if r["lost"]}
   if lost:
@@ -105,6 +176,26 @@ def main(argv):
     with open(_JSON.value, "w") as f:
       json.dump(out, f, indent=2)
     print(f"[eval] wrote {_JSON.value}")
+
+
+def main_budgets(tasks: list[str] | None, budgets: list[int]) -> None:
+  """`main` with several step budgets: the table of `format_budget_table`, `--json` as
+  `budgets_json`, `--plot` as `plot_budgets`."""
+  step, summaries = evaluate_budgets(_RUN.value, tasks, _EPISODES.value, budgets, _CKPT.value, _SERVERS.value,
+                                     _SESSIONS.value)
+  run = resolve_run(_RUN.value)
+  print(f"checkpoint {step} of {run}, {_EPISODES.value} held-out seeds per task (the same at every budget)")
+  print(format_budget_table(summaries))
+  lost = {f"{t} @{b}": r["lost"] for b, s in summaries.items() for t, r in s.items() if r["lost"]}
+  if lost:
+    print(f"[eval] lost (sandbox unavailable on every attempt; not scored): "
+          f"{', '.join(f'{k} {n}' for k, n in lost.items())}")
+  if _JSON.value:
+    with open(_JSON.value, "w") as f:
+      json.dump(budgets_json(step, summaries), f, indent=2)
+    print(f"[eval] wrote {_JSON.value}")
+  if _PLOT.value:
+    print(f"[eval] wrote {plot_budgets(summaries, _PLOT.value, f'{run}, checkpoint {step}')}")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ Two steps, so the training step runs where the sandbox is not (e.g. a GPU machin
   python -m experiments.pointing_probe --screens /tmp/screens.npz \
       --config experiments/configs/miniwob_pipeline.py --steps 3000 --eval_at 500,1000,2000,3000 \
       [--config.model.vision_depth=4] [--set spatial_merge_size=1] [--json out.json]
+      [--init runs/main/grounding] [--max_train_screens miniwob/click-test-2=1500]
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from experiments.pointing_data import collect, episode, hit, load
 from tars_jax.agent.trajectory import collate
 from tars_jax.data import grounding
 from tars_jax.train import sft
-from tars_jax.train.state import build
+from tars_jax.train.state import build, load_policy
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config (its model, grammar, SFT lr).")
 _COLLECT = flags.DEFINE_string("collect", None, "Collect screens from the sandbox into this .npz and exit.")
@@ -49,6 +50,10 @@ _BATCH = flags.DEFINE_integer("batch", None, "Screens per update (default: confi
 _LR = flags.DEFINE_float("lr", None, "Peak learning rate (default: config.sft.lr).")
 _EVAL_AT = flags.DEFINE_list("eval_at", ["500", "1000", "2000", "3000"], "Updates after which to evaluate.")
 _MAX_SECONDS = flags.DEFINE_float("max_seconds", 0.0, "Stop (after an evaluation) past this many seconds; 0 = no limit.")
+_INIT = flags.DEFINE_string("init", None, "Start from this run's policy (a run dir or <run>/checkpoints/<step>, "
+                            "e.g. the grounding stage) instead of a fresh init.")
+_MAX_TRAIN = flags.DEFINE_list("max_train_screens", [], "task=N: train on the task's first N screens of the "
+                               "files only (e.g. miniwob/click-test-2=1500); other tasks: all.")
 _SET = flags.DEFINE_multi_string("set", [], "key=value model fields (Python literals), e.g. spatial_merge_size=1.")
 _LABEL = flags.DEFINE_string("label", None, "Name of this variant in the output (default: the --set values).")
 _JSON = flags.DEFINE_string("json", None, "Append the results as one JSON line to this file.")
@@ -69,6 +74,8 @@ def main(argv):
   screens = [r for path in _SCREENS.value for r in load(path, parts.image_hw)]
   train_tasks = set(_TRAIN_TASKS.value or {r["task"] for r in screens})
   train = [r for r in screens if r["split"] == "train" and r["task"] in train_tasks]
+  cap = {t: int(n) for t, n in (kv.rsplit("=", 1) for kv in _MAX_TRAIN.value)}
+  train = [r for t in sorted(train_tasks) for r in [x for x in train if x["task"] == t][:cap.get(t)]]
   test = [r for r in screens if r["split"] == "test"]
 
   fmt = grounding.EpisodeFormat.from_parts(parts)
@@ -76,7 +83,11 @@ def main(argv):
   test_eps = [episode(fmt, r) for r in test]  # evaluation prompts: prefix + first observation
   opt = sft.make_optimizer(lr, s.warmup_steps, _STEPS.value, s.final_lr_fraction, config.rl.max_grad_norm,
                            config.rl.weight_decay)
-  params = parts.init_state(config.seed)["policy"]
+  state = parts.init_state(config.seed)
+  if _INIT.value:
+    state, src = load_policy(state, _INIT.value, opt)
+    print(f"[probe] policy from {src}", flush=True)
+  params = state["policy"]
   opt_state = opt.init(params)
 
   def evaluate(p) -> dict:
@@ -120,7 +131,8 @@ def main(argv):
         break
   if _JSON.value:
     with open(_JSON.value, "a") as f:
-      f.write(json.dumps({"label": label, "set": _SET.value, "batch": batch, "lr": lr, "steps": _STEPS.value,
+      f.write(json.dumps({"label": label, "set": _SET.value, "init": _INIT.value, "train_screens": len(train),
+                          "batch": batch, "lr": lr, "steps": _STEPS.value,
                           "backend": jax.default_backend(), "rows": rows}) + "\n")
 
 

@@ -20,6 +20,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from tars_jax.analysis.run_data import smooth  # noqa: E402
 from tars_jax.train.metrics import read_metrics  # noqa: E402
 
 _RUN = flags.DEFINE_string("run", None, "Run directory.")
@@ -27,12 +28,6 @@ _OUT = flags.DEFINE_string("out", None, "Output PNG (default <run>/learning_curv
 _COMPARE = flags.DEFINE_list("compare", None, "Run directories to compare (per-task success).")
 _SWEEP = flags.DEFINE_string("sweep", None, "Parent dir of experiments/sweep.py (mean +- std over seeds).")
 _PIPELINE = flags.DEFINE_string("pipeline", None, "Pipeline run dir of scripts/demo.sh (all its stages).")
-
-
-def smooth(y: np.ndarray, k: int = 5) -> np.ndarray:
-  """Trailing moving average over k points (shorter at the start)."""
-  c = np.cumsum(np.insert(y, 0, 0.0))
-  return np.array([(c[i + 1] - c[max(0, i + 1 - k)]) / (i + 1 - max(0, i + 1 - k)) for i in range(len(y))])
 
 
 # Exploration panels (second row of `plot_run`), against iteration: (title, ((metric, label), ...)).

@@ -30,6 +30,7 @@ from tars_jax.rollout import step_budget as SB
 from tars_jax.rollout.agent_loop import LoopConfig
 from tars_jax.rollout.evaluation import summarize
 from tars_jax.train.state import build
+from tests.test_demos import demo_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUMMARY_KEYS = {"success", "episodes", "mean_reward", "mean_steps", "invalid_rate", "lost"}
@@ -70,15 +71,6 @@ def test_budgets_are_validated_and_each_gets_its_own_loop_config(tmp_path):
   # the CLI refuses a bad budget before loading anything, naming it
   p = run_eval_cli("--run", str(tmp_path / "none"), "--max_turns", "2,0")
   assert p.returncode != 0 and "'0'" in p.stderr and "max_turns" in p.stderr
-
-
-def demo_config():
-  """The main config with what login-user's expert needs (typing, thoughts), step budget 8."""
-  c = miniwob_ppo.get_config("")
-  c.env.max_turns = 8
-  c.grammar.actions = ("click", "type")
-  c.grammar.max_thought_bytes = E.MAX_THOUGHT_BYTES
-  return c
 
 
 # (task, seed): seeds of the experts' own test (tests/test_demos.py) and the held-out range.

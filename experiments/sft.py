@@ -135,11 +135,11 @@ def main(argv):
       pol = parts.batched_policy(params, batch_size=config.env.num_sessions, seed=config.seed + 7)
       from envs_bridge.launch import env_fleet  # a sandbox only when success is measured
       with env_fleet(config.env) as (loop, clients):
-        t0 = time.perf_counter()
+        t_play = time.perf_counter()
         ev = evaluation.play(loop, pol.act, clients,
                              evaluation.eval_jobs(list(config.tasks), s.eval_episodes, config.env.eval_seed_offset),
                              parts.loop_cfg, tok, sessions=config.env.num_sessions, version=step)
-        m["perf/eval_episodes_s"] = time.perf_counter() - t0
+        m["perf/eval_episodes_s"] = time.perf_counter() - t_play
       m.update(evaluation.metrics(evaluation.summarize(ev)))
       done = [e for e in ev if not e.lost]  # what the policy writes: think length (thoughts variant)
       if done:

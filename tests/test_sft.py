@@ -183,3 +183,26 @@ def test_killed_run_resumes_with_the_same_data_order(parts, tmp_path):
   assert [r["step"] for r in resumed] == [1, 2, 3, 4]
   for a, b in zip(full, resumed):
     assert a["train/ce"] == b["train/ce"] and a["train/tokens"] == b["train/tokens"]
+
+
+@pytest.mark.slow  # ~2 min: compiles, two sandbox evaluations
+@pytest.mark.browser
+def test_training_budget_excludes_evaluations_and_still_ends_the_run(parts, tmp_path):
+  """`sft.max_minutes` bounds training time after a sandbox evaluation too: the evaluation's own time
+  is left out of the budget (once, in seconds), so a 0.2-minute budget ends a 3 000-step run."""
+  import os
+  import subprocess
+  eps = [sft.prepare(_episode(parts, REPLIES[:1], seed=s), grammar=parts.grammar, tokenizer=parts.tokenizer,
+                     thoughts=True) for s in range(8)]
+  _write(tmp_path / "data", parts, parts.image_hw, parts.loop_cfg.n_img_tokens, eps)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  cmd = [os.path.join(root, ".venv", "bin", "python"), "-m", "experiments.sft", "--config",
+         "experiments/configs/miniwob_pipeline.py:thoughts+smoke", f"--workdir={tmp_path / 'run'}",
+         f"--config.sft.data=('{tmp_path / 'data'}',)", "--config.sft.steps=3000", "--config.sft.max_minutes=0.2",
+         "--config.sft.eval_every=3000", "--config.sft.eval_episodes=2", "--config.sft.ckpt_every=1000"]
+  p = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=900)
+  assert p.returncode == 0, p.stderr[-3000:]
+  assert "training budget of 0.2 min reached" in p.stdout, p.stdout[-2000:]
+  rows = read_metrics(str(tmp_path / "run"))
+  assert "eval/miniwob/click-test/success" in rows[0]  # the step-0 evaluation ran before training
+  assert 0 < rows[-1]["step"] < 3000

@@ -37,6 +37,7 @@ import ml_collections as mlc
 
 from envs_bridge.launch import env_fleet
 from experiments.game_scores import format_games, game_episode_records, game_scores
+from tars_jax.agent.trajectory import Episode
 from tars_jax.rollout.agent_loop import ActFn
 from tars_jax.rollout.evaluation import eval_jobs, format_table, resolve_run, summarize
 from tars_jax.rollout.step_budget import (budget_loop_cfgs, budgets_json, format_budget_table, parse_budgets,
@@ -56,12 +57,6 @@ _MAX_TURNS = flags.DEFINE_list("max_turns", None, "Step budgets (turns per episo
                                "ints; several = one evaluation per budget on the same seeds (default: the "
                                "run's config.env.max_turns).")
 _PLOT = flags.DEFINE_string("plot", None, "With several --max_turns: write success against budget here (PNG).")
-
-
-
-
-
-
 
 
 def _summary(episodes: list[Episode]) -> dict:
@@ -136,12 +131,6 @@ def evaluate_budgets(run: str, tasks: list[str] | None, episodes: int, budgets: 
   if episodes_out is not None:
     episodes_out.update(results)
   return step, {b: _summary(eps) for b, eps in results.items()}
-
-
-
-
-
-
 
 
 def main(argv):

@@ -28,7 +28,9 @@ stamp "sweep smoke (ppo, grpo, ppo_vpt; seed 0; 1 iteration)"
   --suffix +smoke --seeds 0 --workdir "$RUNS/ablations" \
   || { tail -n 40 "$RUNS"/ablations/*/seed_0.log; exit 1; }
 stamp "demonstrations (2 seeds per task)"
-"$PY" -m experiments.demos --config experiments/configs/miniwob_pipeline.py:+smoke --seeds 2 --out "$RUNS/demos"
+[[ -f $RUNS/demos/done ]] || {  # a kept dir's demonstrations are not written twice
+  "$PY" -m experiments.demos --config experiments/configs/miniwob_pipeline.py:+smoke --seeds 2 --out "$RUNS/demos"
+  touch "$RUNS/demos/done"; }
 
 PPO=$RUNS/ablations/ppo/seed_0
 run_nb() {  # notebook name, then papermill -p NAME VALUE pairs

@@ -5,7 +5,7 @@ import os
 
 import numpy as np
 
-from tars_jax.analysis import run_data as nu
+from tars_jax.analysis import run_data
 
 ROWS = [
     {"step": 1, "reward": 0.5, "reward_terms/outcome": 0.5, "reward_terms/format": -0.1},
@@ -15,33 +15,33 @@ ROWS = [
 
 
 def test_series_skips_rows_without_the_key():
-  x, y = nu.series(ROWS, "reward_terms/outcome")
+  x, y = run_data.series(ROWS, "reward_terms/outcome")
   np.testing.assert_array_equal(x, [1.0, 3.0])
   np.testing.assert_array_equal(y, [0.5, 1.0])
-  x, y = nu.series(ROWS, "think_tokens")
+  x, y = run_data.series(ROWS, "think_tokens")
   assert x.shape == (0,) and y.shape == (0,)
 
 
 def test_panel_keys_expands_prefixes_and_absent_keys():
-  assert nu.panel_keys(ROWS, ("reward", "reward_terms/*", "think_tokens")) == [
+  assert run_data.panel_keys(ROWS, ("reward", "reward_terms/*", "think_tokens")) == [
       "reward", "reward_terms/format", "reward_terms/outcome"]
   panels = (("a", ("reward", "think_tokens")), ("b", ("reward_terms/*", "train/clipfrac_*")))
-  assert nu.absent_keys(ROWS, panels) == ["think_tokens", "train/clipfrac_*"]
+  assert run_data.absent_keys(ROWS, panels) == ["think_tokens", "train/clipfrac_*"]
 
 
 def test_smooth_trailing_mean_with_nans():
   # windows of 2: [1], [1,3], [3,nan], [nan,nan], [nan,5]
-  out = nu.smooth(np.array([1.0, 3.0, np.nan, np.nan, 5.0]), k=2)
+  out = run_data.smooth(np.array([1.0, 3.0, np.nan, np.nan, 5.0]), k=2)
   np.testing.assert_allclose(out, [1.0, 2.0, 3.0, np.nan, 5.0])
-  np.testing.assert_allclose(nu.smooth(np.array([2.0, 4.0, 6.0, 8.0]), k=3), [2.0, 3.0, 4.0, 6.0])
+  np.testing.assert_allclose(run_data.smooth(np.array([2.0, 4.0, 6.0, 8.0]), k=3), [2.0, 3.0, 4.0, 6.0])
 
 
 def test_reply_point():
-  thought, action, pt = nu.reply_point("Thought: the ONE button\nAction: click(start_box='(250,690)')", 160, 210)
+  thought, action, pt = run_data.reply_point("Thought: the ONE button\nAction: click(start_box='(250,690)')", 160, 210)
   assert thought == "the ONE button" and action == "click(start_box='(250,690)')"
   np.testing.assert_allclose(pt, (0.25 * 160, 0.69 * 210))  # (40, 144.9)
-  assert nu.reply_point("Thought: \nAction: finished(content='x')", 160, 210)[2] is None
-  assert nu.reply_point("garbage", 160, 210) == ("", "garbage", None)
+  assert run_data.reply_point("Thought: \nAction: finished(content='x')", 160, 210)[2] is None
+  assert run_data.reply_point("garbage", 160, 210) == ("", "garbage", None)
 
 
 def test_saved_episodes(tmp_path):
@@ -49,20 +49,20 @@ def test_saved_episodes(tmp_path):
     d = tmp_path / "trajectories" / it / ep
     d.mkdir(parents=True)
     (d / "episode.json").write_text(json.dumps({"task": f"{it}/{ep}", "turns": []}))
-  eps = nu.saved_episodes(str(tmp_path))
+  eps = run_data.saved_episodes(str(tmp_path))
   assert [e["task"] for e in eps] == ["iter_00001/ep_0", "iter_00001/ep_1", "iter_00002/ep_0"]
   assert eps[0]["dir"] == os.path.join(str(tmp_path), "trajectories", "iter_00001", "ep_0")
-  assert len(nu.saved_episodes(str(tmp_path), limit=2)) == 2
-  assert nu.saved_episodes(str(tmp_path / "nothing")) == []
+  assert len(run_data.saved_episodes(str(tmp_path), limit=2)) == 2
+  assert run_data.saved_episodes(str(tmp_path / "nothing")) == []
 
 
-def test_budget_and_alpha_curves():
+def test_budget_and_success_curves():
   budgets = {"checkpoint": 2, "budgets": {"4": {"t": {"success": 0.75}}, "1": {"t": {"success": 0.25}},
                                           "2": {"t": {"success": 0.5}, "u": {"success": 1.0}}}}
-  c = nu.budget_curves(budgets)
+  c = run_data.budget_curves(budgets)
   np.testing.assert_array_equal(c["t"][0], [1, 2, 4])
   np.testing.assert_array_equal(c["t"][1], [0.25, 0.5, 0.75])
   np.testing.assert_array_equal(c["u"][0], [2])
-  a = nu.alpha_curves({1.0: {"t": {"success": 0.5}}, 0.0: {"t": {"success": 0.25}}})
+  a = run_data.success_curves({1.0: {"t": {"success": 0.5}}, 0.0: {"t": {"success": 0.25}}})
   np.testing.assert_array_equal(a["t"][0], [0.0, 1.0])
   np.testing.assert_array_equal(a["t"][1], [0.25, 0.5])

@@ -19,7 +19,7 @@ from tars_jax.agent import actions
 from tars_jax.train.metrics import read_metrics
 
 __all__ = ["read_metrics", "TRAINING_PANELS", "series", "panel_keys", "absent_keys", "smooth",
-           "reply_point", "saved_episodes", "budget_curves", "alpha_curves"]
+           "reply_point", "saved_episodes", "budget_curves", "success_curves"]
 
 # Training-dynamics panels of notebooks/training_dynamics.ipynb: (title, keys). A key ending in '*'
 # stands for every logged key with that prefix (reward_terms/* = each reward-shaping term).
@@ -56,9 +56,7 @@ def panel_keys(rows: Sequence[dict], keys: Sequence[str]) -> list[str]:
 
 def absent_keys(rows: Sequence[dict], panels=TRAINING_PANELS) -> list[str]:
   """Keys of `panels` that no row has ('<prefix>*' counts as absent when no key has the prefix)."""
-  logged = {k for r in rows for k in r}
-  return [k for _, keys in panels for k in keys
-          if not (any(x.startswith(k[:-1]) for x in logged) if k.endswith("*") else k in logged)]
+  return [k for _, keys in panels for k in keys if not panel_keys(rows, [k])]
 
 
 def smooth(y: np.ndarray, k: int = 5) -> np.ndarray:
@@ -105,16 +103,13 @@ def saved_episodes(run: str, limit: int | None = None) -> list[dict]:
 def budget_curves(budgets: dict) -> dict[str, tuple[np.ndarray, np.ndarray]]:
   """{task: (budgets ascending, success)} of `experiments.eval --max_turns ... --json`'s output
   (`{"checkpoint", "budgets": {"2": {task: {"success", ...}}, ...}}`)."""
-  by_budget = sorted((int(b), s) for b, s in budgets["budgets"].items())
-  tasks = sorted({t for _, s in by_budget for t in s})
-  return {t: (np.array([b for b, s in by_budget if t in s], float),
-              np.array([s[t]["success"] for _, s in by_budget if t in s], float)) for t in tasks}
+  return success_curves({int(b): s for b, s in budgets["budgets"].items()})
 
 
-def alpha_curves(results: dict[float, dict]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-  """{task: (alphas ascending, success)} of {alpha: {task: {"success", ...}}} (one evaluation per
-  merged checkpoint θ(α))."""
-  alphas = sorted(results)
-  tasks = sorted({t for a in alphas for t in results[a]})
-  return {t: (np.array([a for a in alphas if t in results[a]], float),
-              np.array([results[a][t]["success"] for a in alphas if t in results[a]], float)) for t in tasks}
+def success_curves(results: dict[float, dict]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+  """{task: (x ascending, success)} of {x: {task: {"success", ...}}}: one evaluation per x (a merge
+  weight α of θ(α), a step budget)."""
+  xs = sorted(results)
+  tasks = sorted({t for x in xs for t in results[x]})
+  return {t: (np.array([x for x in xs if t in results[x]], float),
+              np.array([results[x][t]["success"] for x in xs if t in results[x]], float)) for t in tasks}

@@ -68,7 +68,8 @@ def main(argv):
   # ----------------------------------------------------------------------------------------------
   parts = state_lib.build(config)
   r = config.rl
-  opt = sft.make_optimizer(s.lr, s.warmup_steps, s.steps, s.final_lr_fraction, r.max_grad_norm, r.weight_decay)
+  opt = sft.make_optimizer(s.lr, s.warmup_steps, s.decay_steps or s.steps, s.final_lr_fraction, r.max_grad_norm,
+                           r.weight_decay)
   state = parts.init_state(config.seed)
   if config.policy.init:
     state, src = state_lib.load_policy(state, config.policy.init, opt)

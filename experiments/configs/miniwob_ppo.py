@@ -56,7 +56,8 @@ def sft_section(smoke: bool) -> mlc.ConfigDict:
   s.batch_size = 4 if smoke else 16
   s.lr = 1e-3
   s.warmup_steps = 2 if smoke else 50
-  s.final_lr_fraction = 0.1  # cosine decay to this fraction of lr at `steps`
+  s.final_lr_fraction = 0.1  # cosine decay to this fraction of lr at `decay_steps`
+  s.decay_steps = 0  # length of the cosine in updates; 0 = `steps` (more than `steps`: the run stops mid-decay)
   s.thoughts = False  # train on the records' templated thoughts (True) or empty `Thought: ` (False)
   s.skip_corrupt = False  # a corrupt record: raise (False) or skip and count it (True)
   s.log_every = 1 if smoke else 10

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Sequence
 
 import httpx
 import prometheus_client as prom
@@ -59,6 +59,8 @@ class SandboxClient:
     max_connections: httpx connection pool size (>= concurrent sessions you drive).
     token: the server's bearer token (sent as `Authorization: Bearer`); None: the env var
       `protocol.TOKEN_ENV` if set, else none.
+    serves: the task names the server serves (its `GET /tasks`), for routing episodes over servers of
+      different kinds (`client_for`; `launch.sandbox_fleet` fills it in); None: not known, any task.
 
   Every call raises the typed `protocol.SandboxError` subclass of an error response (UnknownTask,
   UnknownSession, LeaseExpired, SessionLost, TaskError, ServerBusy, InvalidAction, Unauthorized (401:
@@ -68,8 +70,9 @@ class SandboxClient:
   """
 
   def __init__(self, base_url: str, timeout_s: float = 60.0, max_connections: int = 256,
-               token: str | None = None):
+               token: str | None = None, serves: frozenset[str] | None = None):
     self.base_url = base_url.rstrip("/")
+    self.serves = serves
     self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, headers=auth_headers(token),
                                    limits=httpx.Limits(max_connections=max_connections,
                                                        max_keepalive_connections=max_connections,
@@ -156,6 +159,19 @@ class SandboxClient:
 
   async def __aexit__(self, *exc):
     await self.aclose()
+
+
+def client_for(clients: Sequence[SandboxClient], task: str, k: int) -> SandboxClient:
+  """The `k`-th (round robin) of the `clients` that serve `task`: a fleet of browser and desktop servers
+  sends each episode to a server that has its task. Clients whose `serves` is None take any task.
+
+  Raises: P.UnknownTask (naming the tasks the fleet serves) when no client serves `task`.
+  """
+  able = [c for c in clients if c.serves is None or task in c.serves]
+  if not able:
+    known = sorted(set().union(*(c.serves for c in clients if c.serves is not None)))
+    raise P.UnknownTask(f"no sandbox server of the fleet serves task {task!r}", tasks=known)
+  return able[k % len(able)]
 
 
 @dataclasses.dataclass

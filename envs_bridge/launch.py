@@ -188,39 +188,64 @@ def launch_server(module: str = "envs_bridge.browser.server", port: int | None =
   raise RuntimeError(f"sandbox server did not answer /health within {wait_s} s:\n{tail}")
 
 
-@contextlib.contextmanager
+# The server module of each sandbox kind a fleet can launch (`sandbox_fleet(launch=...)`).
+SERVER_MODULES = {"browser": "envs_bridge.browser.server", "desktop": "envs_bridge.desktop.server"}
+
+
 def env_fleet(env, urls=None):
   """`sandbox_fleet` of a training / eval config's `env` block: its `servers` (or `urls` when given;
-  empty = launch one), `step_ms`, `lease_s`, `spare_pages` and `browsers` (0 and 1 when absent:
-  configs saved before the fields existed)."""
+  empty = launch the kinds of `env.launch`), `step_ms`, `lease_s`, `spare_pages`, `browsers` and the
+  desktop server's `desktop_sessions` / `desktop_step_ms` (defaults when absent: configs saved before
+  the fields existed)."""
   return sandbox_fleet(env.servers if urls is None else urls, env.step_ms, env.lease_s,
-                       spare_pages=env.get("spare_pages", 0), n_browsers=env.get("browsers", 1))
+                       spare_pages=env.get("spare_pages", 0), n_browsers=env.get("browsers", 1),
+                       launch=tuple(env.get("launch", ("browser",))),
+                       desktop_sessions=env.get("desktop_sessions", 8),
+                       desktop_step_ms=env.get("desktop_step_ms", 300))
 
 
+@contextlib.contextmanager
 def sandbox_fleet(urls, step_ms: int = 1000, lease_s: float = 300.0, token: str | None = None,
-                  spare_pages: int = 0, n_browsers: int = 1):
-  """(event loop, [SandboxClient]) over the servers at `urls`, or over one browser server launched
-  here (`launch_server(step_ms=, lease_s=, spare_pages=, n_browsers=)`) when `urls` is empty. On exit
-  the clients, the loop and the launched server are closed — also when the body raises (a trainer's
-  SIGTERM unwinds through here).
+                  spare_pages: int = 0, n_browsers: int = 1, launch: tuple[str, ...] = ("browser",),
+                  desktop_sessions: int = 8, desktop_step_ms: int = 300):
+  """(event loop, [SandboxClient]) over the servers at `urls`, or over servers launched here when
+  `urls` is empty: one of each kind in `launch` ("browser": `launch_server(step_ms=, lease_s=,
+  spare_pages=, n_browsers=)`, MiniWoB++, games and GUI-Browsing; "desktop": the Xvfb desktop server
+  with `desktop_sessions` sessions at most and `desktop_step_ms` of real time per step). With more than
+  one server, each client learns its server's tasks (`GET /tasks`) and episodes go to a server that
+  serves their task (`client.client_for`). On exit the clients, the loop and the launched servers are
+  closed — also when the body raises (a trainer's SIGTERM unwinds through here).
 
-  token: bearer token of the servers (and of the one launched here); None: the env var
+  token: bearer token of the servers (and of the ones launched here); None: the env var
   `protocol.TOKEN_ENV` (kept out of configs on purpose: configs are logged and checkpointed).
+  Raises: ValueError for an unknown kind in `launch`; RuntimeError when a server does not start.
   """
   from envs_bridge.client import SandboxClient  # local: the server side imports this module too
-  server = None
+  unknown = sorted(set(launch) - set(SERVER_MODULES))
+  if unknown:
+    raise ValueError(f"unknown sandbox kinds {unknown} in launch; known: {sorted(SERVER_MODULES)}")
+  servers = []
   urls = list(urls or ())
-  if not urls:
-    server = launch_server(step_ms=step_ms, lease_s=lease_s, token=token, spare_pages=spare_pages,
-                           n_browsers=n_browsers)
-    urls = [server.url]
   loop = asyncio.new_event_loop()
-  clients = [SandboxClient(u, token=token) for u in urls]
+  clients = []
   try:
+    if not urls:
+      for kind in launch:
+        if kind == "browser":
+          servers.append(launch_server(step_ms=step_ms, lease_s=lease_s, token=token, spare_pages=spare_pages,
+                                       n_browsers=n_browsers))
+        else:
+          servers.append(launch_server(SERVER_MODULES[kind], step_ms=desktop_step_ms, lease_s=lease_s,
+                                       token=token, max_sessions=desktop_sessions))
+      urls = [h.url for h in servers]
+    clients = [SandboxClient(u, token=token) for u in urls]
+    if len(clients) > 1:
+      for c in clients:
+        c.serves = frozenset(loop.run_until_complete(c.tasks()))
     yield loop, clients
   finally:
     for c in clients:
       loop.run_until_complete(c.aclose())
     loop.close()
-    if server is not None:
-      server.stop()
+    for h in servers:
+      h.stop()

@@ -17,7 +17,7 @@ actions) so the scores can be replayed.
 
 Step-budget scaling (UI-TARS-2 report section 3, inference-time scaling with the step budget):
 `--max_turns 2,4,8,16` plays the same held-out seeds once per budget (maximum turns per episode; the
-loop config of each is `dataclasses.replace(parts.loop_cfg, max_turns=b)`, nothing global changes),
+loop config of each is `dataclasses.replace(parts.eval_loop_cfg, max_turns=b)`, nothing global changes),
 prints success per task per budget with the mean steps, writes `--json` as
 `{"checkpoint": step, "budgets": {"2": {task: summary}, ...}}` and `--plot` a PNG of success against
 budget (log2 axis). With one budget, or none (the run's `config.env.max_turns`), the output is the
@@ -36,10 +36,10 @@ from absl import app, flags
 import ml_collections as mlc
 
 from envs_bridge.launch import env_fleet
-from experiments.game_scores import format_games, game_episode_records, game_scores
+from experiments.game_scores import format_games, game_episode_records, game_scores, summarize_with_games
 from tars_jax.agent.trajectory import Episode
 from tars_jax.rollout.agent_loop import ActFn
-from tars_jax.rollout.evaluation import eval_jobs, format_table, resolve_run, summarize
+from tars_jax.rollout.evaluation import eval_jobs, format_table, resolve_run
 from tars_jax.rollout.step_budget import (budget_loop_cfgs, budgets_json, format_budget_table, parse_budgets,
                                           play_budgets, plot_budgets)
 from tars_jax.train import checkpoint as ckpt
@@ -57,15 +57,6 @@ _MAX_TURNS = flags.DEFINE_list("max_turns", None, "Step budgets (turns per episo
                                "ints; several = one evaluation per budget on the same seeds (default: the "
                                "run's config.env.max_turns).")
 _PLOT = flags.DEFINE_string("plot", None, "With several --max_turns: write success against budget here (PNG).")
-
-
-def _summary(episodes: list[Episode]) -> dict:
-  """`summarize` of `episodes`, game tasks with their normalised scores (`game_scores`)."""
-  summary = summarize(episodes)
-  for task, g in game_scores(episodes).items():
-    summary[task].update(normalized_score=g["normalized_score"], mean_score=g["mean_score"],
-                         reference_score=g["reference_score"])
-  return summary
 
 
 def evaluate(run: str, tasks: list[str] | None, episodes: int, step: int | None = None,
@@ -109,8 +100,8 @@ def evaluate_budgets(run: str, tasks: list[str] | None, episodes: int, budgets: 
   with open(os.path.join(run, "config.json")) as f:
     config = mlc.ConfigDict(json.load(f))
   parts = state_lib.build(config)
-  budgets = list(budgets) if budgets else [parts.loop_cfg.max_turns]
-  budget_loop_cfgs(parts.loop_cfg, budgets)  # a bad budget fails before the checkpoint and the browser
+  budgets = list(budgets) if budgets else [parts.eval_loop_cfg.max_turns]
+  budget_loop_cfgs(parts.eval_loop_cfg, budgets)  # a bad budget fails before the checkpoint and the browser
   init = parts.init_state(config.seed)
   mngr = ckpt.manager(run)
   if step == 0 and 0 not in mngr.all_steps():
@@ -126,11 +117,11 @@ def evaluate_budgets(run: str, tasks: list[str] | None, episodes: int, budgets: 
     return dataclasses.replace(policy, max_images=max(budget, policy.max_images)).act
 
   with env_fleet(config.env, urls=servers or ()) as (loop, clients):
-    results = play_budgets(loop, act_for, clients, jobs, parts.loop_cfg, parts.tokenizer, budgets,
+    results = play_budgets(loop, act_for, clients, jobs, parts.eval_loop_cfg, parts.tokenizer, budgets,
                            sessions=sessions, version=step, progress="eval")
   if episodes_out is not None:
     episodes_out.update(results)
-  return step, {b: _summary(eps) for b, eps in results.items()}
+  return step, {b: summarize_with_games(eps) for b, eps in results.items()}
 
 
 def main(argv):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from envs_bridge.games import catalog
+from tars_jax.rollout.evaluation import summarize
 
 
 def game_scores(episodes) -> dict[str, dict[str, float]]:
@@ -44,3 +45,13 @@ def format_games(scores: dict[str, dict[str, float]]) -> str:
     rows.append(f"{task:32s} {r['normalized_score']:10.1f} {r['mean_score']:9.2f} {r['reference_score']:9.1f} "
                 f"{r['episodes']:9d}")
   return "\n".join(rows)
+
+
+def summarize_with_games(episodes) -> dict:
+  """`evaluation.summarize` of `episodes`, game tasks with their normalised scores (`game_scores`):
+  {task: {success, episodes, ..., [normalized_score, mean_score, reference_score]}}."""
+  summary = summarize(episodes)
+  for task, g in game_scores(episodes).items():
+    summary[task].update(normalized_score=g["normalized_score"], mean_score=g["mean_score"],
+                         reference_score=g["reference_score"])
+  return summary

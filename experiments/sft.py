@@ -16,7 +16,8 @@ read a PPO run. Every `sft.eval_every` steps: held-out loss on `sft.heldout` rec
 accuracy of the policy's own sampled clicks / answers on held-out grounding examples) and the success
 of the policy's own actions on `sft.eval_episodes` held-out seeds of each task in `config.tasks`.
 `sft.max_minutes` bounds the training time (compiles included, evaluations not), so a stage's updates
-do not depend on how long its evaluations take.
+do not depend on how long its evaluations take; the time is summed over resumed processes (checkpoint
+metadata), so a re-run of a stage that its budget ended makes no more updates.
 Layout of the run dir: config.json, metrics.jsonl, tensorboard/, checkpoints/, sft.json (summary).
 """
 
@@ -98,11 +99,12 @@ def main(argv):
   data_iter = iter(train_ds)
 
   mngr = ckpt.manager(workdir, config.keep_checkpoints, cleanup_tmp=True)
-  start = 0
+  start, spent_min = 0, 0.0
   if mngr.latest_step() is not None:
     start, state, meta = ckpt.restore(mngr, state)
     data_iter.set_state(meta["data_state"])
-    print(f"[sft] resumed from {mngr.directory}/{start}")
+    spent_min = float(meta.get("minutes", 0.0))  # checkpoints written before the field: no time spent
+    print(f"[sft] resumed from {mngr.directory}/{start} ({spent_min:.1f} min of training spent)")
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(config.to_json_best_effort(indent=2))
   writer = MetricsWriter(workdir, resume_step=start)
@@ -139,7 +141,7 @@ def main(argv):
         t_play = time.perf_counter()
         ev = evaluation.play(loop, pol.act, clients,
                              evaluation.eval_jobs(list(config.tasks), s.eval_episodes, config.env.eval_seed_offset),
-                             parts.loop_cfg, tok, sessions=config.env.num_sessions, version=step)
+                             parts.eval_loop_cfg, tok, sessions=config.env.num_sessions, version=step)
         m["perf/eval_episodes_s"] = time.perf_counter() - t_play
       m.update(evaluation.metrics(evaluation.summarize(ev)))
       done = [e for e in ev if not e.lost]  # what the policy writes: think length (thoughts variant)
@@ -152,6 +154,10 @@ def main(argv):
   # Training loop.
   # ----------------------------------------------------------------------------------------------
   t_start, step, last = time.time(), start, {}
+
+  def minutes() -> float:  # training time of the run over its processes, evaluations excluded
+    return spent_min + (time.time() - t_start - eval_s) / 60
+
   log_step, t_log = start, time.perf_counter()
   params, opt_state = state["policy"], state["policy_opt"]
   bar = tqdm(total=s.steps, initial=start, desc="sft", unit="step", dynamic_ncols=True)
@@ -161,7 +167,7 @@ def main(argv):
       # end of the run it comes from)
       writer.write(0, evaluate(params, 0))
     while step < s.steps:
-      if (time.time() - t_start - eval_s) / 60 > s.max_minutes:
+      if minutes() > s.max_minutes:
         print(f"[sft] training budget of {s.max_minutes} min reached at step {step}")
         break
       batch = next(data_iter)
@@ -181,11 +187,11 @@ def main(argv):
         bar.set_postfix(ce=f"{m['train/ce']:.3f}", acc=f"{m['train/acc_free']:.2f}")
       if step % s.ckpt_every == 0:
         ckpt.save(mngr, step, dict(state, policy=params, policy_opt=opt_state),
-                  {"iteration": step, "data_state": data_iter.get_state()})
+                  {"iteration": step, "data_state": data_iter.get_state(), "minutes": minutes()})
       bar.update(1)
     if mngr.latest_step() != step and step > start:
       ckpt.save(mngr, step, dict(state, policy=params, policy_opt=opt_state),
-                {"iteration": step, "data_state": data_iter.get_state()})
+                {"iteration": step, "data_state": data_iter.get_state(), "minutes": minutes()})
     if s.eval_every and step % s.eval_every and step > start:  # the final policy, measured once more
       last = evaluate(params, step)
       writer.write(step, last)

@@ -79,7 +79,7 @@ def main(argv):
   # KL reference = the initial policy (rebuilt from the seed / policy.init on resume: never changes).
   ref_params = jax.tree.map(jnp.copy, state["policy"]) if parts.hparams.kl_coef > 0 else None
   mngr = ckpt.manager(workdir, config.keep_checkpoints, cleanup_tmp=True)
-  start_iter = 0
+  start_iter, spent_min = 0, 0.0
   critic_init = config.critic.init
   if critic_init and mngr.latest_step() is None:  # a resumed run has its own (trained) critic
     state = state_lib.load_critic(state, critic_init, parts.copt)
@@ -87,7 +87,8 @@ def main(argv):
   if mngr.latest_step() is not None:
     step, state, meta = ckpt.restore(mngr, state)
     start_iter = int(meta.get("iteration", step))
-    print(f"[train] resumed from {mngr.directory}/{step} (iteration {start_iter})")
+    spent_min = float(meta.get("minutes", 0.0))  # checkpoints written before the field: no time spent
+    print(f"[train] resumed from {mngr.directory}/{step} (iteration {start_iter}, {spent_min:.1f} min spent)")
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(config.to_json_best_effort(indent=2))
   writer = MetricsWriter(workdir, resume_step=start_iter)  # drops rows a killed run wrote after it
@@ -102,11 +103,17 @@ def main(argv):
   # Sandbox servers: the configured fleet, or one local server subprocess (stopped on any exit).
   with env_fleet(config.env) as (loop, clients):
     t_start, it = time.time(), start_iter
+
+    # Training time over the run's processes (checkpoint metadata): `max_minutes` bounds it, so a re-run
+    # of a run its budget ended makes no more iterations.
+    def minutes() -> float:
+      return spent_min + (time.time() - t_start) / 60
+
     bar = tqdm(total=config.iterations, initial=start_iter, desc=config.rl.algo, unit="it", dynamic_ncols=True)
     tasks, n = tuple(config.tasks), config.env.num_sessions
     try:
       for it in range(start_iter, config.iterations):
-        if (time.time() - t_start) / 60 > config.max_minutes:
+        if minutes() > config.max_minutes:
           print(f"[train] wall-clock budget of {config.max_minutes} min reached at iteration {it}")
           break
         t0 = time.perf_counter()
@@ -159,7 +166,7 @@ def main(argv):
           t2 = time.perf_counter()
           ev = evaluation.play(loop, policy.act, clients,
                                evaluation.eval_jobs(list(tasks), config.eval_episodes, config.env.eval_seed_offset),
-                               parts.loop_cfg, parts.tokenizer, sessions=n, version=it + 1)
+                               parts.eval_loop_cfg, parts.tokenizer, sessions=n, version=it + 1)
           m.update(evaluation.metrics(evaluation.summarize(ev)))
           m["perf/eval_s"] = time.perf_counter() - t2
           if config.log_trajectories:
@@ -172,7 +179,8 @@ def main(argv):
           save_episodes(os.path.join(workdir, "trajectories", f"iter_{it + 1:05d}"),
                         episodes[: config.log_trajectories])
         if (it + 1) % config.ckpt_every == 0 or it + 1 == config.iterations:
-          ckpt.save(mngr, it + 1, state, {"iteration": it + 1, "episodes": (it + 1) * n})
+          ckpt.save(mngr, it + 1, state,
+                    {"iteration": it + 1, "episodes": (it + 1) * n, "minutes": minutes()})
         bar.update(1)
         bar.set_postfix(success=f"{m['success_rate']:.2f}", reward=f"{m['reward']:.2f}",
                         kl=f"{train_m.get('approx_kl', 0.0):.3f}",
@@ -180,7 +188,7 @@ def main(argv):
       else:
         it = config.iterations
       if mngr.latest_step() != it and it > start_iter:
-        ckpt.save(mngr, it, state, {"iteration": it, "episodes": it * n})
+        ckpt.save(mngr, it, state, {"iteration": it, "episodes": it * n, "minutes": minutes()})
     finally:
       bar.close()
       writer.close()

@@ -9,7 +9,12 @@ lambda = 1, stop when value loss and explained variance meet the config's thresh
 Any training config with a `vpt` section works (the ablation configs have one): the policy is that
 config's initial policy (same `seed`, or `policy.init` = the policy the PPO run starts from), or the
 latest checkpoint of the run dir `vpt.policy_run`. Writes <workdir>/critic (Orbax), metrics.jsonl, tensorboard/,
-config.json and value_pretrain.json (why it stopped, final metrics). No resume: re-running starts over.
+config.json and value_pretrain.json (why it stopped, final metrics).
+
+Resumable: every `vpt.ckpt_every` iterations the critic, its optimiser state and the stop rule's streak
+go to <workdir>/checkpoints; a re-run continues from the latest one with the budget (`vpt.max_minutes`)
+that was left. Iteration `it` samples with keys and shuffles minibatches with an rng derived from
+(seed, it) alone, so a resumed run makes the updates an uninterrupted one makes.
 """
 
 from __future__ import annotations
@@ -67,55 +72,71 @@ def main(argv):
   state = vpt.init_critic_state(full["critic"], copt)
   hp = vpt.pretrain_hparams(parts.hparams, v.value_clip if v.value_clip > 0 else None)
   rule = vpt.StopRule(v.stop_value_loss, v.stop_explained_variance, v.patience)
+  mngr = ckpt.manager(workdir, cleanup_tmp=True)
+  start, streak, spent_min = 0, 0, 0.0
+  if mngr.latest_step() is not None:
+    start, state, meta = ckpt.restore(mngr, state)
+    streak, spent_min = int(meta["streak"]), float(meta["minutes"])
+    print(f"[vpt] resumed at iteration {start} ({spent_min:.1f} min spent) from {mngr.directory}")
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(config.to_json_best_effort(indent=2))
   writer = MetricsWriter(workdir)
   policy = parts.batched_policy(full["policy"], batch_size=config.env.num_sessions, seed=config.seed * 100_003)
-  rng = np.random.default_rng([config.seed, 7])
 
   # ----------------------------------------------------------------------------------------------
   # Rollouts of the fixed policy -> critic updates until the stop rule holds.
   # ----------------------------------------------------------------------------------------------
+  def minutes() -> float:  # training time of this run, over its resumed processes
+    return spent_min + (time.time() - t_start) / 60
+
+  def save(done: int) -> None:
+    ckpt.save(mngr, done, state, {"iteration": done, "streak": streak, "minutes": minutes()})
+
   with env_fleet(config.env) as (loop, clients):
-    t_start, streak, reason, it, m = time.time(), 0, "max_iterations", 0, {}
+    t_start, done, m = time.time(), start, {}
     tasks, n = tuple(config.tasks), config.env.num_sessions
     try:
-      for it in range(v.max_iterations):
+      # the checks come first: a resumed run whose thresholds or budget were already met does nothing more
+      while done < v.max_iterations and streak < rule.patience and minutes() <= v.max_minutes:
+        it = done
+        policy.start_iteration(it)
+        rng = np.random.default_rng([config.seed, 7, it])
         jobs = rollout_jobs(tasks, n, config.rl.group_size, it, v.seed_offset)
         stats = RolloutStats()
         episodes = loop.run_until_complete(
             run_episodes(policy.act, clients, jobs, parts.loop_cfg, parts.tokenizer, version=0, stats=stats))
         episodes = trainable(episodes, stats, f"value pretraining iteration {it + 1}")
-        if not episodes:  # logged by trainable
+        if episodes:
+          batch = collate(episodes, pad_id=parts.tokenizer.pad_id, max_images=config.env.max_turns,
+                          image_hw=parts.image_hw, length_multiple=config.length_multiple, batch_size=n).as_dict()
+          state, train_m = vpt.value_update(state, batch, critic_gd=parts.critic_gd, copt=copt, hp=hp,
+                                            epochs=v.epochs, minibatch_size=v.minibatch_size, rng=rng,
+                                            n_real=len(episodes))
+          m = episode_metrics(episodes, tasks, parts.tokenizer, parts.table)
+          m.update({f"train/{k}": x for k, x in train_m.items()})
+          m.update({f"reward_terms/{k}": x / max(1, len(episodes)) for k, x in stats.reward_terms.items()})
+          m["perf/wall_min"] = minutes()
+          writer.write(it + 1, m)
+          streak = rule.streak(streak, train_m["fresh_value_loss"], train_m["explained_variance"])
+          print(f"[vpt] it {it + 1}: value loss (fresh) {train_m['fresh_value_loss']:.4f}, "
+                f"explained var {train_m['explained_variance']:.3f}, corr {train_m['value_return_corr']:.3f}")
+        else:  # every episode lost (logged by trainable): no update
           writer.write(it + 1, {"episodes_lost": stats.episodes_lost, "episodes_failed": stats.episodes_failed})
-          continue
-        batch = collate(episodes, pad_id=parts.tokenizer.pad_id, max_images=config.env.max_turns,
-                        image_hw=parts.image_hw, length_multiple=config.length_multiple, batch_size=n).as_dict()
-        state, train_m = vpt.value_update(state, batch, critic_gd=parts.critic_gd, copt=copt, hp=hp,
-                                          epochs=v.epochs, minibatch_size=v.minibatch_size, rng=rng,
-                                          n_real=len(episodes))
-        m = episode_metrics(episodes, tasks, parts.tokenizer, parts.table)
-        m.update({f"train/{k}": x for k, x in train_m.items()})
-        m.update({f"reward_terms/{k}": x / max(1, len(episodes)) for k, x in stats.reward_terms.items()})
-        m["perf/wall_min"] = (time.time() - t_start) / 60
-        writer.write(it + 1, m)
-        streak = rule.streak(streak, train_m["fresh_value_loss"], train_m["explained_variance"])
-        print(f"[vpt] it {it + 1}: value loss (fresh) {train_m['fresh_value_loss']:.4f}, "
-              f"explained var {train_m['explained_variance']:.3f}, corr {train_m['value_return_corr']:.3f}")
-        if streak >= rule.patience:
-          reason = "thresholds"
-          break
-        if (time.time() - t_start) / 60 > v.max_minutes:
-          reason = "max_minutes"
-          break
+        done = it + 1
+        if done % v.ckpt_every == 0:
+          save(done)
     finally:
       writer.close()
+  reason = ("thresholds" if streak >= rule.patience else "max_minutes" if minutes() > v.max_minutes
+            else "max_iterations")
+  if mngr.latest_step() != done:
+    save(done)
   path = ckpt.save_tree(os.path.join(workdir, "critic"), state["critic"])
-  summary = {"iterations": it + 1, "stopped_by": reason, "critic": path,
+  summary = {"iterations": done, "stopped_by": reason, "critic": path,
              "final": {k: x for k, x in m.items() if k.startswith("train/")}}
   with open(os.path.join(workdir, "value_pretrain.json"), "w") as f:
     json.dump(summary, f, indent=2)
-  print(f"[vpt] stopped by {reason} after {it + 1} iterations | critic: {path} | "
+  print(f"[vpt] stopped by {reason} after {done} iterations | critic: {path} | "
         f"use --config.critic.init={path}")
 
 

@@ -66,12 +66,31 @@ def test_run_killed_after_a_checkpoint_resumes_as_if_never_stopped(tmp_path):
   assert not os.path.isdir(killed / "checkpoints" / str(ITERATIONS))  # it really stopped mid-run
 
   out = _run(killed)
-  assert "resumed from" in out and "(iteration 1)" in out, out[-3000:]
+  assert "resumed from" in out and "(iteration 1," in out, out[-3000:]
   want, got = _rows(straight), _rows(killed)
   assert [r["step"] for r in got] == list(range(1, ITERATIONS + 1))
   assert all(r["train/policy_grad_norm"] > 0 for r in want)  # the weights moved between iterations
   for w, g in zip(want, got):
     assert g == w, {k: (w.get(k), g.get(k)) for k in set(w) | set(g) if w.get(k) != g.get(k)}
+
+
+@pytest.mark.slow  # ~4 min: two runs of the trainer against real Chromium
+@pytest.mark.browser
+def test_a_run_its_time_budget_ended_makes_no_more_iterations_when_run_again(tmp_path):
+  """`max_minutes` is the run's budget, summed over its processes (checkpoint metadata): the same
+  command again resumes at the budget-ended iteration and stops there (scripts/demo.sh re-runs every
+  stage; a finished stage must stay as it is)."""
+  cmd = _cmd(tmp_path / "run")[:-1] + ["--config.iterations=500", "--config.max_minutes=1.5"]
+  outs = [subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
+                         timeout=900) for _ in range(2)]
+  for p in outs:
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+  first, again = (p.stdout for p in outs)
+  assert "wall-clock budget of 1.5 min reached" in first, first[-2000:]
+  ended = int(first.split("[train] done: ")[1].split(" iterations")[0])
+  assert 0 < ended < 500
+  assert f"(iteration {ended}," in again and f"[train] done: {ended} iterations" in again, again[-2000:]
+  assert ckpt.manager(str(tmp_path / "run")).latest_step() == ended
 
 
 # ---------------------------------------------------------------- what a kill -9 leaves behind

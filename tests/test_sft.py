@@ -1,6 +1,8 @@
 """SFT (tars_jax/train/sft.py): the loss covers exactly the reply tokens, equals a numpy cross-entropy
 of the grammar-constrained distribution, memorises a batch, and its optimiser matches the PPO state."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -189,7 +191,8 @@ def test_killed_run_resumes_with_the_same_data_order(parts, tmp_path):
 @pytest.mark.browser
 def test_training_budget_excludes_evaluations_and_still_ends_the_run(parts, tmp_path):
   """`sft.max_minutes` bounds training time after a sandbox evaluation too: the evaluation's own time
-  is left out of the budget (once, in seconds), so a 0.2-minute budget ends a 3 000-step run."""
+  is left out of the budget (once, in seconds), so a 0.2-minute budget ends a 3 000-step run. The budget
+  is the run's, not the process's: a re-run of the ended run resumes at its last step and makes none."""
   import os
   import subprocess
   eps = [sft.prepare(_episode(parts, REPLIES[:1], seed=s), grammar=parts.grammar, tokenizer=parts.tokenizer,
@@ -206,3 +209,7 @@ def test_training_budget_excludes_evaluations_and_still_ends_the_run(parts, tmp_
   rows = read_metrics(str(tmp_path / "run"))
   assert "eval/miniwob/click-test/success" in rows[0]  # the step-0 evaluation ran before training
   assert 0 < rows[-1]["step"] < 3000
+  ended = int(re.search(r"\[sft\] done: (\d+) steps", p.stdout).group(1))
+  again = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=900)
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert "resumed from" in again.stdout and f"[sft] done: {ended} steps" in again.stdout, again.stdout[-2000:]

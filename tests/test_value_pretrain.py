@@ -100,3 +100,39 @@ def test_kl_to_initial_policy_is_zero_first_then_positive():
   assert m["policy_grad_norm"] > 0 and "clipfrac_low" in m and "clipfrac_high" in m
   state, m = ppo.ppo_update(state, batch, None, rng=np.random.default_rng(0), ref_params=ref, **kw)
   assert m["kl_ref"] > 0.0
+
+
+def _vpt(workdir, iterations: int):
+  """experiments/value_pretrain.py on the smoke config (real sandbox), `iterations` at most; the stop
+  thresholds are out of reach so the iteration count alone ends it."""
+  import subprocess
+  import sys
+  out = subprocess.run(
+      [sys.executable, "-m", "experiments.value_pretrain", "--config", "experiments/configs/value_pretrain.py:smoke",
+       "--workdir", str(workdir), f"--config.vpt.max_iterations={iterations}", "--config.vpt.ckpt_every=1",
+       "--config.vpt.stop_value_loss=0.0", "--config.vpt.stop_explained_variance=2.0"],
+      capture_output=True, text=True, timeout=900)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  return out.stdout
+
+
+@pytest.mark.slow  # ~3 min: three value-pretraining processes with the browser sandbox
+def test_a_resumed_value_pretraining_makes_the_updates_of_an_uninterrupted_one(tmp_path):
+  """Two iterations, then a re-run asked for three: it resumes at iteration 2 and its critic equals, to
+  float tolerance, the critic of one process that ran the three iterations (same rollout seeds, sampling
+  keys and minibatch order per iteration)."""
+  straight = _vpt(tmp_path / "straight", 3)
+  assert "stopped by max_iterations after 3 iterations" in straight
+  _vpt(tmp_path / "resumed", 2)
+  resumed = _vpt(tmp_path / "resumed", 3)
+  assert "resumed at iteration 2" in resumed and "[vpt] it 3:" in resumed and "[vpt] it 2:" not in resumed
+  assert "stopped by max_iterations after 3 iterations" in resumed
+  from experiments.configs import value_pretrain
+  cfg = value_pretrain.get_config("smoke")
+  target = state_lib.build(cfg).init_state(cfg.seed)["critic"]
+  a = ckpt.restore_tree(str(tmp_path / "straight" / "critic"), target)
+  b = ckpt.restore_tree(str(tmp_path / "resumed" / "critic"), target)
+  init = jax.tree.leaves(target)
+  assert any(not np.allclose(x, y) for x, y in zip(jax.tree.leaves(a), init))  # it trained
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)

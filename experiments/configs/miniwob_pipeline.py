@@ -39,12 +39,16 @@ DEMO_TASKS = ("miniwob/click-test", "miniwob/click-test-2", "miniwob/click-butto
               "miniwob/click-checkboxes", "miniwob/login-user")
 
 
+def stage_arg(arg: str | None, stages: tuple[str, ...]) -> tuple[str, bool]:
+  """'<stage>' or '<stage>+smoke' -> (stage, smoke). Raises ValueError for a stage not in `stages`."""
+  stage, _, mod = (arg or "").partition("+")
+  if stage not in stages or mod not in ("", "smoke"):
+    raise ValueError(f"unknown config arg {arg!r}; expected one of {(*stages, *(s + '+smoke' for s in stages))}")
+  return stage, mod == "smoke"
+
+
 def get_config(arg: str | None = None) -> mlc.ConfigDict:
-  arg = arg or ""
-  stage, _, mod = arg.partition("+")
-  if stage not in STAGES or mod not in ("", "smoke"):
-    raise ValueError(f"unknown config arg {arg!r}; expected one of {ARGS}")
-  smoke = mod == "smoke"
+  stage, smoke = stage_arg(arg, STAGES)
   c = miniwob_ppo.get_config("smoke" if smoke else "ppo")  # critic PPO, one episode per seed
 
   c.grammar.actions = ("click", "type", "finished")

@@ -41,6 +41,7 @@ def vpt_section(smoke: bool) -> mlc.ConfigDict:
   v.minibatch_size = 4 if smoke else 8
   v.value_clip = 0.0  # <= 0: no value clipping (the policy is fixed, no trust region needed)
   v.seed_offset = 5_000_000  # rollout seeds apart from training and evaluation seeds
+  v.ckpt_every = 1 if smoke else 5  # critic + optimiser + stop-rule state, for resuming a killed run
   return v
 
 
@@ -110,6 +111,14 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.env.max_turns = 2  # step budget per episode
   c.env.train_seed_offset = 0  # training seeds: offset + k, k = 0, 1, 2, ...
   c.env.eval_seed_offset = 10_000_000  # held-out seeds never reached by training
+  # the sandbox's instance split of held-out evaluation: 'train' (MiniWoB++: seeds apart are enough) or
+  # 'test' (GUI-Browsing: the held-out questions, envs_bridge/browser/browse_tasks.py)
+  c.env.eval_data_mode = "train"
+  # sandbox servers launched when `servers` is empty: "browser" (MiniWoB++, games, GUI-Browsing) and
+  # "desktop" (Xvfb desktop and hybrid tasks); episodes go to a server that serves their task
+  c.env.launch = ("browser",)
+  c.env.desktop_sessions = 8  # the desktop server's --max-sessions (one Xvfb each)
+  c.env.desktop_step_ms = 300  # real milliseconds waited after each desktop action
 
   # --- Model (tars_jax/models/config.py fields) -----------------------------------------------------
   c.model = mlc.ConfigDict()

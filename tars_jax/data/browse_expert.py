@@ -27,6 +27,7 @@ from typing import Sequence
 
 from envs_bridge.browser import browse_tasks as bt
 from envs_bridge.browser import browsing
+from envs_bridge.client import client_for
 from tars_jax.agent import actions as A
 from tars_jax.data import experts as E
 
@@ -174,7 +175,7 @@ async def evaluate(clients: Sequence, tasks: Sequence[str], split: str = "test",
 
   async def one(k: int, task: str, seed: int):
     async with sem:
-      out[task].append(await solve(clients[k % len(clients)], task, seed, split, max_turns))
+      out[task].append(await solve(client_for(clients, task, k), task, seed, split, max_turns))
 
   jobs = []
   for t in tasks:

@@ -2,7 +2,7 @@
 
 An expert (`data/experts.py`) plays an episode through the same protocol as the agent: every turn it
 reads the privileged view of its session (`SandboxClient.elements`, or `game_state` for games; never
-part of the episode), decides a reply `Thought: …\\nAction: …` and sends it with `client.step`.
+part of the episode; a GUI-Browsing expert also knows its question's plan, `browse_expert.py`), decides a reply `Thought: …\\nAction: …` and sends it with `client.step`.
 The episode is built by the agent loop's own functions (`rollout.agent_loop.open_episode`,
 `observation_ids`, `record_turn`, `next_view`), so it is exactly the Episode `run_episodes` builds
 when the policy samples the same replies: same prefix and observation ids, preprocessed screenshots
@@ -29,10 +29,13 @@ import numpy as np
 from tqdm import tqdm
 
 from envs_bridge import protocol
-from envs_bridge.client import SandboxClient
+from envs_bridge.browser import browse_tasks
+from envs_bridge.client import SandboxClient, client_for
+from tars_jax.agent import actions as A
 from tars_jax.agent.grammar import Grammar, accepts, walk
 from tars_jax.agent.tokenizer import ByteTokenizer
 from tars_jax.agent.trajectory import Episode
+from tars_jax.data import browse_expert
 from tars_jax.data import experts as E
 from tars_jax.data import records
 from tars_jax.rollout import agent_loop
@@ -79,6 +82,7 @@ class TaskStats:
   expert_errors: int = 0  # the expert found no move (ExpertError)
   lost: int = 0  # the session died on every attempt
   turns: int = 0  # turns of the successful episodes
+  inexpressible: int = 0  # not played: the grammar cannot write the answer (GUI-Browsing, `answer_expressible`)
 
   @property
   def success_rate(self) -> float:
@@ -112,6 +116,15 @@ class MemoryWriter:
     self.close()
 
 
+def answer_expressible(task: str, seed: int, spec: DemoSpec) -> bool:
+  """Whether the policy's grammar can write the answer of the GUI-Browsing question that (`task`, `seed`)
+  asks in the spec's data mode: `finished(content=...)` holds printable ASCII without quote or backslash
+  (tars_jax/agent/grammar.py), and 6 of the 577 answers over the Python docs hold a quote or a
+  typographic dash. Raises KeyError for a task that is not a GUI-Browsing task."""
+  answer = browse_tasks.question(task, seed, spec.loop.data_mode).answer
+  return accepts(spec.grammar, E.reply_text("", E.render(A.Finished(answer), spec.coord_format)), spec.tokenizer)
+
+
 def open_writer(directory: str | None, spec: DemoSpec):
   """Where demonstrations go: a `data.records.RecordWriter(directory, DatasetMeta(...))` (ArrayRecord
   shards + dataset.json), or with directory None a `MemoryWriter`."""
@@ -141,14 +154,23 @@ async def play(client: SandboxClient, task: str, seed: int, spec: DemoSpec, expe
   the client (the caller retries the retryable ones).
   """
   cfg, tok = spec.loop, spec.tokenizer
+  browse = None
+  if expert.reads == "browse":  # follows the plan of the question this (seed, data mode) asks
+    question = browse_tasks.question(task, seed, cfg.data_mode)
+    browse, page = browse_expert.BrowseExpert(question, spec.coord_format), question.start
   sid, ep, image = await agent_loop.open_episode(client, task, seed, tok, cfg)
   obs_text, stopped = None, None
   try:
     for turn in range(cfg.max_turns):
       view = await _view(client, sid, expert)
       try:
-        thought, action = E.decide(task, ep.instruction, view, turn, coord_format=spec.coord_format,
-                                   thoughts=spec.thoughts, max_turns=cfg.max_turns, expert=expert)
+        if browse is not None:
+          thought, act = browse.decide(view, page)
+          thought = E.clean_thought(thought) if spec.thoughts else ""
+          action = E.render(act, spec.coord_format, browse_tasks.WIDTH, browse_tasks.HEIGHT)
+        else:
+          thought, action = E.decide(task, ep.instruction, view, turn, coord_format=spec.coord_format,
+                                     thoughts=spec.thoughts, max_turns=cfg.max_turns, expert=expert)
       except E.ExpertError as e:
         stopped = f"ExpertError: {e}"
         break
@@ -166,6 +188,8 @@ async def play(client: SandboxClient, task: str, seed: int, spec: DemoSpec, expe
       if out.done or last_turn:
         break
       image, obs_text = agent_loop.next_view(out, cfg)
+      if browse is not None:
+        page = out.info.get("page") or page
   finally:
     try:
       await client.close(sid)
@@ -208,16 +232,21 @@ async def collect(clients: Sequence[SandboxClient], jobs: Sequence[tuple[str, in
                    len(ep.turns), stopped or "played out")
 
   async def one(k: int, task: str, seed: int):
+    if chosen[task].reads == "browse" and not answer_expressible(task, seed, spec):  # counted, never played
+      stats[task].inexpressible += 1
+      bar.update(1)
+      return
     async with sem:
       res = None
       for attempt in range(spec.loop.max_retries + 1):
         try:
-          res = await play(clients[(k + attempt) % len(clients)], task, seed, spec, chosen[task])
+          res = await play(client_for(clients, task, k + attempt), task, seed, spec, chosen[task])
           break
         except Exception as e:
           if not protocol.is_retryable(e):
             raise
-          logging.warning("expert episode %s/%d lost (attempt %d): %s", task, seed, attempt + 1, e)
+          logging.warning("expert episode %s/%d lost (attempt %d): %s: %s", task, seed, attempt + 1,
+                          type(e).__name__, getattr(e, "reason", e))
       # Written as each episode ends (in completion order): nothing piles up in memory.
       record(task, seed, res)
       bar.update(1)
@@ -257,8 +286,8 @@ def jobs_for(tasks, seeds: int, seed_offset: int, eval_seed_offset: int) -> list
 def format_stats(stats: dict[str, TaskStats]) -> str:
   """A table of expert success per task."""
   lines = [f"{'task':34s} {'expert':30s} {'success':>8s} {'ok':>5s} {'fail':>5s} {'err':>4s} {'lost':>4s} "
-           f"{'turns':>5s}"]
+           f"{'turns':>5s} {'inexpr':>6s}"]
   for t, s in stats.items():
     lines.append(f"{t:34s} {s.expert:30s} {s.success_rate:8.3f} {s.successes:5d} {s.failures:5d} "
-                 f"{s.expert_errors:4d} {s.lost:4d} {s.turns / max(1, s.successes):5.2f}")
+                 f"{s.expert_errors:4d} {s.lost:4d} {s.turns / max(1, s.successes):5.2f} {s.inexpressible:6d}")
   return "\n".join(lines)

@@ -369,7 +369,9 @@ def game_expert(game: str) -> Callable:
 
 @dataclasses.dataclass(frozen=True)
 class Expert:
-  """One task's expert. reads: 'elements' (MiniWoB++ DOM) or 'game_state' (a game's debugState)."""
+  """One task's expert. reads: 'elements' (MiniWoB++ DOM), 'game_state' (a game's debugState) or
+  'browse' (the DOM plus the question's plan: the stateful `browse_expert.BrowseExpert`, made per
+  episode by `tars_jax/data/demos.py`; `fn` is None)."""
 
   name: str
   reads: str
@@ -385,11 +387,14 @@ def _game_names() -> tuple[str, ...]:
 def _all_experts() -> tuple[tuple[str, Expert], ...]:
   out = {t: Expert(f"scripted/{t.split('/', 1)[1]}", "elements", f) for t, f in MINIWOB_EXPERTS.items()}
   out.update({f"games/{g}": Expert(f"reference/{g}", "game_state", game_expert(g)) for g in _game_names()})
+  from envs_bridge.browser import browse_tasks  # local: the table is built once, on first use
+  out.update({t: Expert(f"scripted/{t.replace('/', '-')}", "browse", None) for t in browse_tasks.task_names()})
   return tuple(out.items())
 
 
 def experts() -> dict[str, Expert]:
-  """Every expert by task name ('miniwob/<task>', 'games/<game>'); a fresh dict (callers may edit it)."""
+  """Every expert by task name ('miniwob/<task>', 'games/<game>', 'browse/<family>'); a fresh dict
+  (callers may edit it)."""
   return dict(_all_experts())
 
 
@@ -418,6 +423,8 @@ def decide(task: str, instruction: str, view: Any, turn: int, *, coord_format: s
   """
   grid_values(coord_format)  # validates it
   ex = expert or expert_for(task)
+  if ex.reads == "browse":
+    raise ValueError(f"{task}: the browse expert is stateful; play it per episode (tars_jax/data/demos.py)")
   if ex.reads == "game_state":
     thought, action = ex.fn(instruction, view, turn, max_turns)
   else:

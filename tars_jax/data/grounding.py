@@ -44,6 +44,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 
 from envs_bridge import protocol
+from envs_bridge.client import client_for
 from tars_jax.agent import actions as A
 from tars_jax.agent import prompts
 from tars_jax.agent.grammar import CONTENT_CHARSET, Grammar, walk
@@ -477,7 +478,7 @@ async def collect_pages(clients: Sequence, jobs: Sequence[tuple[str, int]], *, c
     async with sem:
       for attempt in range(max_retries + 1):
         try:
-          page = await _page(clients[(k + attempt) % len(clients)], task, seed)
+          page = await _page(client_for(clients, task, k + attempt), task, seed)
           break
         except Exception as e:
           if not protocol.is_retryable(e):

@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from envs_bridge import protocol
-from envs_bridge.client import SandboxClient
+from envs_bridge.client import SandboxClient, client_for
 from tars_jax.agent import prompts
 from tars_jax.agent.images import preprocess
 from tars_jax.agent.tokenizer import ByteTokenizer
@@ -40,6 +40,7 @@ class LoopConfig:
   system: str = ""
   rewards: RewardConfig = dataclasses.field(default_factory=RewardConfig)
   max_retries: int = 2
+  data_mode: str = "train"  # the sandbox's split of task instances ('test': held-out browse questions)
 
 
 @dataclasses.dataclass
@@ -68,7 +69,7 @@ async def open_episode(client: SandboxClient, task: str, seed: int, tok: ByteTok
                        version: int = 0) -> tuple[str, Episode, np.ndarray]:
   """Opens a session of `task`/`seed`; returns (session id, the empty Episode with its prefix ids, the
   first screenshot preprocessed to cfg.image_hw: [H, W, 3] uint8). Raises: as SandboxClient.open."""
-  sid, obs = await client.open(task, seed)
+  sid, obs = await client.open(task, seed, data_mode=cfg.data_mode)
   instruction = obs.info.get("instruction", "")
   prefix = prompts.encode_episode_prefix(tok, instruction, cfg.system)
   ep = Episode(task=task, seed=seed, instruction=instruction, prefix_ids=prefix, policy_version=version)
@@ -167,7 +168,7 @@ def trainable(episodes: Sequence[Episode], stats: RolloutStats, what: str) -> li
 async def _run_round(act, clients, jobs, idxs, cfg, tok, version, stats, results, on_turn) -> list[int]:
   t0 = time.perf_counter()
   opened = await asyncio.gather(
-      *[_open(clients[k % len(clients)], *jobs[i], tok, cfg, version) for k, i in enumerate(idxs)],
+      *[_open(client_for(clients, jobs[i][0], k), *jobs[i], tok, cfg, version) for k, i in enumerate(idxs)],
       return_exceptions=True)
   stats.env_time_s += time.perf_counter() - t0
   live: dict[int, _Live] = {i: o for i, o in zip(idxs, opened) if not isinstance(o, BaseException)}

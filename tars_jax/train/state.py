@@ -41,6 +41,7 @@ class Parts:
   copt: Any
   hparams: ppo.PPOHparams
   loop_cfg: LoopConfig
+  eval_loop_cfg: LoopConfig  # loop_cfg with the held-out evaluation's `env.eval_data_mode`
   image_hw: tuple[int, int]
   max_new_tokens: int
   mesh: Any = None  # jax Mesh of config.mesh.shape, or None (one device)
@@ -187,5 +188,6 @@ def build(config) -> Parts:
                         rewards=reward_config(r))
   max_new = max_reply_tokens(grammar) if g.constrained else 64
   table = jnp.asarray(grammar.table)
+  eval_loop_cfg = dataclasses.replace(loop_cfg, data_mode=config.env.get("eval_data_mode", "train"))
   return Parts(config, tok, mcfg, grammar, table, policy_gd, critic_gd, popt, copt, hp, loop_cfg,
-               image_hw, max_new, mesh, rules)
+               eval_loop_cfg, image_hw, max_new, mesh, rules)

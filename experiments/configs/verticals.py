@@ -1,0 +1,105 @@
+r"""Vertical agents to merge (UI-TARS-2 report section 2.6; issue #26): one shared SFT checkpoint on the
+demonstrations of three task sets, then one PPO run per vertical from it, then parameter interpolation
+(`experiments/merge.py`) and the merge evaluation (`experiments/merge_eval.py`). `scripts/verticals.sh`
+runs it all under `runs/<name>/`:
+
+  python -m experiments.demos --config experiments/configs/verticals.py:sft --out R/demos
+  python -m experiments.sft --config experiments/configs/verticals.py:sft --workdir R/sft \
+      --config.policy.init=runs/main/sft --config.sft.data="('R/demos',)"
+  python -m experiments.train --config experiments/configs/verticals.py:browsing --workdir R/browsing \
+      --config.policy.init=R/sft                 # likewise :general -> R/general, :game -> R/game
+  python -m experiments.merge_eval --config experiments/configs/verticals.py:all --workdir R
+
+The task sets (`VERTICALS`):
+  browsing  GUI-Browsing: the generated questions over the Python docs (`browse/*`), answered with
+            `finished(content='...')`; training questions while training, the held-out ones at evaluation
+            (`env.eval_data_mode = 'test'`)
+  general   GUI-General: the main job's 10 MiniWoB++ tasks and the 5 GUI-only desktop tasks (an Xvfb
+            desktop server is launched beside the browser server; episodes go to the server of their task)
+  game      Game: the 13 games of the game suite (normalised score as reward, experiments/configs/games.py)
+
+Every vertical shares the model, grammar (the union of the sets' actions), system prompt and image
+size of the main job's model (experiments/configs/miniwob_pipeline.py): merging needs one parameter
+structure, and each vertical is evaluated on the other verticals' tasks. Demonstrations exist for the
+MiniWoB++ tasks, the games (reference players) and GUI-Browsing (the DOM-reading expert); the desktop
+tasks have no expert and are learnt, if at all, by RL.
+
+Args: "sft" (the shared SFT stage: demonstrations and evaluation over all three sets), "browsing",
+"general", "game" (PPO of that vertical), "all" (evaluation over all three sets: the merge table);
+"+smoke" appended = tiny model and budgets (tests).
+"""
+
+import ml_collections as mlc
+
+from experiments.configs import miniwob_pipeline
+
+BROWSING = ("browse/multi-condition", "browse/multi-hop")
+DESKTOP = ("desktop/terminal-write-file", "desktop/terminal-mkdir", "desktop/terminal-rename",
+           "desktop/editor-type-save", "desktop/dialog-choose")
+GENERAL = (*miniwob_pipeline.DEMO_TASKS, *DESKTOP)
+GAMES = ("2048", "snake", "maze", "same-game", "merge", "shapes", "sokoban", "infinity-loop", "laser-maze",
+         "lights-out", "emoji-sort", "free-the-key", "yarn-untangle")
+GAME = tuple("games/" + g for g in GAMES)
+VERTICALS = {"browsing": BROWSING, "general": GENERAL, "game": GAME}
+ALL_TASKS = (*BROWSING, *GENERAL, *GAME)
+# Smoke: one task of each set, the cheapest to play (a desktop task would start Xvfb sessions in tests
+# that do not need them; tests/test_verticals.py launches the desktop server itself).
+SMOKE_VERTICALS = {"browsing": ("browse/multi-hop",), "general": ("miniwob/click-test",),
+                   "game": ("games/lights-out",)}
+STAGES = ("sft", *VERTICALS, "all")
+ARGS = (*STAGES, *(s + "+smoke" for s in STAGES))
+# Steps per episode: the expert answers ~3/4 of the browsing questions within 14 turns (scrolls and link
+# clicks; it needs up to ~40 on long pages), the multi-step MiniWoB++ tasks take up to 7, a game episode
+# is cut at 8 (games.py).
+MAX_TURNS = {"browsing": 14, "general": 8, "game": 8}
+
+
+def task_sets(tasks) -> dict[str, tuple[str, ...]]:
+  """{vertical: its tasks among `tasks`} for the verticals with any (a config's `tasks` -> its sets)."""
+  sets = {v: tuple(t for t in ts if t in set(tasks)) for v, ts in VERTICALS.items()}
+  return {v: ts for v, ts in sets.items() if ts}
+
+
+def get_config(arg: str | None = None) -> mlc.ConfigDict:
+  """Config of one stage; raises ValueError for an unknown arg."""
+  stage, smoke = miniwob_pipeline.stage_arg(arg, STAGES)
+  c = miniwob_pipeline.get_config("+smoke" if smoke else "")
+  sets = SMOKE_VERTICALS if smoke else VERTICALS
+  tasks = sets[stage] if stage in sets else tuple(t for ts in sets.values() for t in ts)
+  c.tasks = tasks
+
+  # --- One grammar for every vertical: clicks, typing, keys (scrolling pages, playing games), drags (the
+  # games' reference players drag) and answers as long as the longest GUI-Browsing answer (70 bytes) ---
+  c.grammar.actions = ("click", "drag", "type", "hotkey", "finished")
+  c.grammar.max_content_bytes = 72
+  c.env.max_turns = MAX_TURNS[stage] if stage in MAX_TURNS else max(MAX_TURNS.values())
+  c.env.eval_data_mode = "test"  # held-out browse questions (MiniWoB++'s test mode; games and desktop ignore it)
+  c.env.launch = ("browser", "desktop") if any(t in DESKTOP for t in tasks) else ("browser",)
+  c.env.desktop_sessions = 4 if smoke else 8
+  c.env.num_sessions = 4 if smoke else 16
+  c.rl.truncation_reward = 0.0  # games pay when they end; a cut episode pays nothing (games.py)
+  c.length_multiple = 128
+
+  # --- Demonstrations of every set's experts (the "sft" stage collects them) ------------------------
+  with_expert = tuple(t for t in tasks if t not in DESKTOP)
+  c.data.demo_tasks = with_expert
+  c.data.demo_seeds = 2 if smoke else 16
+  c.data.demo_seeds_rl_tasks = 2 if smoke else 16
+  c.data.demo_seeds_by_task = () if smoke else tuple((t, 40) for t in BROWSING if t in with_expert)
+  c.data.demo_max_turns = c.env.max_turns
+
+  # --- The shared SFT stage: continues the main job's SFT policy on all three sets -------------------
+  c.sft.steps = 4 if smoke else 1200
+  c.sft.batch_size = 4  # episodes of up to 14 turns (14 screenshots each): 16 of them took 19 GB
+  c.sft.decay_steps = 0
+  c.sft.max_minutes = 3.0 if smoke else 10.0
+  c.sft.lr = 1e-3
+  c.sft.eval_every = 0  # measured by experiments/merge_eval.py
+  c.sft.heldout = ()
+
+  # --- PPO of one vertical from the shared SFT checkpoint --------------------------------------------
+  c.iterations = 2 if smoke else 100
+  c.max_minutes = 2.0 if smoke else 5.0
+  c.rl.minibatch_size = 4  # long episodes, as in SFT
+  c.eval_every = 0  # measured by experiments/merge_eval.py
+  return c

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Vertical agents and their merge (report section 2.6; experiments/configs/verticals.py): demonstrations
+# of the three task sets -> one shared SFT checkpoint (continuing the main job's SFT policy) -> PPO of each
+# vertical (GUI-Browsing, GUI-General, Game) from it -> merges (uniform, searched α) -> every model on
+# every set (merge_eval.json, merge_eval.png).
+#   bash scripts/verticals.sh                             # runs/verticals, from runs/main/sft
+#   RUN=runs/v2 INIT=runs/r8/sft bash scripts/verticals.sh
+#   EPISODES=60 VAL_EPISODES=20 bash scripts/verticals.sh  # held-out / α-search episodes per task set
+#                                                           # (experiments/merge_eval.py: 30 and 10)
+# Re-running continues where it stopped: finished stages are skipped, a killed one resumes.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+source scripts/env.sh
+RUN=${RUN:-runs/verticals}
+INIT=${INIT:-runs/main/sft}  # the shared SFT stage starts from this policy ("" = a fresh init)
+MOD=${MOD:-}  # "smoke": tiny model and budgets (tests)
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$(realpath -m "$RUN")/jax_cache}
+CFG=experiments/configs/verticals.py
+cfg() { echo "$CFG:$1${MOD:++$MOD}"; }
+PY=.venv/bin/python
+T0=$(date +%s)
+mkdir -p "$RUN"
+stage() { echo "[verticals] $(( ($(date +%s) - T0) / 60 )) min: $*"; }
+
+stage "demonstrations of the three task sets"
+[[ -f $RUN/demos/done ]] || { $PY -m experiments.demos --config "$(cfg sft)" --out "$RUN/demos"; touch "$RUN/demos/done"; }
+stage "shared SFT stage${INIT:+ from $INIT}"
+$PY -m experiments.sft --config "$(cfg sft)" --workdir "$RUN/sft" ${INIT:+--config.policy.init="$INIT"} \
+  --config.sft.data="('$RUN/demos',)"
+for v in browsing general game; do
+  stage "PPO of the $v vertical from the shared SFT policy"
+  $PY -m experiments.train --config "$(cfg $v)" --workdir "$RUN/$v" --config.policy.init="$RUN/sft"
+done
+stage "merges and their evaluation on every set"
+$PY -m experiments.merge_eval --config "$(cfg all)" --workdir "$RUN" ${EPISODES:+--episodes "$EPISODES"} \
+  ${VAL_EPISODES:+--val_episodes "$VAL_EPISODES"}
+stage "done: $RUN (merge_eval.json, merge_eval.png)"

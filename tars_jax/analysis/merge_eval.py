@@ -1,0 +1,93 @@
+"""The merge evaluation's arithmetic (report section 2.6; experiments/merge_eval.py): one score per task
+set from per-task evaluation summaries, the α candidates of the searched merge, the table and the plot.
+
+A task set's score is the mean over its tasks of each task's score: success rate for MiniWoB++,
+desktop and GUI-Browsing tasks, normalised game score / 100 for games (the game suite's reward:
+score / reference player's score, `experiments/game_scores.py`), so every set scores in [0, ~1] and the
+sets can be averaged when α is searched.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Mapping, Sequence
+
+GAME_PREFIX = "games/"
+
+
+def task_score(task: str, summary: Mapping[str, float]) -> float:
+  """One task's score from its evaluation summary (`evaluation.summarize`, plus `normalized_score` in
+  percent for games). Raises KeyError when a game's summary has no normalized_score."""
+  if task.startswith(GAME_PREFIX):
+    return float(summary["normalized_score"]) / 100.0
+  return float(summary["success"])
+
+
+def set_score(tasks: Sequence[str], summaries: Mapping[str, Mapping[str, float]]) -> float:
+  """Mean `task_score` over `tasks`. Raises KeyError naming a task without a summary (every task of a
+  set must be evaluated: a missing one would silently change what the set means)."""
+  missing = [t for t in tasks if t not in summaries]
+  if missing:
+    raise KeyError(f"no evaluation of {missing}")
+  return sum(task_score(t, summaries[t]) for t in tasks) / len(tasks)
+
+
+def alpha_candidates(n: int, step: float = 0.25) -> list[tuple[float, ...]]:
+  """The α of the searched merge: every point of the simplex grid with spacing `step` whose weights are
+  all > 0 (a zero weight drops a vertical: that is not a merge of all N), uniform first.
+
+  n=3, step=0.25 -> uniform (1/3, 1/3, 1/3) and the 3 permutations of (0.5, 0.25, 0.25).
+  Raises ValueError when 1/step is not an integer >= n.
+  """
+  k = round(1 / step)
+  if k < n or abs(k * step - 1) > 1e-9:
+    raise ValueError(f"step {step} must be 1/m with an integer m >= n = {n}")
+  out = [tuple([1.0 / n] * n)]
+  for parts in itertools.product(range(1, k + 1), repeat=n):
+    if sum(parts) == k:
+      a = tuple(p / k for p in parts)
+      if a not in out:
+        out.append(a)
+  return out
+
+
+def episodes_per_task(set_episodes: int, n_tasks: int) -> int:
+  """Episodes per task so that a set of `n_tasks` tasks gets about `set_episodes` (ceil, >= 1): sets of
+  few tasks (GUI-Browsing: 2) are measured on as many episodes as sets of many (Game: 13).
+  Raises ValueError for n_tasks < 1."""
+  if n_tasks < 1:
+    raise ValueError("a task set needs at least one task")
+  return max(1, -(-set_episodes // n_tasks))
+
+
+def format_table(rows: Mapping[str, Mapping[str, float]], sets: Sequence[str]) -> str:
+  """Markdown table: one row per model, one column per task set plus their mean."""
+  head = "| model | " + " | ".join(sets) + " | mean |"
+  lines = [head, "|" + "---|" * (len(sets) + 2)]
+  for name, scores in rows.items():
+    vals = [scores[s] for s in sets]
+    lines.append(f"| {name} | " + " | ".join(f"{v:.3f}" for v in vals) + f" | {sum(vals) / len(vals):.3f} |")
+  return "\n".join(lines)
+
+
+def plot(rows: Mapping[str, Mapping[str, float]], sets: Sequence[str], path: str, title: str = "") -> str:
+  """Grouped bars, one group per task set, one bar per model; writes `path` (PNG) and returns it."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  names = list(rows)
+  width = 0.8 / max(1, len(names))
+  fig, ax = plt.subplots(figsize=(1.6 + 1.8 * len(sets), 3.6))
+  for i, name in enumerate(names):
+    xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(sets))]
+    ax.bar(xs, [rows[name][s] for s in sets], width, label=name)
+  ax.set_xticks(range(len(sets)), list(sets))
+  ax.set_ylabel("score (success; games: score / reference)")
+  ax.set_ylim(0, max(1.0, max((v for r in rows.values() for v in r.values()), default=1.0) * 1.05))
+  ax.legend(fontsize=7, ncol=2)
+  if title:
+    ax.set_title(title, fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path

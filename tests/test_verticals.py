@@ -1,0 +1,176 @@
+"""Vertical agents (issue #26 items 2 and 4): routing episodes over a fleet of browser and desktop
+servers, GUI-Browsing demonstrations through the experts' collection path, the held-out data mode of
+evaluation, and the merge evaluation's arithmetic against hand-computed values."""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from envs_bridge import protocol as P
+from envs_bridge.browser import browse_tasks as bt
+from envs_bridge.client import SandboxClient, client_for
+from envs_bridge.launch import sandbox_fleet
+from experiments.configs import verticals
+from tars_jax.agent.grammar import accepts
+from tars_jax.agent.tokenizer import ByteTokenizer
+from tars_jax.analysis import merge_eval as ME
+from tars_jax.data import demos, records
+from tars_jax.rollout.agent_loop import LoopConfig, run_episodes
+from tars_jax.train import state as state_lib
+
+TOK = ByteTokenizer()
+
+
+def _act(text):
+  def act(prompts, images):
+    r = TOK.encode(text) + [TOK.eos_id]
+    return [(r, np.zeros(len(r), np.float32), np.zeros(len(r), np.int32)) for _ in prompts]
+  return act
+
+
+# -- routing ------------------------------------------------------------------------------------------
+def test_client_for_sends_each_task_to_a_server_that_serves_it_round_robin():
+  async def go():
+    a = SandboxClient("http://127.0.0.1:1", serves=frozenset({"miniwob/click-test", "games/maze"}))
+    b = SandboxClient("http://127.0.0.1:2", serves=frozenset({"desktop/terminal-mkdir"}))
+    c = SandboxClient("http://127.0.0.1:3", serves=frozenset({"miniwob/click-test"}))
+    any_ = SandboxClient("http://127.0.0.1:4")  # serves unknown: takes anything
+    try:
+      assert [client_for([a, b, c], "miniwob/click-test", k) for k in range(4)] == [a, c, a, c]
+      assert [client_for([a, b, c], "desktop/terminal-mkdir", k) for k in range(3)] == [b, b, b]
+      assert client_for([a, b, c], "games/maze", 5) is a
+      assert [client_for([b, any_], "miniwob/click-test", k) for k in range(2)] == [any_, any_]
+      with pytest.raises(P.UnknownTask) as e:
+        client_for([a, b], "browse/multi-hop", 0)
+      assert e.value.extra["tasks"] == ["desktop/terminal-mkdir", "games/maze", "miniwob/click-test"]
+    finally:
+      for x in (a, b, c, any_):
+        await x.aclose()
+  asyncio.run(go())
+
+
+@pytest.mark.browser
+def test_a_fleet_of_browser_and_desktop_servers_plays_each_task_on_its_own_server():
+  """The trainer's rollout path (`run_episodes`) over a launched browser + desktop fleet: a MiniWoB++
+  task opens on the browser server (160 x 210 screenshot), a desktop task on the desktop server (640 x
+  480 X screenshot), and one rollout mixing them ends every episode through its own sandbox."""
+  with sandbox_fleet([], step_ms=1000, lease_s=60.0, launch=("browser", "desktop"), desktop_sessions=2,
+                     desktop_step_ms=250) as (loop, clients):
+    assert len(clients) == 2
+    browser, desktop = clients
+    assert "miniwob/click-test" in browser.serves and "desktop/terminal-mkdir" not in browser.serves
+    assert "desktop/terminal-mkdir" in desktop.serves and "miniwob/click-test" not in desktop.serves
+    seen = {}
+
+    async def opened(task):  # the first screenshot of each task, through the routed client
+      sid, obs = await client_for(clients, task, 0).open(task, 0)
+      seen[task] = obs.image().shape
+      await client_for(clients, task, 0).close(sid)
+    for t in ("miniwob/click-test", "desktop/terminal-mkdir"):
+      loop.run_until_complete(opened(t))
+    assert seen == {"miniwob/click-test": (210, 160, 3), "desktop/terminal-mkdir": (480, 640, 3)}
+    eps = loop.run_until_complete(run_episodes(
+        _act("Thought: \nAction: finished(content='')"), clients,
+        [("miniwob/click-test", 0), ("desktop/terminal-mkdir", 0), ("miniwob/click-test", 1)],
+        LoopConfig(max_turns=1, image_hw=(224, 168), n_img_tokens=48), TOK))
+  assert [e.task for e in eps] == ["miniwob/click-test", "desktop/terminal-mkdir", "miniwob/click-test"]
+  assert not any(e.lost for e in eps)
+  # finished() without doing the task: every sandbox ends the episode and pays nothing
+  assert [(e.turns[-1].done, e.env_return) for e in eps] == [(True, 0.0)] * 3
+
+
+# -- GUI-Browsing demonstrations and held-out questions -------------------------------------------------
+@pytest.mark.browser
+def test_browse_demonstrations_follow_the_question_plan_and_fit_the_verticals_grammar(server, tmp_path):
+  """The browse expert plays through `demos.collect` (the path of experiments/demos.py): its episodes
+  succeed by the sandbox's own answer check, end with the answer of the question the seed asks, and every
+  reply is in the verticals' grammar (the episode would have raised ReplyNotInGrammar otherwise)."""
+  config = verticals.get_config("sft+smoke")
+  parts = state_lib.build(config)
+  spec = demos.DemoSpec.from_parts(parts)
+  jobs = [("browse/multi-hop", s) for s in (0, 1)]
+
+  async def go():
+    async with SandboxClient(server.url) as c:
+      with demos.open_writer(str(tmp_path), spec) as w:
+        return await demos.collect([c], jobs, spec, w, progress=False)
+  stats = asyncio.run(go())
+  st = stats["browse/multi-hop"]
+  assert (st.episodes, st.successes, st.expert_errors) == (2, 2, 0)
+  eps = sorted(records.read_episodes(str(tmp_path)), key=lambda p: p[0].seed)
+  assert [e.seed for e, _ in eps] == [0, 1]
+  for ep, prov in eps:
+    q = bt.question("browse/multi-hop", ep.seed, "train")
+    assert ep.instruction == q.question and prov["source"] == "expert"
+    assert ep.turns[-1].text.endswith(f"finished(content='{q.answer}')") and ep.turns[-1].env_reward > 0
+    assert all(accepts(parts.grammar, t.text, TOK) for t in ep.turns)
+
+
+@pytest.mark.browser
+def test_evaluation_data_mode_asks_the_held_out_questions(server):
+  """`env.eval_data_mode = 'test'` (the verticals' configs): evaluation opens the held-out split, so the
+  same seed asks another question than in training."""
+  config = verticals.get_config("browsing+smoke")
+  parts = state_lib.build(config)
+  assert (parts.loop_cfg.data_mode, parts.eval_loop_cfg.data_mode) == ("train", "test")
+
+  async def go():
+    async with SandboxClient(server.url) as c:
+      return await asyncio.gather(*[
+          run_episodes(_act("Thought: \nAction: finished(content='x')"), [c], [("browse/multi-hop", 3)], cfg, TOK)
+          for cfg in (parts.loop_cfg, parts.eval_loop_cfg)])
+  (train_ep,), (test_ep,) = asyncio.run(go())
+  assert train_ep.instruction == bt.question("browse/multi-hop", 3, "train").question
+  assert test_ep.instruction == bt.question("browse/multi-hop", 3, "test").question
+  assert train_ep.instruction != test_ep.instruction
+
+
+# -- merge evaluation arithmetic -------------------------------------------------------------------------
+def test_alpha_candidates_are_the_interior_simplex_grid_uniform_first():
+  assert ME.alpha_candidates(3, 0.25) == [(1 / 3, 1 / 3, 1 / 3), (0.25, 0.25, 0.5), (0.25, 0.5, 0.25),
+                                          (0.5, 0.25, 0.25)]
+  assert ME.alpha_candidates(2, 0.25) == [(0.5, 0.5), (0.25, 0.75), (0.75, 0.25)]
+  with pytest.raises(ValueError):
+    ME.alpha_candidates(3, 0.5)  # a 1/2 grid has no interior point for 3 verticals
+  with pytest.raises(ValueError):
+    ME.alpha_candidates(2, 0.3)
+
+
+def test_set_scores_average_success_and_normalised_game_scores():
+  summaries = {"miniwob/click-test": {"success": 0.9}, "desktop/terminal-mkdir": {"success": 0.2},
+               "games/maze": {"success": 0.0, "normalized_score": 40.0},
+               "games/snake": {"success": 1.0, "normalized_score": 110.0}}
+  assert ME.set_score(("miniwob/click-test", "desktop/terminal-mkdir"), summaries) == pytest.approx(0.55)
+  assert ME.set_score(("games/maze", "games/snake"), summaries) == pytest.approx(0.75)
+  with pytest.raises(KeyError, match="browse/multi-hop"):
+    ME.set_score(("browse/multi-hop",), summaries)
+  assert [ME.episodes_per_task(60, n) for n in (2, 15, 13, 100)] == [30, 4, 5, 1]
+  with pytest.raises(ValueError):
+    ME.episodes_per_task(10, 0)
+  table = ME.format_table({"sft": {"a": 0.5, "b": 0.25}, "merged": {"a": 1.0, "b": 0.0}}, ["a", "b"])
+  assert table.splitlines() == ["| model | a | b | mean |", "|---|---|---|---|",
+                                "| sft | 0.500 | 0.250 | 0.375 |", "| merged | 1.000 | 0.000 | 0.500 |"]
+
+
+def test_vertical_configs_share_what_merging_and_cross_evaluation_need():
+  """One model, grammar, prompt and image size across the stages (merge needs one parameter structure,
+  and every model plays every set); each vertical trains on its own set; only sets with desktop tasks
+  launch a desktop server; every GUI-Browsing answer fits the grammar's content bytes."""
+  cfgs = {a: verticals.get_config(a) for a in verticals.STAGES}
+  base = cfgs["sft"]
+  for a, c in cfgs.items():
+    assert c.model.to_dict() == base.model.to_dict() and c.grammar.to_dict() == base.grammar.to_dict(), a
+  for v, tasks in verticals.VERTICALS.items():
+    assert tuple(cfgs[v].tasks) == tasks
+  assert set(cfgs["all"].tasks) == set(verticals.ALL_TASKS) == set(cfgs["sft"].tasks)
+  assert len(verticals.GAME) == 13 and len(verticals.GENERAL) == 15
+  assert cfgs["general"].env.launch == ("browser", "desktop") and cfgs["game"].env.launch == ("browser",)
+  assert cfgs["all"].env.launch == ("browser", "desktop")
+  suite = bt.prepare()
+  longest = max(len(q.answer.encode()) for fam in ("multi-hop", "multi-condition") for split in ("train", "test")
+                for q in suite.split(fam, split))
+  assert longest <= base.grammar.max_content_bytes
+  assert not any(t in verticals.DESKTOP for t in cfgs["sft"].data.demo_tasks)  # no desktop expert
+  # every action the experts write: the games' reference players click, drag and press keys
+  assert {"click", "drag", "type", "hotkey", "finished"} <= set(base.grammar.actions)

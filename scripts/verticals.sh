@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 source scripts/env.sh
 RUN=${RUN:-runs/verticals}
-INIT=${INIT:-runs/main/sft}  # the shared SFT stage starts from this policy ("" = a fresh init)
+INIT=${INIT-runs/main/sft}  # the shared SFT stage starts from this policy (INIT="" = a fresh init)
 MOD=${MOD:-}  # "smoke": tiny model and budgets (tests)
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$(realpath -m "$RUN")/jax_cache}
 CFG=experiments/configs/verticals.py

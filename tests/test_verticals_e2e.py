@@ -19,7 +19,7 @@ from tars_jax.train import state as state_lib
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.slow  # ~8 min on 2 cores
+@pytest.mark.slow  # ~20 min on 2 cores (three PPO verticals, ten evaluations over three sets)
 def test_verticals_script_trains_merges_and_evaluates_every_model_on_every_set(tmp_path):
   run = tmp_path / "v"
   env = dict(os.environ, RUN=str(run), INIT="", MOD="smoke", EPISODES="2", VAL_EPISODES="1",

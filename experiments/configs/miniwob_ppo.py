@@ -120,6 +120,33 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.env.desktop_sessions = 8  # the desktop server's --max-sessions (one Xvfb each)
   c.env.desktop_step_ms = 300  # real milliseconds waited after each desktop action
 
+  # --- Memory (tars_jax/agent/memory.py; report section 2.1) -------------------------------------
+  # Off by default (every prompt is the full history, as before). working_turns = K screenshots per
+  # prompt, this turn's included (UI-TARS keeps 5), older turns as thought/action text; a rebuilt
+  # prompt is trained as its own row (tars_jax/agent/trajectory.py), so PPO sees exactly it.
+  c.memory = mlc.ConfigDict()
+  c.memory.working_turns = 0  # 0 = every screenshot
+  c.memory.max_context_tokens = 0  # prompt + reserve_tokens never above this; 0 = no budget
+  c.memory.reserve_tokens = 0  # room for the reply inside max_context_tokens (e.g. the grammar's longest)
+  # "off" | "template" (task, actions, outcome) | "policy" (the policy's reply to a summary prompt)
+  c.memory.episodic = "off"
+  c.memory.episodic_episodes = 3  # summaries kept per task (the latest)
+  c.memory.episodic_max_tokens = 128  # summaries fed into one episode prefix, in tokens
+  c.memory.summary_max_tokens = 48  # one summary, in tokens
+
+  # --- Streaming rollouts (tars_jax/rollout/pool.py, inference_server.InferenceService; report 2.5.3) ---
+  # Off: every iteration plays env.num_sessions episodes in lockstep (reproducible from the seed). On:
+  # episodes run continuously through a continuous-batching inference service while the trainer
+  # updates; an update takes the first finished groups holding >= min_batch episodes.
+  c.rollout = mlc.ConfigDict()
+  c.rollout.streaming = False
+  c.rollout.concurrency = 0  # episodes in flight; 0 = env.num_sessions
+  c.rollout.min_batch = 0  # episodes per update; 0 = env.num_sessions
+  c.rollout.max_staleness = 1  # policy versions a token may lag the trained policy
+  c.rollout.stale = "drop"  # "drop": a too-stale episode is dropped and counted; "mask": its old tokens
+  c.rollout.slots = 0  # KV-cache slots of the inference service; 0 = concurrency
+  c.rollout.context_len = 0  # cache positions per slot; 0 = Parts.context_capacity()
+
   # --- Model (tars_jax/models/config.py fields) -----------------------------------------------------
   c.model = mlc.ConfigDict()
   c.model.image_h = 224
@@ -178,6 +205,10 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   # calls). On CPU much longer chunks cost more than the calls they save (benchmarks/RESULTS.md,
   # "Jump-forward decoding"); 1 = token by token.
   c.sampling.jump_forward = 8
+  # Serving weights of the rollout policy (tars_jax/models/quant.py): None = as trained (float32);
+  # "int8" (W8A8), "int4" (W4A8, report section 3), "int8_weight_only", "int4_weight_only". The
+  # trainer's parameters stay float; tokens/s and logit error: benchmarks/RESULTS.md, "Quantised inference".
+  c.sampling.quantize = mlc.config_dict.placeholder(str)
 
   # --- RL ------------------------------------------------------------------------------------------
   c.rl = mlc.ConfigDict()
@@ -207,6 +238,9 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.rl.loss_agg = "token-mean"
   c.rl.kl_kind = "k3"  # KL to the initial policy: k1 | k2 | k3 | abs
   c.rl.kl_coef = 0.0  # 0 = no KL term
+  # Decoupled PPO (Hilton et al. 2022; AReaL): clip around the pre-update policy, behaviour log-probs as
+  # an importance weight; meant for stale streaming rollouts (rollout.streaming). False: ratio to behaviour.
+  c.rl.decoupled = False
   c.rl.epochs = 2
   c.rl.minibatch_size = 16
   c.rl.outcome_weight = 1.0
@@ -230,6 +264,20 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   # shape = (data, fsdp, tensor, expert) device counts, () = one device (e.g. --config.mesh.shape=
   # "(2,1,2,2)"); rules re-map logical axes to mesh axes, e.g. {"mlp": "fsdp"} (sharding.DEFAULT_RULES).
   c.mesh = mlc.ConfigDict({"shape": (), "rules": {}})
+
+  # --- Processes (tars_jax/distributed.py; README "Multi-process runs") ------------------------------
+  # num_processes: 1 = one process (nothing started); N > 1 = N processes (one per host or device
+  # group) through jax.distributed, the mesh spanning all of them and each driving its share of
+  # env.servers; 0 = count, id and coordinator auto-detected from the cluster (SLURM, Open MPI).
+  c.distributed = mlc.ConfigDict()
+  c.distributed.num_processes = 1
+  c.distributed.process_id = -1  # this process's rank in [0, num_processes); -1 = auto-detected
+  c.distributed.coordinator_address = ""  # "host:port" of process 0; "" = $JAX_COORDINATOR_ADDRESS or auto
+  # seconds without heartbeats after which a process counts as dead and every other one stops, naming
+  # it (JAX's default); re-running the launch command resumes from the last checkpoint
+  c.distributed.heartbeat_timeout_s = 100
+  c.distributed.initialization_timeout_s = 300  # seconds to wait for every process to connect
+  c.distributed.cpu_collectives = "gloo"  # cross-process collectives of CPU runs: "gloo" | "mpi"
 
   # --- Run -----------------------------------------------------------------------------------------
   c.iterations = 400

@@ -9,7 +9,8 @@ image slots). `*…*` marks model-written tokens (loss mask 1); everything else 
   *<reply bytes>* *EOS*                                                    reply 1
   TURN_END TURN_START [<obs text>\\n] VISION_START IMAGE*n VISION_END ...  observation 2, ...
 
-- `<system>\\n` is left out when the system prompt is empty.
+- `<system>\\n` is left out when the system prompt is empty. With episodic memory
+  (`agent/memory.py`) a block `Memory:\\n- <summary>\\n ...` sits between it and the instruction.
 - `<obs text>` is optional environment text shown before the screenshot, e.g. the error
   "invalid action: …" after a reply that did not parse (the format signal of docs/ARCHITECTURE.md).
 - `IMAGE` is repeated once per merged vision token; the model splices the screenshot's features in
@@ -90,9 +91,23 @@ def system_prompt(actions: Sequence[str] | None = None, compact: bool = False,
 SYSTEM_PROMPT = system_prompt()
 
 
-def encode_episode_prefix(tokenizer: ByteTokenizer, instruction: str, system: str) -> list[int]:
-  """`BOS <system>\\n<instruction>\\n` as ids (observation; `<system>\\n` dropped when empty)."""
-  text = f"{system}\n{instruction}\n" if system else f"{instruction}\n"
+MEMORY_HEADER = "Memory:\n"
+
+
+def memory_line(summary: str) -> bytes:
+  """One episodic summary as it appears in the prefix: `- <summary>\\n` (UTF-8 bytes = byte tokens)."""
+  return f"- {summary}\n".encode("utf-8")
+
+
+def encode_episode_prefix(tokenizer: ByteTokenizer, instruction: str, system: str,
+                          memory: Sequence[str] = ()) -> list[int]:
+  """`BOS <system>\\n[Memory:\\n- <summary>\\n ...]<instruction>\\n` as ids (observation;
+  `<system>\\n` dropped when empty; the memory block only with episodic summaries, oldest first,
+  `agent/memory.py`). Without `memory` the ids are those of the layout before episodic memory."""
+  if hasattr(tokenizer, "episode_prefix"):  # a checkpoint's tokenizer: its chat template (agent/hf_tokenizer.py)
+    return tokenizer.episode_prefix(instruction, system, memory)
+  mem = (MEMORY_HEADER + "".join(memory_line(m).decode("utf-8") for m in memory)) if memory else ""
+  text = f"{system}\n{mem}{instruction}\n" if system else f"{mem}{instruction}\n"
   return [tokenizer.bos_id] + tokenizer.encode(text)
 
 
@@ -104,6 +119,8 @@ def encode_observation(tokenizer: ByteTokenizer, n_img_tokens: int, text: str | 
   after_reply=True prepends the TURN_END that closes the previous reply.
   Raises: ValueError if n_img_tokens < 0.
   """
+  if hasattr(tokenizer, "observation"):  # a checkpoint's tokenizer: its chat template (agent/hf_tokenizer.py)
+    return tokenizer.observation(n_img_tokens, text, assistant_prefix, after_reply)
   if n_img_tokens < 0:
     raise ValueError(f"n_img_tokens must be >= 0, got {n_img_tokens}")
   ids = [tokenizer.turn_end_id] if after_reply else []

@@ -11,6 +11,17 @@ carries values across them (verl/tunix multi-turn semantics; UI-TARS-2 report se
 
 Arrays are in *target* alignment: index j describes token j+1 predicted from the prefix ending at j,
 so `logits[:, :-1]` of a forward pass lines up with every field of `Batch`.
+
+With memory (`agent/memory.py`: working memory keeps the last K screenshots, older turns as text, a
+token budget drops more), a turn's prompt is rebuilt and no longer extends the previous turn's
+prompt + reply. Each such turn then records its prompt (`Turn.context`), and `episode_rows` cuts the
+episode into *rows*: a row starts at a turn's recorded prompt and keeps extending while the next
+turn's prompt starts with the row so far (same ids, same screenshots); a turn whose prompt was
+rebuilt starts a new row. Every reply is thus trained on exactly the ids and screenshots it was
+sampled from. Rows of one episode are chained (`Batch.next_row`), so token-level GAE carries the
+value and advantage of the next row's first model token into the previous row's last one
+(`rl.advantages.gae(..., next_row=...)`), exactly as it would inside one row. Without memory no turn
+records a context and everything is one row per episode, as before.
 """
 
 from __future__ import annotations
@@ -19,6 +30,27 @@ import dataclasses
 from typing import Any
 
 import numpy as np
+
+
+@dataclasses.dataclass
+class Context:
+  """The prompt one reply was sampled from, exactly as given to the act function (`agent/memory.py`
+  builds it; recorded only when memory is on).
+
+  ids: [L] int32, the prompt token ids (episode prefix with its episodic summaries, the past turns
+    kept — with or without their screenshot — and this turn's observation ids at the end).
+  image_turns: turn index of each screenshot in the prompt, in the order of its IMAGE blocks (the
+    last one is the turn itself: its own `Turn.image`).
+  text_turns: past turns shown as text only (their screenshot left out: working memory / budget).
+  dropped_turns: past turns left out entirely (token budget).
+  dropped_memory: episodic summaries left out of the prefix (token budget), oldest first.
+  """
+
+  ids: np.ndarray
+  image_turns: tuple[int, ...]
+  text_turns: tuple[int, ...] = ()
+  dropped_turns: tuple[int, ...] = ()
+  dropped_memory: int = 0
 
 
 @dataclasses.dataclass
@@ -42,6 +74,17 @@ class Turn:
   done: bool = False
   error: str | None = None  # "invalid action: ..." when the reply did not parse
   info: dict[str, Any] = dataclasses.field(default_factory=dict)
+  # The prompt of this reply when memory rebuilt it; None = the full history (prefix + every earlier
+  # turn with its screenshot + obs_ids), the layout without memory.
+  context: Context | None = None
+  # Streaming rollouts (rollout/pool.py): versions [n] int32, the policy version that produced each
+  # reply token; loss_mask [n] float32, 0 on tokens kept out of the loss (too stale); None = all 1.
+  versions: np.ndarray | None = None
+  loss_mask: np.ndarray | None = None
+
+  def reply_loss(self) -> list[float]:
+    """[n] loss weights of the reply tokens: 1 each, or `loss_mask`."""
+    return [1.0] * len(self.reply_ids) if self.loss_mask is None else [float(x) for x in self.loss_mask]
 
 
 @dataclasses.dataclass
@@ -56,6 +99,9 @@ class Episode:
   truncated: bool = False
   lost: bool = False  # the sandbox session died mid-episode; never trained on
   policy_version: int = 0
+  # episodic summaries of earlier episodes of the task that `prefix_ids` holds, oldest first
+  # (`agent/memory.py`); the context builder may leave the oldest out under its token budget
+  memory: list[str] = dataclasses.field(default_factory=list)
 
   @property
   def env_return(self) -> float:
@@ -92,6 +138,11 @@ class Batch:
   old_logp:    [B, T-1] float32, behaviour log-probs of target tokens (0 elsewhere).
   states:      [B, T-1] int32, grammar state before target token (0 where unused).
   pixel_values:[B, M, H, W, 3] float32 in [0, 1]; image_mask [B, M] bool.
+  row_episode: [B] int32 or None. Only for batches with recorded contexts (memory on; see the module
+               docstring): the index (in the `episodes` given to `collate`) of the episode whose
+               row this is, -1 on padding rows. None: one row per episode, row i = episode i.
+  next_row:    [B] int32 or None (with row_episode): the row holding the same episode's next model
+               tokens, -1 for an episode's last row and padding.
   """
 
   tokens: np.ndarray
@@ -102,9 +153,12 @@ class Batch:
   states: np.ndarray
   pixel_values: np.ndarray
   image_mask: np.ndarray
+  row_episode: np.ndarray | None = None
+  next_row: np.ndarray | None = None
 
   def as_dict(self) -> dict[str, np.ndarray]:
-    return dataclasses.asdict(self)
+    """The fields as a dict; the chain fields only when set (a batch without memory is unchanged)."""
+    return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
 
 def bucket(n: int, multiple: int) -> int:
@@ -125,7 +179,7 @@ def episode_arrays(ep: Episode) -> dict[str, np.ndarray]:
   for t in ep.turns:
     n_obs, n_rep = len(t.obs_ids), len(t.reply_ids)
     tokens += t.obs_ids + t.reply_ids
-    loss += [0.0] * n_obs + [1.0] * n_rep
+    loss += [0.0] * n_obs + t.reply_loss()
     r = [0.0] * n_rep
     if n_rep:
       r[-1] = t.reward
@@ -135,6 +189,57 @@ def episode_arrays(ep: Episode) -> dict[str, np.ndarray]:
   return dict(tokens=np.asarray(tokens, np.int32), loss=np.asarray(loss, np.float32),
               reward=np.asarray(reward, np.float32), logp=np.asarray(logp, np.float32),
               state=np.asarray(state, np.int32))
+
+
+def episode_rows(ep: Episode) -> list[dict]:
+  """The training rows of one episode: the prompts its replies were sampled from (module docstring).
+
+  Without recorded contexts (memory off) this is `[episode_arrays(ep)]` with every turn's screenshot.
+  Otherwise a row starts at a turn's `Context.ids` and takes the next turn in as long as that turn's
+  prompt starts with the row's ids and screenshots so far (the new ids are its observation tokens,
+  loss 0); a rebuilt prompt starts a new row. A turn without a context in such an episode stands for
+  the full history (prefix + earlier turns + its obs_ids, every screenshot).
+
+  Returns: rows in turn order, each a dict of [L] arrays as `episode_arrays` (tokens int32, loss,
+    reward, logp float32, state int32) plus `image_turns` (list of the turn index of each screenshot
+    of the row, in IMAGE-block order) and `turns` (the turns whose replies the row trains).
+  Raises: ValueError if a context does not end with its turn's obs_ids (a prompt that was not the
+    one this turn's reply followed).
+  """
+  if all(t.context is None for t in ep.turns):
+    a = episode_arrays(ep)
+    a["image_turns"], a["turns"] = list(range(len(ep.turns))), list(range(len(ep.turns)))
+    return [a]
+  rows: list[dict] = []
+  cur = None
+  history = list(ep.prefix_ids)  # the full-history prompt, for turns without a context
+  for k, t in enumerate(ep.turns):
+    if t.context is not None:
+      ctx, imgs = [int(x) for x in t.context.ids], list(t.context.image_turns)
+    else:
+      ctx, imgs = history + list(t.obs_ids), list(range(k + 1))
+    if t.obs_ids and ctx[-len(t.obs_ids):] != list(t.obs_ids):
+      raise ValueError(f"turn {k}: its context does not end with its observation ids")
+    n = len(cur["tokens"]) if cur else 0
+    if cur is not None and ctx[:n] == cur["tokens"] and imgs[:len(cur["image_turns"])] == cur["image_turns"]:
+      new_ids, cur["image_turns"] = ctx[n:], imgs  # this prompt extends the row: only its new tokens
+    else:
+      cur = dict(tokens=[], loss=[], reward=[], logp=[], state=[], image_turns=imgs, turns=[])
+      rows.append(cur)
+      new_ids = ctx
+    n_rep = len(t.reply_ids)
+    r = [0.0] * n_rep
+    if n_rep:
+      r[-1] = t.reward
+    cur["tokens"] += new_ids + list(t.reply_ids)
+    cur["loss"] += [0.0] * len(new_ids) + t.reply_loss()
+    cur["reward"] += [0.0] * len(new_ids) + r
+    cur["logp"] += [0.0] * len(new_ids) + [float(x) for x in t.logprobs]
+    cur["state"] += [0] * len(new_ids) + [max(int(s), 0) for s in t.states]
+    cur["turns"].append(k)
+    history += list(t.obs_ids) + list(t.reply_ids)
+  dtypes = dict(tokens=np.int32, loss=np.float32, reward=np.float32, logp=np.float32, state=np.int32)
+  return [{k: (np.asarray(v, dtypes[k]) if k in dtypes else v) for k, v in row.items()} for row in rows]
 
 
 def real_rows(batch: dict, n: int) -> dict:
@@ -147,18 +252,39 @@ def collate(episodes: list[Episode], *, pad_id: int, max_images: int, image_hw: 
             length_multiple: int = 64, batch_size: int | None = None) -> Batch:
   """Episodes -> right-padded `Batch` (see class docstring for shapes).
 
-  Images are resized by the caller (`Turn.image` must already be `image_hw`). Rows beyond
-  len(episodes) (up to `batch_size`) are all-padding with zero masks, so jit sees fixed shapes.
+  Images are resized by the caller (`Turn.image` must already be `image_hw`). Rows beyond the real
+  ones (up to `batch_size`) are all-padding with zero masks, so jit sees fixed shapes.
+
+  Without recorded contexts (memory off): one row per episode, row i = episodes[i]. With them, the
+  rows of `episode_rows` (several per episode when memory rebuilt a prompt), in episode order, with
+  `row_episode` / `next_row` set; when there are more rows than `batch_size`, the batch grows to the
+  next multiple of `batch_size` (a handful of jit shapes).
 
   Raises:
     ValueError: no episodes (an iteration whose episodes were all lost is skipped by the caller,
-      `rollout.agent_loop.trainable`), or an episode has more turns than `max_images`.
+      `rollout.agent_loop.trainable`), or a row has more screenshots than `max_images`.
   """
   if not episodes:
     raise ValueError("collate got no episodes (were they all lost? skip the update instead)")
-  arrs = [episode_arrays(e) for e in episodes]
-  b = batch_size or len(episodes)
-  t = bucket(max(len(a["tokens"]) for a in arrs), length_multiple)
+  chained = any(t.context is not None for e in episodes for t in e.turns)
+  if chained:
+    rows, owner = [], []
+    for e_idx, ep in enumerate(episodes):
+      for row in episode_rows(ep):
+        rows.append((row, [ep.turns[j].image for j in row["image_turns"]]))
+        owner.append(e_idx)
+    for row, imgs in rows:
+      if len(imgs) > max_images:
+        raise ValueError(f"a row has {len(imgs)} screenshots > max_images={max_images}")
+  else:
+    rows = [(episode_arrays(ep), [t.image for t in ep.turns]) for ep in episodes]
+    for ep in episodes:
+      if len(ep.turns) > max_images:
+        raise ValueError(f"episode has {len(ep.turns)} turns > max_images={max_images}")
+  b = batch_size or len(rows)
+  if len(rows) > b:
+    b = bucket(len(rows), b)
+  t = bucket(max(len(a["tokens"]) for a, _ in rows), length_multiple)
   h, w = image_hw
   tokens = np.full((b, t), pad_id, np.int32)
   attn = np.zeros((b, t), bool)
@@ -168,15 +294,22 @@ def collate(episodes: list[Episode], *, pad_id: int, max_images: int, image_hw: 
   st = np.zeros((b, t), np.int32)
   pix = np.zeros((b, max_images, h, w, 3), np.float32)
   img_mask = np.zeros((b, max_images), bool)
-  for i, (ep, a) in enumerate(zip(episodes, arrs)):
+  for i, (a, imgs) in enumerate(rows):
     n = len(a["tokens"])
     tokens[i, :n], attn[i, :n] = a["tokens"], True
     loss[i, :n], rew[i, :n], logp[i, :n], st[i, :n] = a["loss"], a["reward"], a["logp"], a["state"]
-    if len(ep.turns) > max_images:
-      raise ValueError(f"episode has {len(ep.turns)} turns > max_images={max_images}")
-    for m, turn in enumerate(ep.turns):
-      pix[i, m] = turn.image.astype(np.float32) / 255.0
+    for m, image in enumerate(imgs):
+      pix[i, m] = image.astype(np.float32) / 255.0
       img_mask[i, m] = True
+  chain = {}
+  if chained:
+    row_episode = np.full((b,), -1, np.int32)
+    row_episode[:len(owner)] = owner
+    next_row = np.full((b,), -1, np.int32)
+    for i in range(len(owner) - 1):
+      if owner[i + 1] == owner[i]:
+        next_row[i] = i + 1
+    chain = dict(row_episode=row_episode, next_row=next_row)
   # Shift to target alignment: field[j] describes token j+1.
   return Batch(tokens=tokens, attn_mask=attn, loss_mask=loss[:, 1:], rewards=rew[:, 1:],
-               old_logp=logp[:, 1:], states=st[:, 1:], pixel_values=pix, image_mask=img_mask)
+               old_logp=logp[:, 1:], states=st[:, 1:], pixel_values=pix, image_mask=img_mask, **chain)

@@ -328,14 +328,15 @@ def _per_layer_state(cfg: ModelConfig, state):
   return nnx.state(nnx.eval_shape(lambda: HFModel(cfg_u, nnx.Rngs(0))), nnx.Param)
 
 
-def save_pretrained(model: HFModel, path: str) -> None:
+def save_pretrained(model: HFModel, path: str, config_extra: dict | None = None) -> None:
   """Writes config.json + model.safetensors (float32, transformers' in-memory layout) that
   `Qwen3VLMoeForConditionalGeneration` / `Qwen2_5_VLForConditionalGeneration.from_pretrained(path)`
-  loads to the same function."""
+  loads to the same function. `config_extra`: top-level config fields (e.g. the placeholder token
+  ids of the tokenizer the model was trained with; default: our byte tokenizer's)."""
   from safetensors.numpy import save_file
   os.makedirs(path, exist_ok=True)
   cfg = model.cfg
-  config_to_hf(cfg).save_pretrained(path)
+  config_to_hf(cfg, **(config_extra or {})).save_pretrained(path)
   state = nnx.state(model, nnx.Param)
   flat = {tuple(p): np.asarray(v.get_value(), np.float32) for p, v in nnx.to_flat_state(state)}
   if cfg.scan_layers:  # stacked [layers, ...] / [vision_depth, ...] parameters -> one entry per layer
@@ -345,6 +346,31 @@ def save_pretrained(model: HFModel, path: str) -> None:
     a = spec.to_hf(flat[spec.path])
     tensors[spec.hf_name] = np.ascontiguousarray(a)
   save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+
+
+TOKEN_ID_FIELDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+# files of a checkpoint directory that are not weights or config: tokenizer, processor, chat template
+_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+               "vocab.json", "merges.txt", "preprocessor_config.json", "video_preprocessor_config.json",
+               "processor_config.json", "chat_template.json", "chat_template.jinja", "generation_config.json")
+
+
+def export_policy(policy_params, cfg: ModelConfig, source: str, path: str) -> None:
+  """A trained policy (the `nnx.State` of a `Policy` of `cfg`, e.g. a train state's "policy" restored
+  from an Orbax checkpoint) of a run started from the transformers checkpoint `source`
+  (`policy.init=hf:<source>`) -> a checkpoint directory `path` that transformers loads: weights and
+  config as `save_pretrained` writes them, with `source`'s placeholder token ids, and `source`'s
+  tokenizer, processor and chat template files copied as they are.
+  Raises: FileNotFoundError when `source` has no config.json; CheckpointMismatch as `save_pretrained`."""
+  import shutil
+  with open(os.path.join(source, "config.json")) as f:
+    src = json.load(f)
+  model = nnx.eval_shape(lambda: HFModel(cfg, nnx.Rngs(0)))
+  nnx.update(model.policy, policy_params)
+  save_pretrained(model, path, {k: src[k] for k in TOKEN_ID_FIELDS if src.get(k) is not None})
+  for name in _SIDE_FILES:
+    if os.path.exists(os.path.join(source, name)):
+      shutil.copyfile(os.path.join(source, name), os.path.join(path, name))
 
 
 def load_processor(path: str):

@@ -74,6 +74,29 @@ def forced_tokens(table: jax.Array) -> jax.Array:
   return jnp.where(ok.sum(-1) == 1, jnp.argmax(ok, axis=-1), -1).astype(jnp.int32)
 
 
+def jump_forward_chunk(table, forced, state, tok, lp, valid, room, k: int, eos_id: int, pad_id: int):
+  """A decode chunk: the sampled token, then (jump-forward) up to k - 1 tokens the grammar forces
+  after it, which have probability 1 and log-prob 0 under the constrained distribution.
+
+  table [S, V] int32 grammar (None only with k = 1); forced [S] int32 (`forced_tokens`); state [B]
+  int32 grammar state before `tok`; tok [B] int32 sampled; lp [B] float32 its log-prob; valid [B]
+  bool (the row emits); room [B] int32 tokens the row may still emit. Returns (tokens, logprobs,
+  states before each token, valid) [B, k]: PAD / 0 where not valid; length = valid.sum(1).
+  """
+  toks, lps, sts, oks = [tok], [lp], [state], [valid]
+  st, t = state, tok
+  for j in range(1, k):
+    st = table[jnp.maximum(st, 0), t]
+    t = forced[jnp.maximum(st, 0)]
+    ok = oks[-1] & (toks[-1] != eos_id) & (t >= 0) & (j < room)
+    toks.append(jnp.where(ok, t, pad_id))
+    lps.append(jnp.zeros_like(lp))
+    sts.append(st)
+    oks.append(ok)
+  ctoks, clps, csts, cvalid = (jnp.stack(x, axis=1) for x in (toks, lps, sts, oks))  # [B, K]
+  return jnp.where(cvalid, ctoks, pad_id), jnp.where(cvalid, clps, 0.0), csts, cvalid
+
+
 def _generate_fn(params, tokens, attn_mask, pixel_values, image_mask, key, table, start_state, *, graphdef,
                  max_new_tokens, temperature, top_p, eos_id, pad_id, image_token_id, chunk):
   model = nnx.merge(graphdef, params)
@@ -112,20 +135,7 @@ def _generate_fn(params, tokens, attn_mask, pixel_values, image_mask, key, table
       tok = jax.random.categorical(sub, top_p_filter(logp, top_p) if top_p < 1.0 else logp, axis=-1)
     tok = tok.astype(jnp.int32)
     lp = jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
-    # Chunk: the sampled token, then (jump-forward) the tokens the grammar forces after it, which
-    # have probability 1 and log-prob 0 under the constrained distribution.
-    toks, lps, sts, valid = [tok], [lp], [state], [~done]
-    st, t = state, tok
-    for j in range(1, k):
-      st = table[jnp.maximum(st, 0), t]
-      t = forced[jnp.maximum(st, 0)]
-      ok = valid[-1] & (toks[-1] != eos_id) & (t >= 0) & (out + j < n)
-      toks.append(jnp.where(ok, t, pad_id))
-      lps.append(jnp.zeros_like(lp))
-      sts.append(st)
-      valid.append(ok)
-    ctoks, clps, csts, cvalid = (jnp.stack(x, axis=1) for x in (toks, lps, sts, valid))  # [B, K]
-    ctoks = jnp.where(cvalid, ctoks, pad_id)
+    ctoks, clps, csts, cvalid = jump_forward_chunk(table, forced, state, tok, lp, ~done, n - out, k, eos_id, pad_id)
     length = cvalid.sum(1).astype(jnp.int32)  # valid tokens of each row's chunk (0 for done rows)
     last_tok = jnp.take_along_axis(ctoks, jnp.maximum(length - 1, 0)[:, None], axis=1)[:, 0]
     new_state = state

@@ -7,6 +7,8 @@ calls three jitted programs between which requests join and leave:
 
   prefill(n prompts [n, P])  -> their own small caches, next-token logits, decode positions
   insert(slots, prefilled, slot ids)  -> the n requests occupy those slots (cache rows 0..P-1)
+  extend(slots, n new token blocks, slot ids) -> the next turn of the episodes those slots hold:
+                  only its new tokens are run (multi-turn KV reuse)
   step(slots)  -> one decode chunk (1 sampled token + up to K-1 grammar-forced tokens) in every
                   active slot; a slot goes inactive after EOS or when its token budget is spent
 
@@ -32,7 +34,7 @@ from tars_jax.models import moe
 from tars_jax.models.cpu import compile_options
 from tars_jax.models.decoder import KVCache
 from tars_jax.models.rope import next_position, rope_positions
-from tars_jax.models.sampler import constrained_log_softmax, forced_tokens, top_p_filter
+from tars_jax.models.sampler import constrained_log_softmax, forced_tokens, jump_forward_chunk, top_p_filter
 
 
 class Slots(NamedTuple):
@@ -150,6 +152,60 @@ def insert(slots: Slots, pre: Prefilled, idx, keys, start_state, budget) -> Slot
                  jnp.asarray(start_state, jnp.int32), jnp.asarray(budget, jnp.int32))
 
 
+def _extend_fn(params, slots: Slots, tokens, attn_mask, pixel_values, image_mask, idx, keys, start_state, budget,
+               *, graphdef, image_token_id):
+  model = nnx.merge(graphdef, params)
+  cfg = model.cfg
+  itok = cfg.image_token_id if image_token_id is None else image_token_id
+  attn_mask = attn_mask.astype(bool)
+  stacked = not isinstance(slots.cache.k, tuple)
+  ax = 1 if stacked else 0
+  gather = lambda x, a: jnp.take(x, idx, axis=a, mode="clip")  # filler rows (idx = S) read a slot, dropped below
+  scatter = lambda big, rows, a: jnp.moveaxis(
+      jnp.moveaxis(big, a, 0).at[idx].set(jnp.moveaxis(rows, a, 0).astype(big.dtype), mode="drop"), 0, a)
+  if stacked:
+    rows = KVCache(gather(slots.cache.k, 1), gather(slots.cache.v, 1), gather(slots.cache.mask, 0))
+  else:
+    rows = KVCache(tuple(gather(x, 0) for x in slots.cache.k), tuple(gather(x, 0) for x in slots.cache.v),
+                   gather(slots.cache.mask, 0))
+  cur, npos = gather(slots.cur, 0), gather(slots.npos, 0)
+  # positions continue the slot's context: the new tokens' own M-RoPE positions shifted by its next one
+  pos = rope_positions(tokens, attn_mask, itok, cfg.merged_grid) + npos[None, :, None]
+  out = model(tokens, pos, attn_mask, pixel_values, image_mask, cache=rows, cache_index=cur)
+  c = out.cache
+  if stacked:
+    k, v = scatter(slots.cache.k, c.k, 1), scatter(slots.cache.v, c.v, 1)
+  else:
+    k = tuple(scatter(b, r, 0) for b, r in zip(slots.cache.k, c.k))
+    v = tuple(scatter(b, r, 0) for b, r in zip(slots.cache.v, c.v))
+  mask = scatter(slots.cache.mask, c.mask, 0)
+  setr = lambda buf, x: buf.at[idx].set(x.astype(buf.dtype), mode="drop")
+  p = tokens.shape[1]
+  return Slots(KVCache(k, v, mask), setr(slots.last, out.logits[:, -1]), setr(slots.state, start_state),
+               setr(slots.cur, cur + p), setr(slots.npos, npos + next_position(tokens, attn_mask, itok, cfg.merged_grid)),
+               setr(slots.left, budget), setr(slots.key, keys), setr(slots.active, jnp.ones(idx.shape, bool)))
+
+
+_extend = jax.jit(_extend_fn, static_argnames=("graphdef", "image_token_id"), donate_argnums=(1,))
+
+
+def extend(graphdef, params, slots: Slots, tokens, attn_mask, pixel_values, image_mask, idx, keys, start_state,
+           budget, image_token_id=None) -> Slots:
+  """Continues the contexts held by slots `idx` [n] int32 with n LEFT-padded token blocks [n, P] (a
+  multi-turn episode's next observation: only its new tokens are run; the earlier turns' keys and
+  values stay in the slot). attn_mask [n, P] bool; pixel_values [n, M, H, W, 3] float32 / image_mask
+  [n, M] bool: the images of the new blocks only. The new tokens go to cache slots cur .. cur + P - 1
+  (padding included, masked), their M-RoPE positions continue the slot's (`rope_positions` shifted by
+  its next position, as one prefill of the whole context numbers them). Then the slot decodes as after
+  `insert`: keys [n, 2], start_state [n], budget [n]. An index >= S drops that row. The caller checks
+  cur + P + budget + chunk <= L. `slots` is donated. Compiles once per (n, P, M).
+  """
+  return _extend(params, slots, jnp.asarray(tokens, jnp.int32), jnp.asarray(attn_mask, bool), pixel_values,
+                 image_mask, jnp.asarray(idx, jnp.int32), jnp.asarray(keys, jnp.uint32),
+                 jnp.asarray(start_state, jnp.int32), jnp.asarray(budget, jnp.int32), graphdef=graphdef,
+                 image_token_id=image_token_id)
+
+
 def release(slots: Slots, idx) -> Slots:
   """Marks slots `idx` [n] inactive (a request cancelled by the host)."""
   return slots._replace(active=slots.active.at[jnp.asarray(idx, jnp.int32)].set(False, mode="drop"))
@@ -173,19 +229,8 @@ def _step_fn(params, decode_weights, slots: Slots, table, *, graphdef, temperatu
   tok = tok.astype(jnp.int32)
   lp = jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
   live = slots.active & (slots.left > 0)
-  toks, lps, sts, valid = [tok], [lp], [slots.state], [live]
-  st, t = slots.state, tok
-  for j in range(1, k):  # jump-forward: the tokens the grammar forces after the sampled one
-    st = table[jnp.maximum(st, 0), t]
-    t = forced[jnp.maximum(st, 0)]
-    ok = valid[-1] & (toks[-1] != eos_id) & (t >= 0) & (j < slots.left)
-    toks.append(jnp.where(ok, t, pad_id))
-    lps.append(jnp.zeros_like(lp))
-    sts.append(st)
-    valid.append(ok)
-  ctoks, clps, csts, cvalid = (jnp.stack(x, axis=1) for x in (toks, lps, sts, valid))  # [S, K]
-  ctoks = jnp.where(cvalid, ctoks, pad_id)
-  clps = jnp.where(cvalid, clps, 0.0)
+  ctoks, clps, csts, cvalid = jump_forward_chunk(table, forced, slots.state, tok, lp, live, slots.left, k, eos_id,
+                                                 pad_id)  # [S, K]
   length = cvalid.sum(1).astype(jnp.int32)
   last_i = jnp.maximum(length - 1, 0)[:, None]
   last_tok = jnp.take_along_axis(ctoks, last_i, axis=1)[:, 0]

@@ -65,7 +65,7 @@ def _per_row(v, b: int) -> jax.Array:
   return jnp.broadcast_to(_f32(v), (b,))
 
 
-def gae(rewards: jax.Array, values: jax.Array, mask: jax.Array, gamma, lam
+def gae(rewards: jax.Array, values: jax.Array, mask: jax.Array, gamma, lam, next_row=None
         ) -> tuple[jax.Array, jax.Array]:
   """Token-level GAE that skips masked tokens, as a reverse `jax.lax.scan` over time.
 
@@ -78,6 +78,11 @@ def gae(rewards: jax.Array, values: jax.Array, mask: jax.Array, gamma, lam
   Args:
     rewards, values, mask: [B, T] (cast to float32). values[t] = V(state before token t).
     gamma, lam: python floats, scalars, or per-sequence [B] arrays.
+    next_row: None (each row is a whole episode), or [B] int: the row that continues row b's episode
+      (its next model tokens; -1 = none). Then the value and advantage after a row's last model token
+      are those of the first model token of `next_row` instead of 0 (`chained_gae`); an episode cut
+      into rows (`agent/trajectory.py`, memory) gets the advantages of one row holding all its model
+      tokens. Rows in a chain must each have a model token; chains must not loop.
   Returns:
     (advantages, returns), [B, T] float32, returns = advantages + values; no whitening.
     At masked positions the advantage is the carried one (that of the next model token, 0 after the
@@ -85,9 +90,16 @@ def gae(rewards: jax.Array, values: jax.Array, mask: jax.Array, gamma, lam
   Source: Schulman et al. 2016 (arXiv 1506.02438) eq. 16; masking as verl
     `verl/trainer/ppo/core_algos.py:compute_gae_advantage_return`.
   """
+  if next_row is not None:
+    return chained_gae(rewards, values, mask, gamma, lam, next_row)
   rewards, values, mask = _f32(rewards), _f32(values), _f32(mask)
   b = rewards.shape[0]
-  gamma, lam = _per_row(gamma, b), _per_row(lam, b)
+  return _gae_scan(rewards, values, mask, _per_row(gamma, b), _per_row(lam, b),
+                   jnp.zeros((b,), jnp.float32), jnp.zeros((b,), jnp.float32))
+
+
+def _gae_scan(rewards, values, mask, gamma, lam, next_value0, adv0):
+  """The reverse scan of `gae` from the carry (next_value0, adv0) [B] after the last position."""
 
   def step(carry, xs):
     next_value, last_gae = carry
@@ -98,9 +110,50 @@ def gae(rewards: jax.Array, values: jax.Array, mask: jax.Array, gamma, lam
     last_gae = gae_t * m + (1 - m) * last_gae
     return (next_value, last_gae), last_gae
 
-  init = (jnp.zeros((b,), jnp.float32), jnp.zeros((b,), jnp.float32))
-  _, adv = jax.lax.scan(step, init, (rewards.T, values.T, mask.T), reverse=True)
+  _, adv = jax.lax.scan(step, (next_value0, adv0), (rewards.T, values.T, mask.T), reverse=True)
   adv = adv.T
+  return adv, adv + values
+
+
+def chained_gae(rewards: jax.Array, values: jax.Array, mask: jax.Array, gamma, lam, next_row
+                ) -> tuple[jax.Array, jax.Array]:
+  """`gae` over episodes laid out as chains of rows: row b continues in row `next_row[b]` (-1: the
+  episode ends with row b). Shapes, masking and returns as `gae`; next_row [B] int.
+
+  The carry after a row's last position is (value, advantage) of the next row's first model token,
+  so at every model token the result equals `gae` over one row holding the episode's model tokens in
+  order (observation tokens only carry, whatever row they are in). Computed as a fixed point: each
+  pass re-runs the scan with the advantages of the previous pass at the rows' first model tokens,
+  until they stop changing (at most the longest chain + 1 passes; a chain of length n is exact
+  after n passes). Source: `gae` (Schulman et al. 2016), verl multi-turn masking; the chaining is
+  this project's (agent/trajectory.py, memory).
+  """
+  rewards, values, mask = _f32(rewards), _f32(values), _f32(mask)
+  b = rewards.shape[0]
+  gamma, lam = _per_row(gamma, b), _per_row(lam, b)
+  nxt = jnp.asarray(next_row, jnp.int32)
+  linked = nxt >= 0
+  nidx = jnp.where(linked, nxt, 0)
+  rows = jnp.arange(b)
+  first = jnp.argmax(mask > 0, axis=1)  # first model token of each row
+  boot_v = jnp.where(linked, values[rows, first][nidx], 0.0)
+
+  def run(a_first):
+    adv, _ = _gae_scan(rewards, values, mask, gamma, lam, boot_v, jnp.where(linked, a_first[nidx], 0.0))
+    return adv, adv[rows, first]
+
+  def cond(c):
+    i, prev, cur, _ = c
+    return (i <= b) & jnp.any(prev != cur)
+
+  def body(c):
+    i, _, cur, _ = c
+    adv, nxt_first = run(cur)
+    return i + 1, cur, nxt_first, adv
+
+  adv0, a1 = run(jnp.zeros((b,), jnp.float32))
+  # prev = NaN forces the second pass whatever a1 is (NaN != anything)
+  _, _, _, adv = jax.lax.while_loop(cond, body, (jnp.int32(1), jnp.full((b,), jnp.nan), a1, adv0))
   return adv, adv + values
 
 
@@ -116,15 +169,16 @@ def length_adaptive_lambda(lengths: jax.Array, alpha: float) -> jax.Array:
   return jnp.clip(1.0 - 1.0 / jnp.maximum(alpha * lengths, 1e-8), 0.0, 1.0)
 
 
-def decoupled_gae(rewards, values, mask, gamma, lam_policy, lam_critic
+def decoupled_gae(rewards, values, mask, gamma, lam_policy, lam_critic, next_row=None
                   ) -> tuple[jax.Array, jax.Array]:
   """Decoupled GAE: (advantages computed with lam_policy, returns computed with lam_critic).
 
-  Shapes and masking as `gae`; each λ a scalar or a [B] array (e.g. `length_adaptive_lambda`).
+  Shapes, masking and `next_row` (episodes cut into chained rows) as `gae`; each λ a scalar or a [B]
+  array (e.g. `length_adaptive_lambda`; equal on the rows of one episode).
   Source: VC-PPO (arXiv 2503.01491) section 4.2 — λ_critic = 1 gives unbiased value targets.
   """
-  adv, _ = gae(rewards, values, mask, gamma, lam_policy)
-  _, ret = gae(rewards, values, mask, gamma, lam_critic)
+  adv, _ = gae(rewards, values, mask, gamma, lam_policy, next_row)
+  _, ret = gae(rewards, values, mask, gamma, lam_critic, next_row)
   return adv, ret
 
 

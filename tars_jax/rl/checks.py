@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from tars_jax.distributed import to_host
+
 
 class NonFiniteError(ValueError):
   """An array that must be finite holds NaN or inf; `.positions` lists (index tuple, value) pairs."""
@@ -23,12 +25,13 @@ def check_finite(max_shown: int = 8, **arrays) -> None:
   """Raises NonFiniteError naming the first `max_shown` NaN/inf positions of each named array.
 
   Args:
-    **arrays: name -> array-like (numpy or jax; copied to host). Checked in the order given.
+    **arrays: name -> array-like (numpy or jax; copied to host; an array over several processes
+      is gathered, `distributed.to_host`: every process must then call this). Checked in the order given.
   Example: `check_finite(rewards=batch["rewards"], values=values)` ->
     NonFiniteError("1 non-finite value(s) in rewards: rewards[0,3]=nan").
   """
   for name, x in arrays.items():
-    a = np.asarray(x)
+    a = to_host(x)  # numpy, jax, or a jax array spread over several processes (gathered)
     if not np.issubdtype(a.dtype, np.floating):
       continue
     bad = ~np.isfinite(a)

@@ -125,6 +125,33 @@ def ppo_policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array,
   return aggregate(pg, mask, agg), metrics
 
 
+def decoupled_ppo_policy_loss(logp: jax.Array, prox_logp: jax.Array, behav_logp: jax.Array,
+                              advantages: jax.Array, mask: jax.Array, clip_low: float = 0.2,
+                              clip_high: float = 0.2, clip_c: float | None = None, agg: str = "token-mean"
+                              ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Decoupled PPO objective for stale (off-policy) tokens: the trust region is centred on the
+  proximal policy (the policy before this update), and the behaviour policy that sampled the token
+  enters only through the importance weight w = pi_prox / pi_behav (no gradient):
+
+    loss = max(-A w r, -A w clip(r, 1 - clip_low, 1 + clip_high)),  r = pi_theta / pi_prox
+
+  i.e. `ppo_policy_loss(logp, prox_logp, w * A, ...)` (w > 0). With pi_prox = pi_behav (on-policy
+  tokens) this is the standard clipped objective.
+
+  Args:
+    logp, prox_logp, behav_logp: [B, T] float32 log-probs (nats) of the sampled tokens under the
+      current, proximal and behaviour policies; advantages, mask: [B, T]; the rest as `ppo_policy_loss`.
+  Returns: (loss, metrics of `ppo_policy_loss` plus behaviour_weight_mean over masked tokens).
+  Source: Hilton, Cobbe & Schulman 2022, "Batch size-invariance for policy optimization" (arXiv
+  2110.00641), eq. 2; AReaL (Fu et al. 2025, arXiv 2505.24298) eq. 5 for asynchronous rollouts.
+  """
+  w = jax.lax.stop_gradient(jnp.exp(jnp.clip(jnp.asarray(prox_logp, jnp.float32)
+                                             - jnp.asarray(behav_logp, jnp.float32), -20.0, 20.0)))
+  loss, m = ppo_policy_loss(logp, prox_logp, w * jnp.asarray(advantages, jnp.float32), mask, clip_low,
+                            clip_high, clip_c, agg)
+  return loss, dict(m, behaviour_weight_mean=masked_mean(w, jnp.asarray(mask, jnp.float32)))
+
+
 def value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array, mask: jax.Array,
                clip: float | None = None, agg: str = "token-mean"
                ) -> tuple[jax.Array, dict[str, jax.Array]]:

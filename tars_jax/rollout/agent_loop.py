@@ -8,6 +8,10 @@ an unreachable server) is lost: it is retried from the same seed, counted, and r
 `lost=True` when every attempt was lost — nothing disappears silently. Any other sandbox error (an
 unknown task, a wrong token, ...) is raised at once: no replay would fix it (docs/ARCHITECTURE.md, "Sandbox protocol").
 A malformed action is not an error: the server answers it with an observation (`info.error`).
+
+Each turn's prompt comes from `turn_context` (the full history without memory; working / episodic
+memory and the token budget of `agent/memory.py` when `LoopConfig.memory` turns them on, the prompt
+then recorded in `Turn.context` so training sees exactly it).
 """
 
 from __future__ import annotations
@@ -22,10 +26,11 @@ import numpy as np
 
 from envs_bridge import protocol
 from envs_bridge.client import SandboxClient, client_for
+from tars_jax.agent import memory as memory_lib
 from tars_jax.agent import prompts
 from tars_jax.agent.images import preprocess
 from tars_jax.agent.tokenizer import ByteTokenizer
-from tars_jax.agent.trajectory import Episode, Turn
+from tars_jax.agent.trajectory import Context, Episode, Turn
 from tars_jax.rl.rewards import RewardConfig, thought_of, turn_reward_terms
 
 # act(prompts, images) -> [(reply_ids incl. EOS, logprobs [n], states [n])], one per prompt.
@@ -41,6 +46,8 @@ class LoopConfig:
   rewards: RewardConfig = dataclasses.field(default_factory=RewardConfig)
   max_retries: int = 2
   data_mode: str = "train"  # the sandbox's split of task instances ('test': held-out browse questions)
+  # working / episodic memory and the context budget (agent/memory.py); the default is off: full history
+  memory: memory_lib.MemoryConfig = dataclasses.field(default_factory=memory_lib.MemoryConfig)
 
 
 @dataclasses.dataclass
@@ -63,16 +70,20 @@ class _Live:
     self.ep, self.client, self.sid = ep, client, sid
     self.image, self.obs_text = image, obs_text
     self.pending_obs_ids: list[int] = []
+    self.pending_context: Context | None = None
 
 
 async def open_episode(client: SandboxClient, task: str, seed: int, tok: ByteTokenizer, cfg: LoopConfig,
-                       version: int = 0) -> tuple[str, Episode, np.ndarray]:
+                       version: int = 0, memory: Sequence[str] = ()) -> tuple[str, Episode, np.ndarray]:
   """Opens a session of `task`/`seed`; returns (session id, the empty Episode with its prefix ids, the
-  first screenshot preprocessed to cfg.image_hw: [H, W, 3] uint8). Raises: as SandboxClient.open."""
+  first screenshot preprocessed to cfg.image_hw: [H, W, 3] uint8). `memory`: episodic summaries of
+  earlier episodes of the task for the prefix (`memory.EpisodicMemory.summaries`). Raises: as
+  SandboxClient.open."""
   sid, obs = await client.open(task, seed, data_mode=cfg.data_mode)
   instruction = obs.info.get("instruction", "")
-  prefix = prompts.encode_episode_prefix(tok, instruction, cfg.system)
-  ep = Episode(task=task, seed=seed, instruction=instruction, prefix_ids=prefix, policy_version=version)
+  prefix = prompts.encode_episode_prefix(tok, instruction, cfg.system, memory=memory)
+  ep = Episode(task=task, seed=seed, instruction=instruction, prefix_ids=prefix, policy_version=version,
+               memory=list(memory))
   return sid, ep, preprocess(obs.image(), cfg.image_hw)
 
 
@@ -82,12 +93,28 @@ def observation_ids(tok: ByteTokenizer, cfg: LoopConfig, ep: Episode, obs_text: 
   return ([tok.turn_end_id] if ep.turns else []) + prompts.encode_observation(tok, cfg.n_img_tokens, obs_text)
 
 
+def turn_context(tok: ByteTokenizer, cfg: LoopConfig, ep: Episode, image: np.ndarray, obs_text: str | None
+                 ) -> tuple[list[int], list[np.ndarray], list[int], Context | None]:
+  """The prompt of the next reply of `ep`, the one function every rollout path builds it with.
+
+  image: this turn's screenshot [H, W, 3] uint8 (cfg.image_hw); obs_text: observation text or None.
+  Returns (prompt ids, screenshots in IMAGE-block order — what the act function gets —, this turn's
+  observation ids `observation_ids`, the `Context` to record in the Turn: None when cfg.memory is
+  off, where the prompt is the full history `ep.token_ids() + obs_ids` with every screenshot).
+  Raises: memory.ContextBudgetError when the prompt cannot fit cfg.memory's budget.
+  """
+  obs_ids = observation_ids(tok, cfg, ep, obs_text)
+  ids, images, ctx = memory_lib.build_context(ep, obs_ids, image, cfg=cfg.memory, tok=tok, system=cfg.system)
+  return ids, images, obs_ids, (ctx if cfg.memory.enabled else None)
+
+
 def record_turn(ep: Episode, out: protocol.Observation, *, image: np.ndarray, obs_ids: list[int],
                 reply_ids: list[int], logprobs, states, text: str, last_turn: bool, cfg: LoopConfig,
-                tok: ByteTokenizer) -> dict[str, float]:
+                tok: ByteTokenizer, context: Context | None = None) -> dict[str, float]:
   """Appends the Turn of one reply (`text`, its ids ending with EOS) and the sandbox's answer `out`
   to `ep`, with the shaped reward of `rl.rewards.turn_reward_terms`; sets `ep.truncated` (last turn
-  of the step budget and not done). Returns the reward terms (for the rollout stats)."""
+  of the step budget and not done). `context`: the reply's prompt from `turn_context` (None without
+  memory). Returns the reward terms (for the rollout stats)."""
   error = out.info.get("error")
   truncated = last_turn and not out.done
   terms = turn_reward_terms(out.reward, error is not None, truncated, cfg.rewards,
@@ -96,7 +123,7 @@ def record_turn(ep: Episode, out: protocol.Observation, *, image: np.ndarray, ob
                        logprobs=np.asarray(logprobs, np.float32), states=np.asarray(states, np.int32),
                        text=text, reward=terms["total"], env_reward=float(out.reward),
                        done=bool(out.done), error=error,
-                       info={k: v for k, v in out.info.items() if k != "instruction"}))
+                       info={k: v for k, v in out.info.items() if k != "instruction"}, context=context))
   ep.truncated = truncated
   return terms
 
@@ -109,8 +136,9 @@ def next_view(out: protocol.Observation, cfg: LoopConfig) -> tuple[np.ndarray, s
 
 
 async def _open(client: SandboxClient, task: str, seed: int, tok: ByteTokenizer, cfg: LoopConfig,
-                version: int) -> _Live:
-  sid, ep, image = await open_episode(client, task, seed, tok, cfg, version)
+                version: int, episodic: memory_lib.EpisodicMemory | None) -> _Live:
+  sid, ep, image = await open_episode(client, task, seed, tok, cfg, version,
+                                      episodic.summaries(task) if episodic is not None else ())
   return _Live(ep, client, sid, image, None)
 
 
@@ -124,7 +152,8 @@ async def _safe_close(live: _Live) -> None:
 async def run_episodes(act: ActFn, clients: Sequence[SandboxClient], jobs: Sequence[tuple[str, int]],
                        cfg: LoopConfig, tok: ByteTokenizer, version: int = 0,
                        stats: RolloutStats | None = None,
-                       on_turn: Callable[[int], None] | None = None) -> list[Episode]:
+                       on_turn: Callable[[int], None] | None = None,
+                       episodic: memory_lib.EpisodicMemory | None = None) -> list[Episode]:
   """Plays every (task, seed) job to the end, all concurrently; returns one Episode per job, in job
   order (never None).
 
@@ -133,15 +162,21 @@ async def run_episodes(act: ActFn, clients: Sequence[SandboxClient], jobs: Seque
   last attempt, if any (callers must not train on them; `trainable` filters them). Counted in `stats`:
   episodes_lost (lost attempts), episodes_retried, episodes_failed (lost on every attempt).
 
+  episodic: the per-task store of episode summaries (`memory.EpisodicMemory`, kept by the caller
+  across calls): each episode's prefix gets the summaries its task had when the call started, and the
+  episodes that were not lost are summarised into it at the end, in job order (`memory.remember`).
+
   Raises: any other error (UnknownTask, Unauthorized, TaskError, a 422, ...) at once, after closing
-  the sessions this round opened.
+  the sessions this round opened; ValueError when cfg.memory.episodic is on without a store.
   """
+  if cfg.memory.episodic != "off" and episodic is None:
+    raise ValueError(f"memory.episodic={cfg.memory.episodic!r} needs an EpisodicMemory (run_episodes(episodic=...))")
   stats = stats if stats is not None else RolloutStats()
   results: list[Episode | None] = [None] * len(jobs)
   pending = list(range(len(jobs)))
   attempt = 0
   while pending:
-    lost_now = await _run_round(act, clients, jobs, pending, cfg, tok, version, stats, results, on_turn)
+    lost_now = await _run_round(act, clients, jobs, pending, cfg, tok, version, stats, results, on_turn, episodic)
     stats.episodes_lost += len(lost_now)
     if not lost_now or attempt >= cfg.max_retries:
       break
@@ -151,6 +186,8 @@ async def run_episodes(act: ActFn, clients: Sequence[SandboxClient], jobs: Seque
     pending = lost_now
   stats.episodes += sum(1 for r in results if not r.lost)
   stats.episodes_failed += sum(1 for r in results if r.lost)
+  if episodic is not None:
+    memory_lib.remember(episodic, results, tok=tok, system=cfg.system, act=act)  # type: ignore[arg-type]
   return results  # type: ignore[return-value]
 
 
@@ -165,10 +202,11 @@ def trainable(episodes: Sequence[Episode], stats: RolloutStats, what: str) -> li
   return kept
 
 
-async def _run_round(act, clients, jobs, idxs, cfg, tok, version, stats, results, on_turn) -> list[int]:
+async def _run_round(act, clients, jobs, idxs, cfg, tok, version, stats, results, on_turn, episodic) -> list[int]:
   t0 = time.perf_counter()
   opened = await asyncio.gather(
-      *[_open(client_for(clients, jobs[i][0], k), *jobs[i], tok, cfg, version) for k, i in enumerate(idxs)],
+      *[_open(client_for(clients, jobs[i][0], k), *jobs[i], tok, cfg, version, episodic)
+        for k, i in enumerate(idxs)],
       return_exceptions=True)
   stats.env_time_s += time.perf_counter() - t0
   live: dict[int, _Live] = {i: o for i, o in zip(idxs, opened) if not isinstance(o, BaseException)}
@@ -190,10 +228,9 @@ async def _run_round(act, clients, jobs, idxs, cfg, tok, version, stats, results
     prompts_ids, images = [], []
     for i in order:
       lv = live[i]
-      obs_ids = observation_ids(tok, cfg, lv.ep, lv.obs_text)
-      lv.pending_obs_ids = obs_ids
-      prompts_ids.append(lv.ep.token_ids() + obs_ids)
-      images.append([t.image for t in lv.ep.turns] + [lv.image])
+      ids, imgs, lv.pending_obs_ids, lv.pending_context = turn_context(tok, cfg, lv.ep, lv.image, lv.obs_text)
+      prompts_ids.append(ids)
+      images.append(imgs)
     t0 = time.perf_counter()
     replies = act(prompts_ids, images)
     stats.policy_time_s += time.perf_counter() - t0
@@ -221,7 +258,7 @@ async def _run_round(act, clients, jobs, idxs, cfg, tok, version, stats, results
         del live[i]
         continue
       terms = record_turn(lv.ep, out, image=lv.image, obs_ids=lv.pending_obs_ids, reply_ids=ids, logprobs=lp,
-                          states=st, text=txt, last_turn=last_turn, cfg=cfg, tok=tok)
+                          states=st, text=txt, last_turn=last_turn, cfg=cfg, tok=tok, context=lv.pending_context)
       for k, v in terms.items():
         stats.reward_terms[k] = stats.reward_terms.get(k, 0.0) + v
       if out.done or last_turn:

@@ -29,7 +29,7 @@ from flax import nnx
 from tars_jax.agent.grammar import Grammar
 from tars_jax.agent.tokenizer import ByteTokenizer
 from tars_jax.agent.trajectory import bucket
-from tars_jax.models import sampler, slot_decode
+from tars_jax.models import quant, sampler, slot_decode
 
 
 def max_reply_tokens(grammar: Grammar) -> int:
@@ -88,9 +88,14 @@ class BatchedPolicy:
   length_multiple: int = 64
   seed: int = 0
   jump_forward: int = 1  # tokens per decode step incl. grammar-forced ones (`sampler.generate`)
+  # serving weights: None (as given), or a `quant.MODES` name ("int8" = W8A8, "int4" = W4A8, ...):
+  # `params` are quantised once per new params object (`quant.Quantizer`). Raises QuantizationError.
+  quantize: str | None = None
 
   def __post_init__(self):
     self._table = None if self.grammar is None else jnp.asarray(self.grammar.table)
+    self._quantizer = quant.Quantizer(self.graphdef, self.quantize)
+    self._served_for, self._served = None, None
     self.start_iteration(0)
 
   def start_iteration(self, iteration: int) -> None:
@@ -109,6 +114,13 @@ class BatchedPolicy:
       out += self._act_chunk(prompts[s:s + self.batch_size], images[s:s + self.batch_size])
     return out
 
+  def _serving(self):
+    """(graphdef, params) to sample with: `params` quantised by `quantize`, redone when `params` is
+    replaced (the trainer assigns a new pytree after each update)."""
+    if self._served_for is not self.params:
+      self._served, self._served_for = self._quantizer.quantize(self.params), self.params
+    return self._served
+
   def _act_chunk(self, prompts, images):
     n, b = len(prompts), self.batch_size
     p = bucket(max(len(x) for x in prompts), self.length_multiple)
@@ -126,7 +138,7 @@ class BatchedPolicy:
     self._key, key = jax.random.split(self._key)
     start = None if self.grammar is None else jnp.full((b,), self.grammar.start, jnp.int32)
     gen = sampler.generate(
-        self.graphdef, self.params, jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(pix),
+        *self._serving(), jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(pix),
         jnp.asarray(img_mask), key, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
         top_p=self.top_p, grammar_table=self._table, start_state=start, jump_forward=self.jump_forward,
         eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id)
@@ -170,6 +182,8 @@ class ServiceStats:
   slots: int = 1
   requests: int = 0
   prefills: int = 0
+  extends: int = 0  # multi-turn KV reuse: groups of next-turn prompts run into their sessions' slots
+  reused: int = 0  # requests that continued their session's context (only their new tokens were run)
   tokens: int = 0
   swaps: int = 0
 
@@ -179,8 +193,10 @@ class ServiceStats:
 
 
 class _Request:
-  def __init__(self, rid, ids, images, key, budget):
+  def __init__(self, rid, ids, images, key, budget, session=None):
     self.rid, self.ids, self.images, self.key, self.budget = rid, ids, images, key, budget
+    self.session = session
+    self.kv_version = -1  # the weight version its context's keys / values were computed with
     self.future: concurrent.futures.Future = concurrent.futures.Future()
     self.tokens: list[int] = []
     self.logprobs: list[float] = []
@@ -202,15 +218,24 @@ class InferenceService:
   `act(prompts, images)` (the `agent_loop.ActFn` of `BatchedPolicy`). Use as a context manager or
   call `close()`: the decode thread stops and pending requests fail with RuntimeError.
 
+  Multi-turn KV reuse: requests that name a `session` (one episode) keep their slot after the reply,
+  holding the keys / values of prompt + reply; the episode's next prompt, if it extends that context,
+  runs only its new tokens into the slot (`slot_decode.extend`) instead of the whole history with
+  every earlier screenshot. `release(session)` frees the slot (the episode ended); idle sessions are
+  evicted least recently used when a new request needs a slot, and all of them at a weight swap (a
+  new turn never reads keys / values of older weights). Tokens of a request in flight across a swap
+  are computed by the new weights over its context's keys / values from the old ones (partial
+  rollouts without recomputation); each token's version is the weights that computed its logits.
+
   Shapes: `slots` rows of `context_len` cache positions; prompts are left-padded to a multiple of
   `length_multiple` and prefilled in groups of a power-of-two size, so jit compiles one step
-  program and a handful of prefill / insert programs. Single device.
+  program and a handful of prefill / insert / extend programs. Single device.
   """
 
   def __init__(self, graphdef, params, *, tokenizer: ByteTokenizer, grammar: Grammar | None, slots: int,
                context_len: int, max_images: int, image_hw: tuple[int, int], max_new_tokens: int,
                temperature: float = 1.0, top_p: float = 1.0, length_multiple: int = 64,
-               jump_forward: int = 1, seed: int = 0, version: int = 0):
+               jump_forward: int = 1, seed: int = 0, version: int = 0, quantize: str | None = None):
     if slots < 1 or jump_forward < 1:
       raise ValueError(f"slots and jump_forward must be >= 1, got {slots}, {jump_forward}")
     self.graphdef, self.tokenizer, self.grammar = graphdef, tokenizer, grammar
@@ -219,11 +244,27 @@ class InferenceService:
     self.length_multiple, self.seed = length_multiple, seed
     self.chunk = jump_forward if grammar is not None else 1
     self._table = None if grammar is None else jnp.asarray(grammar.table)
-    self._params, self._version = params, version
+    # the service's own copy: a trainer's update donates its parameter buffers
+    self._params, self._version = jax.tree.map(jnp.copy, params), version
+    # structure, shapes and dtypes of the (float) params `set_params` takes, before any quantisation
+    self.param_template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    # serving weights: None (as given) or a `quant.MODES` name ("int8" = W8A8, "int4" = W4A8, ...),
+    # quantised once per weight version; raises QuantizationError for an unknown mode
+    self._quantizer = quant.Quantizer(graphdef, quantize)
+    graphdef, params = self._quantizer.quantize(self._params)
+    self.graphdef, self._params = graphdef, params
     self._decode_weights = slot_decode.prepare_decode_weights(graphdef, params)
     self._swap = None
     self._slots = slot_decode.init_slots(nnx.merge(graphdef, params), slots, context_len)
     self._owner: list[_Request | None] = [None] * slots
+    self._cursor = [0] * slots  # next cache position of each slot (host copy of `Slots.cur`)
+    # sessions (multi-turn KV reuse), touched by the decode thread only: session -> (slot, context
+    # ids in the slot, screenshots in them, last use); slot -> session it holds while idle
+    self._sessions: dict = {}
+    self._pinned: list = [None] * slots
+    self._releases: collections.deque = collections.deque()  # from `release`, applied by the decode thread
+    self._released_in_flight: set = set()
+    self._use = 0
     self._pending: collections.deque[_Request] = collections.deque()
     self._cv = threading.Condition()
     self._closed = False
@@ -241,9 +282,10 @@ class InferenceService:
       return self._swap[1] if self._swap is not None else self._version
 
   def submit(self, prompt_ids: list[int], images: list[np.ndarray], key=None,
-             max_new_tokens: int | None = None) -> concurrent.futures.Future:
+             max_new_tokens: int | None = None, session=None) -> concurrent.futures.Future:
     """Queues one request; thread-safe. images: the [H, W, 3] uint8 screenshots of its IMAGE blocks,
     in order. key: [2] uint32 PRNG key of its samples (default fold_in(PRNGKey(seed), request id)).
+    session: any hashable naming the episode (multi-turn KV reuse, class docstring), or None.
 
     Raises: ContextTooLong (prompt bucket + max new tokens + chunk > context_len); ValueError (more
     images than max_images); RuntimeError (service closed or its decode thread failed).
@@ -261,15 +303,21 @@ class InferenceService:
       self._next_id += 1
       if key is None:
         key = jax.random.fold_in(jax.random.PRNGKey(self.seed), rid)
-      req = _Request(rid, list(prompt_ids), list(images), np.asarray(key, np.uint32), budget)
+      req = _Request(rid, list(prompt_ids), list(images), np.asarray(key, np.uint32), budget, session)
       self._pending.append(req)
       self._cv.notify()
     return req.future
 
   async def generate(self, prompt_ids: list[int], images: list[np.ndarray], key=None,
-                     max_new_tokens: int | None = None) -> Reply:
+                     max_new_tokens: int | None = None, session=None) -> Reply:
     """`submit` for asyncio callers: awaits the `Reply` without blocking the event loop."""
-    return await asyncio.wrap_future(self.submit(prompt_ids, images, key, max_new_tokens))
+    return await asyncio.wrap_future(self.submit(prompt_ids, images, key, max_new_tokens, session))
+
+  def release(self, session) -> None:
+    """The episode `session` ended: its slot's context is dropped (thread-safe; unknown: no-op)."""
+    with self._cv:
+      self._releases.append(session)
+      self._cv.notify()
 
   def act(self, prompts: list[list[int]], images: list[list[np.ndarray]]
           ) -> list[tuple[list[int], np.ndarray, np.ndarray]]:
@@ -279,7 +327,10 @@ class InferenceService:
 
   def set_params(self, params, version: int) -> None:
     """Serves `params` as `version` from the next decode step on (requests in flight continue with
-    them: their later tokens carry the new version)."""
+    them: their later tokens carry the new version). The service keeps a copy: the caller may donate
+    or change `params` afterwards."""
+    params = jax.tree.map(jnp.copy, params)
+    params = self._quantizer.quantize(params)[1]  # `quantize` mode: its serving weights
     with self._cv:
       self._swap = (params, int(version))
       self._cv.notify()
@@ -302,7 +353,8 @@ class InferenceService:
     try:
       while True:
         with self._cv:
-          while not self._closed and not self._pending and not any(self._owner) and self._swap is None:
+          while (not self._closed and not self._pending and not any(self._owner) and self._swap is None
+                 and not self._releases):
             self._cv.wait()
           if self._closed:
             break
@@ -311,9 +363,13 @@ class InferenceService:
             self._swap = None
             self._decode_weights = slot_decode.prepare_decode_weights(self.graphdef, self._params)
             self.stats.swaps += 1
-          free = [s for s, o in enumerate(self._owner) if o is None]
-          admit = [self._pending.popleft() for _ in range(min(len(free), len(self._pending)))]
-        self._admit(admit, free)
+            for sess in [x for x in self._pinned if x is not None]:  # idle contexts of older weights
+              self._drop_session(sess)
+          while self._releases:
+            self._drop_session(self._releases.popleft())
+          fresh, extend = self._plan()
+        self._admit(fresh)
+        self._extend(extend)
         if any(self._owner):
           self._step()
     except BaseException as e:  # fail every waiter instead of hanging them
@@ -327,9 +383,88 @@ class InferenceService:
       if not r.future.done():
         r.future.set_exception(err)
 
-  def _admit(self, reqs: list[_Request], free: list[int]):
+  def _drop_session(self, session) -> None:
+    entry = self._sessions.pop(session, None)
+    if entry is None:
+      if any(o is not None and o.session == session for o in self._owner):
+        self._released_in_flight.add(session)  # not pinned when its reply finishes
+      return
+    if self._pinned[entry[0]] == session:
+      self._pinned[entry[0]] = None
+
+  def _plan(self) -> tuple[list[tuple[_Request, int]], list[tuple[_Request, int, int, int]]]:
+    """Places pending requests (FIFO) in slots: (fresh: [(request, slot)], extend: [(request, slot,
+    context tokens already in the slot, screenshots among them)]). A request that continues its
+    session's idle context (its ids start with them, the slot has room) extends it; otherwise it
+    takes a free slot, or evicts the least recently used idle session. Stops at the first request
+    with no slot (order kept)."""
+    fresh, extend = [], []
+    taken = set()
+    while self._pending:
+      r = self._pending[0]
+      entry = self._sessions.get(r.session) if r.session is not None else None
+      if entry is not None:
+        s, ctx, n_img, _ = entry
+        new = len(r.ids) - len(ctx)
+        fits = self._cursor[s] + bucket(max(new, 1), self.length_multiple) + r.budget + self.chunk <= self.context_len
+        if (self._owner[s] is None and new > 0 and r.ids[:len(ctx)] == ctx and len(r.images) >= n_img and fits
+            and s not in taken):
+          self._pending.popleft()
+          self._sessions.pop(r.session)
+          self._pinned[s] = None
+          taken.add(s)
+          extend.append((r, s, len(ctx), n_img))
+          continue
+        self._drop_session(r.session)  # the context was rebuilt (memory) or is full: start over
+      free = [s for s in range(self.n_slots) if self._owner[s] is None and self._pinned[s] is None and s not in taken]
+      if not free:
+        idle = [s for s in range(self.n_slots) if self._owner[s] is None and self._pinned[s] is not None
+                and s not in taken]
+        if not idle:
+          break
+        victim = min(idle, key=lambda s: self._sessions[self._pinned[s]][3])
+        self._drop_session(self._pinned[victim])
+        free = [victim]
+      self._pending.popleft()
+      taken.add(free[0])
+      fresh.append((r, free[0]))
+    return fresh, extend
+
+  def _extend(self, plan) -> None:
+    groups: dict[int, list] = {}
+    for r, s, n_ctx, n_img in plan:
+      if r.future.set_running_or_notify_cancel():
+        groups.setdefault(bucket(len(r.ids) - n_ctx, self.length_multiple), []).append((r, s, n_ctx, n_img))
+    h, w = self.image_hw
+    for p, group in sorted(groups.items()):
+      n = 1 << (len(group) - 1).bit_length()
+      tokens = np.full((n, p), self.tokenizer.pad_id, np.int32)
+      mask = np.zeros((n, p), bool)
+      pix = np.zeros((n, self.max_images, h, w, 3), np.float32)
+      img_mask = np.zeros((n, self.max_images), bool)
+      idx = np.full((n,), self.n_slots, np.int32)
+      keys = np.zeros((n, 2), np.uint32)
+      start = np.full((n,), -1 if self.grammar is None else self.grammar.start, np.int32)
+      budget = np.zeros((n,), np.int32)
+      tokens[:, -1], mask[:, -1] = self.tokenizer.bos_id, True  # filler rows: one token
+      for j, (r, s, n_ctx, n_img) in enumerate(group):
+        ids = r.ids[n_ctx:]
+        tokens[j], mask[j] = self.tokenizer.pad_id, False
+        tokens[j, p - len(ids):], mask[j, p - len(ids):] = ids, True
+        for m, im in enumerate(r.images[n_img:]):
+          pix[j, m], img_mask[j, m] = im.astype(np.float32) / 255.0, True
+        idx[j], keys[j], budget[j] = s, r.key, r.budget
+        self._owner[s], r.kv_version = r, self._version
+        self._cursor[s] += p
+        self.stats.reused += 1
+      self._slots = slot_decode.extend(self.graphdef, self._params, self._slots, jnp.asarray(tokens),
+                                       jnp.asarray(mask), jnp.asarray(pix), jnp.asarray(img_mask), idx, keys,
+                                       start, budget)
+      self.stats.extends += 1
+
+  def _admit(self, plan: list[tuple[_Request, int]]):
     groups: dict[int, list[tuple[_Request, int]]] = {}
-    for r, s in zip(reqs, free):
+    for r, s in plan:
       if r.future.set_running_or_notify_cancel():
         groups.setdefault(bucket(len(r.ids), self.length_multiple), []).append((r, s))
     h, w = self.image_hw
@@ -352,7 +487,7 @@ class InferenceService:
         for m, im in enumerate(r.images):
           pix[j, m], img_mask[j, m] = im.astype(np.float32) / 255.0, True
         idx[j], keys[j], budget[j] = s, r.key, r.budget
-        self._owner[s] = r
+        self._owner[s], r.kv_version, self._cursor[s] = r, self._version, p
       pre = slot_decode.prefill(self.graphdef, self._params, jnp.asarray(tokens), jnp.asarray(mask),
                                 jnp.asarray(pix), jnp.asarray(img_mask))
       self._slots = slot_decode.insert(self._slots, pre, idx, keys, start, budget)
@@ -376,9 +511,17 @@ class InferenceService:
       r.logprobs += lps[s, :k].tolist()
       r.states += sts[s, :k].tolist()
       r.versions += [self._version] * k
+      self._cursor[s] += k
       self.stats.tokens += k
       if not active[s]:
         self._owner[s] = None
+        if r.session is not None:
+          if r.session in self._released_in_flight:
+            self._released_in_flight.discard(r.session)
+          elif r.kv_version == self._version and not r.future.cancelled():  # context of current weights only
+            self._use += 1
+            self._sessions[r.session] = (s, r.ids + r.tokens, len(r.images), self._use)
+            self._pinned[s] = r.session
         if r.future.cancelled():
           continue
         self.stats.requests += 1

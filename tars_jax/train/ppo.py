@@ -18,6 +18,13 @@ digit of a 'tens3' coordinate, `Action: click(start_box='(`) are not decisions: 
 losses, their token-mean denominators, the entropy mean, advantage whitening and VAPO's length count
 only free decisions (`free_decisions`). GAE itself still runs over every model token (rewards sit
 on the reply's EOS, which is usually forced) and the critic is fitted on every model token.
+
+Memory (`agent/memory.py`): when the agent's prompts were rebuilt (working memory, token budget), a
+batch holds several rows per episode (`trajectory.collate`: `row_episode`, `next_row`), each the
+exact prompt + replies the policy saw. GAE then chains the rows of an episode (`rl.advantages.gae`
+with `next_row`), VAPO's length counts the episode's free decisions over all its rows, and the
+group-relative algos give every row its episode's advantage; `n_real`, `scores` and `group_ids`
+still count episodes.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from tars_jax.rl import advantages as adv_lib
 from tars_jax.rl import losses
 from tars_jax.rl import metrics as rl_metrics
 from tars_jax.rl.checks import check_finite
+from tars_jax.distributed import to_host
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +56,9 @@ class PPOHparams:
   length_adaptive_alpha: None, or VAPO's alpha: then lam_policy of each sequence is
     `length_adaptive_lambda(number of its model tokens, alpha)` instead of `lam_policy`.
   value_clip: None (off) or the PPO value-clip range; clip_c: None (off) or the dual-clip constant.
+  decoupled: the decoupled PPO objective (`losses.decoupled_ppo_policy_loss`): ratio to the policy
+    before this update, behaviour log-probs (`old_logp`) only in an importance weight; for stale
+    streaming rollouts (`rollout/pool.py`). False: the clipped ratio pi_theta / pi_behaviour.
   kl_kind, kl_coef: KL(policy || reference) penalty added to the policy loss as
     kl_coef * aggregate(kl_penalty(logp, ref_logp, kl_kind)) (verl `use_kl_loss`); the reference is
     the initial policy (`ppo_update(ref_params=...)`); kl_coef = 0 turns it off.
@@ -71,6 +82,7 @@ class PPOHparams:
   loss_agg: str
   kl_kind: str
   kl_coef: float
+  decoupled: bool
   temperature: float
   image_token_id: int
   grid_hw: tuple[int, int]
@@ -142,13 +154,19 @@ def critic_values(critic_gd, critic_params, batch: dict, hp: PPOHparams) -> jax.
   return values[:, :-1]
 
 
-def policy_lambda(free: jax.Array, hp: PPOHparams) -> jax.Array:
+def policy_lambda(free: jax.Array, hp: PPOHparams, row_episode: jax.Array | None = None) -> jax.Array:
   """[B] lam_policy per sequence: VAPO's 1 - 1/(alpha * free decisions) if `length_adaptive_alpha`
   is set, else the constant `lam_policy`. free: [B, T] mask of sampled decisions (`free_decisions`;
-  forced tokens are not part of the length)."""
+  forced tokens are not part of the length). row_episode: None, or [B] int episode of each row (-1
+  padding; `trajectory.Batch`): the length is then the episode's, summed over its rows."""
   if hp.length_adaptive_alpha is None:
     return jnp.full((free.shape[0],), hp.lam_policy, jnp.float32)
-  return adv_lib.length_adaptive_lambda(free.sum(-1), hp.length_adaptive_alpha)
+  lengths = free.sum(-1)
+  if row_episode is not None:
+    b = lengths.shape[0]
+    seg = jnp.where(row_episode >= 0, row_episode, b)  # padding rows share one extra segment
+    lengths = jax.ops.segment_sum(lengths, seg, b + 1)[seg]
+  return adv_lib.length_adaptive_lambda(lengths, hp.length_adaptive_alpha)
 
 
 def raw_advantages(values: jax.Array, batch: dict, hp: PPOHparams, free: jax.Array
@@ -157,8 +175,13 @@ def raw_advantages(values: jax.Array, batch: dict, hp: PPOHparams, free: jax.Arr
   lambdas (VC-PPO) and, optionally, length-adaptive lam_policy (VAPO) from the free-decision count
   of `free` [B,T-1]; report section 2.5.4."""
   mask = batch["loss_mask"]
-  adv, ret = adv_lib.decoupled_gae(batch["rewards"], values, mask, hp.gamma, policy_lambda(free, hp),
-                                   hp.lam_critic)
+  if "next_row" in batch:  # episodes cut into chained rows (memory): GAE carries across the rows
+    lam = policy_lambda(free, hp, batch["row_episode"])
+    adv, ret = adv_lib.decoupled_gae(batch["rewards"], values, mask, hp.gamma, lam, hp.lam_critic,
+                                     next_row=batch["next_row"])
+  else:
+    adv, ret = adv_lib.decoupled_gae(batch["rewards"], values, mask, hp.gamma, policy_lambda(free, hp),
+                                     hp.lam_critic)
   return adv * mask, ret * mask
 
 
@@ -197,8 +220,12 @@ def _policy_loss(params, gd, table, mb, hp: PPOHparams):
   # Forced tokens have zero gradient anyway; leaving them out of the mask keeps them out of the
   # token-mean denominators, the entropy mean and the clip / KL statistics.
   free = free_decisions(table, mb["states"], mb["loss_mask"])
-  pg, m = losses.ppo_policy_loss(logp, mb["old_logp"], mb["advantages"], free, hp.clip_low,
-                                 hp.clip_high, hp.clip_c, hp.loss_agg)
+  if hp.decoupled:  # trust region around the pre-update policy; behaviour policy as importance weight
+    pg, m = losses.decoupled_ppo_policy_loss(logp, mb["prox_logp"], mb["old_logp"], mb["advantages"], free,
+                                             hp.clip_low, hp.clip_high, hp.clip_c, hp.loss_agg)
+  else:
+    pg, m = losses.ppo_policy_loss(logp, mb["old_logp"], mb["advantages"], free, hp.clip_low,
+                                   hp.clip_high, hp.clip_c, hp.loss_agg)
   ent = losses.aggregate(losses.entropy(logits, free, allowed, hp.temperature), free, "token-mean")
   loss = pg - hp.ent_coef * ent + hp.aux_loss_coef * aux
   m = dict(m, pg_loss=pg, entropy=ent, moe_aux_loss=aux, moe_dropped_frac=dropped)
@@ -211,7 +238,8 @@ def _policy_loss(params, gd, table, mb, hp: PPOHparams):
 
 @functools.partial(jax.jit, static_argnames=("policy_gd", "hp"))
 def reference_logp(ref_params, batch: dict, table, *, policy_gd, hp: PPOHparams) -> jax.Array:
-  """[B, T-1] log-probs of the batch's target tokens under the reference policy (jitted)."""
+  """[B, T-1] log-probs of the batch's target tokens under the policy `ref_params` (jitted): the KL
+  reference, or the proximal policy of the decoupled objective (the params before the update)."""
   return _token_logp(ref_params, policy_gd, table, batch, hp)[0] * batch["loss_mask"]
 
 
@@ -290,7 +318,7 @@ def prepare(critic_params, batch: dict, table=None, *, critic_gd, hp: PPOHparams
               advantage_abs_mean=adv_lib.masked_mean(jnp.abs(raw), free),
               informative_fraction=rl_metrics.informative_fraction(raw, free))
   rows = (free.sum(-1) > 0).astype(jnp.float32)  # mean lam_policy over sequences that have decisions
-  diag["lam_policy_mean"] = adv_lib.masked_mean(policy_lambda(free, hp), rows)
+  diag["lam_policy_mean"] = adv_lib.masked_mean(policy_lambda(free, hp, batch.get("row_episode")), rows)
   return values * mask, adv, ret, diag
 
 
@@ -302,7 +330,9 @@ def ppo_update(state: dict, batch: dict[str, np.ndarray], table, *, policy_gd, c
   `tokens_trained`, the real tokens that went through a training step).
 
   Only the first `n_real` rows are real episodes; padding rows have zero masks and are never
-  placed in a minibatch of their own. `hp.algo != "ppo"` needs `scores` [n_real] (episode returns)
+  placed in a minibatch of their own. A batch with `row_episode` (memory: episodes cut into rows,
+  `trajectory.collate`) has `n_real` episodes and trains the rows with `row_episode >= 0`;
+  `scores` / `group_ids` are then per episode and each row takes its episode's advantage. `hp.algo != "ppo"` needs `scores` [n_real] (episode returns)
   and `group_ids` [n_real] (same id = same task and seed); rows with zero advantage are skipped, and
   episodes alone in their group get zero advantage (metric `groups_dropped_singleton`).
   `informative_fraction`: the share of the n_real episodes that carry signal. Group baselines: an
@@ -322,11 +352,15 @@ def ppo_update(state: dict, batch: dict[str, np.ndarray], table, *, policy_gd, c
     if ref_params is None:
       raise ValueError("rl.kl_coef > 0 needs ref_params (the reference policy)")
     batch["ref_logp"] = reference_logp(ref_params, batch, table, policy_gd=policy_gd, hp=hp)
+  if hp.decoupled:  # the proximal policy: this update's starting point (one extra forward pass)
+    batch["prox_logp"] = reference_logp(state["policy"], batch, table, policy_gd=policy_gd, hp=hp)
+  row_ep = to_host(batch["row_episode"]) if "row_episode" in batch else None
+  real = np.nonzero(row_ep >= 0)[0] if row_ep is not None else np.arange(n_real)
   if hp.algo == "ppo":
     values, adv, ret, diag = prepare(state["critic"], batch, table, critic_gd=critic_gd, hp=hp)
     check_finite(values=values)
     batch.update(old_values=values, advantages=adv, returns=ret)
-    rows = np.arange(n_real)
+    rows = real
     step = functools.partial(minibatch_step, policy_gd=policy_gd, critic_gd=critic_gd, popt=popt,
                              copt=copt, hp=hp)
   else:
@@ -339,16 +373,22 @@ def ppo_update(state: dict, batch: dict[str, np.ndarray], table, *, policy_gd, c
     single = np.asarray(adv_lib.group_sizes(group_ids[:n_real])) < 2 if n_real else np.zeros(0, bool)
     ep_adv = np.where(single, 0.0, ep_adv).astype(np.float32)
     full = np.zeros((batch["tokens"].shape[0],), np.float32)
-    full[:n_real] = ep_adv
+    if row_ep is not None:  # each row of an episode takes the episode's advantage
+      full[real] = ep_adv[row_ep[real]]
+      rows = real[np.abs(full[real]) > 1e-6]
+      informative = int(np.count_nonzero(np.abs(ep_adv) > 1e-6))
+    else:
+      full[:n_real] = ep_adv
+      rows = np.nonzero(np.abs(ep_adv) > 1e-6)[0]
+      informative = len(rows)
     batch["advantages"] = jnp.asarray(full)[:, None] * batch["loss_mask"]
-    rows = np.nonzero(np.abs(ep_adv) > 1e-6)[0]
-    diag = {"informative_fraction": len(rows) / max(1, n_real), "advantage_abs_mean":
+    diag = {"informative_fraction": informative / max(1, n_real), "advantage_abs_mean":
             float(np.abs(ep_adv).mean()) if n_real else 0.0,
             "groups_dropped_singleton": int(single.sum())}  # a singleton group is one episode
     step = functools.partial(policy_step, policy_gd=policy_gd, popt=popt, hp=hp)
   collected: list[dict] = []
   tokens = 0.0
-  attn = np.asarray(batch["attn_mask"])
+  attn = to_host(batch["attn_mask"])  # also a batch of global arrays over several processes
   for _ in range(epochs if len(rows) else 0):
     perm = rng.permutation(rows)
     for s in range(0, len(perm), minibatch_size):

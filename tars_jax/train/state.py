@@ -19,12 +19,14 @@ from flax import nnx
 
 from tars_jax import sharding
 from tars_jax.agent import prompts
+from tars_jax.agent.memory import MemoryConfig
 from tars_jax.agent.grammar import Grammar, build_grammar, free_grammar
+from tars_jax.agent import hf_tokenizer
 from tars_jax.agent.tokenizer import ByteTokenizer
 from tars_jax.models import ModelConfig, Policy, ValueModel
 from tars_jax.rl.rewards import RewardConfig
 from tars_jax.rollout.agent_loop import LoopConfig
-from tars_jax.rollout.inference_server import BatchedPolicy, max_reply_tokens
+from tars_jax.rollout.inference_server import BatchedPolicy, InferenceService, max_reply_tokens
 from tars_jax.train import checkpoint, ppo
 
 
@@ -46,6 +48,7 @@ class Parts:
   max_new_tokens: int
   mesh: Any = None  # jax Mesh of config.mesh.shape, or None (one device)
   rules: Any = None  # logical-axis rules (sharding.make_rules) used with `mesh`
+  hf: Any = None  # hf_tokenizer.HFAgent of `policy.init=hf:<dir>` (its weights are the initial policy), or None
 
   def init_state(self, seed: int) -> dict:
     """Fresh train state (random init of policy and critic) from `seed`.
@@ -55,6 +58,8 @@ class Parts:
     the values are those of a jitted init (not bit-equal to the eager one-device init).
     """
     kp, kc = jax.random.split(jax.random.PRNGKey(seed))
+    if self.hf is not None:
+      return self._init_from_hf(kc)
     if self.mesh is not None:
       return self._init_sharded(kp, kc)
     policy = Policy(self.model_cfg, rngs=nnx.Rngs(kp))
@@ -76,6 +81,56 @@ class Parts:
     return {"step": step, "policy": pp, "critic": cp, "policy_opt": opt_init(self.popt, pp),
             "critic_opt": opt_init(self.copt, cp)}
 
+  def _init_from_hf(self, kc) -> dict:
+    """`policy.init=hf:<dir>`: the policy is the checkpoint (`hf_io.load_pretrained`, placed by the
+    mesh's rules when there is one); the critic's trunk starts as a copy of the checkpoint's trunk
+    and its value head at zero (`ValueModel`)."""
+    from tars_jax.models import hf_io
+    overrides = dict(self.hf.load_overrides)
+    compute = overrides.pop("dtype", "float32")  # float32 parameters; config.model.dtype computes
+    model = hf_io.load_pretrained(self.hf.path, mesh=self.mesh, rules=self.rules, **overrides)
+    if compute != model.cfg.dtype:
+      model = model.with_compute_dtype(compute)
+    _, pp = nnx.split(model.policy)
+    del model
+    if self.mesh is not None:
+      _, cp = sharding.sharded_init(lambda: ValueModel(self.model_cfg, rngs=nnx.Rngs(kc)), self.mesh, self.rules)
+    else:
+      _, cp = nnx.split(ValueModel(self.model_cfg, rngs=nnx.Rngs(kc)))
+    trunk = {tuple(p): v for p, v in nnx.to_flat_state(pp) if p[0] == "trunk"}
+    flat = nnx.to_flat_state(cp)
+    for p, var in flat:
+      if tuple(p) in trunk:
+        var.value = jnp.copy(trunk[tuple(p)].value)
+    cp = nnx.from_flat_state(flat)
+    step = jnp.zeros((), jnp.int32)
+    if self.mesh is not None:
+      step = jax.device_put(step, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+    return {"step": step, "policy": pp, "critic": cp, "policy_opt": self.popt.init(pp),
+            "critic_opt": self.copt.init(cp)}
+
+  def inference_service(self, params, slots: int, seed: int, version: int = 0) -> InferenceService:
+    """The continuous-batching service of streaming rollouts (`rollout.streaming`), serving `params`
+    as `version`. Its cache holds `rollout.context_len` positions per slot (0: `context_capacity`)."""
+    c = self.config
+    return InferenceService(self.policy_gd, params, tokenizer=self.tokenizer, grammar=self.grammar, slots=slots,
+                            context_len=c.rollout.context_len or self.context_capacity(), max_images=c.env.max_turns,
+                            image_hw=self.image_hw, max_new_tokens=self.max_new_tokens,
+                            temperature=c.sampling.temperature, top_p=c.sampling.top_p,
+                            jump_forward=c.sampling.jump_forward, length_multiple=c.length_multiple,
+                            seed=seed, version=version, quantize=c.sampling.quantize)
+
+  def context_capacity(self) -> int:
+    """Cache positions (tokens) one streaming request may need: the system prompt, 1 KiB of
+    instruction bytes, per turn an observation (image tokens and 256 bytes of observation text) and a
+    reply, plus one decode chunk; rounded up to `length_multiple`. A longer prompt is refused with
+    `inference_server.ContextTooLong` (set `rollout.context_len`)."""
+    c = self.config
+    per_turn = self.loop_cfg.n_img_tokens + 256 + self.max_new_tokens + 8
+    n = len(self.loop_cfg.system.encode()) + 1024 + c.env.max_turns * per_turn + self.max_new_tokens
+    m = c.length_multiple
+    return -(-(n + c.sampling.jump_forward + m) // m) * m
+
   def activate(self):
     """Context in which jitted train/rollout functions are traced with the activation sharding
     constraints of `mesh` (a no-op context without a mesh)."""
@@ -88,7 +143,7 @@ class Parts:
                          image_hw=self.image_hw, max_new_tokens=self.max_new_tokens,
                          temperature=c.sampling.temperature, top_p=c.sampling.top_p,
                          jump_forward=c.sampling.jump_forward,
-                         length_multiple=c.length_multiple, seed=seed)
+                         length_multiple=c.length_multiple, seed=seed, quantize=c.sampling.quantize)
 
 
 def load_critic(state: dict, path: str, copt) -> dict:
@@ -116,6 +171,8 @@ def load_policy(state: dict, path: str, popt) -> tuple[dict, str]:
   The run must have the same model config (its train state is restored into the structure of `state`).
   Raises: FileNotFoundError (no such run / checkpoint); ValueError (from Orbax) for another model.
   """
+  if hf_tokenizer.hf_dir(path) is not None:  # `hf:<dir>`: Parts.init_state already holds its weights
+    return state, f"{path} (transformers checkpoint, loaded by Parts.init_state)"
   path = os.path.abspath(path)
   run, step = checkpoint_location(path)
   if not os.path.isdir(os.path.join(run, "checkpoints")):
@@ -145,7 +202,7 @@ def hparams(config, image_token_id: int, grid_hw: tuple[int, int]) -> ppo.PPOHpa
                         whiten_advantages=r.whiten_advantages, clip_low=r.clip_low, clip_high=r.clip_high,
                         clip_c=r.clip_c, value_clip=vclip, vf_coef=r.vf_coef, ent_coef=r.ent_coef,
                         aux_loss_coef=r.aux_loss_coef, loss_agg=r.loss_agg, kl_kind=r.kl_kind,
-                        kl_coef=r.kl_coef, temperature=config.sampling.temperature,
+                        kl_coef=r.kl_coef, decoupled=r.decoupled, temperature=config.sampling.temperature,
                         image_token_id=image_token_id, grid_hw=grid_hw)
 
 
@@ -157,12 +214,44 @@ def reward_config(r) -> RewardConfig:
                       overlong_buffer=r.overlong_buffer)
 
 
+def memory_config(m) -> MemoryConfig:
+  """`MemoryConfig` from `config.memory`; every field must be set (AttributeError names a missing
+  one; ValueError for bad values, see MemoryConfig)."""
+  return MemoryConfig(working_turns=m.working_turns, max_context_tokens=m.max_context_tokens,
+                      reserve_tokens=m.reserve_tokens, episodic=m.episodic,
+                      episodic_episodes=m.episodic_episodes, episodic_max_tokens=m.episodic_max_tokens,
+                      summary_max_tokens=m.summary_max_tokens)
+
+
 def build(config) -> Parts:
-  """Builds the static parts of a run from its ConfigDict (no parameters are created)."""
-  tok = ByteTokenizer()
-  mcfg = ModelConfig.from_dict({**config.model.to_dict(), "vocab_size": tok.vocab_size})
+  """Builds the static parts of a run from its ConfigDict (no parameters are created).
+
+  `policy.init=hf:<dir>` (a transformers qwen2_5_vl / qwen3_vl_moe checkpoint, agent/hf_tokenizer.py):
+  the checkpoint's tokenizer, chat template, image size and architecture replace the byte tokenizer
+  and config.model (whose RUNTIME_FIELDS, dtype / moe_impl / ..., still apply), the system prompt is
+  the full UI-TARS one with 0-1000 coordinates, and decoding is unconstrained (BPE text tokens, then
+  EOS; `hf_tokenizer.free_grammar`): the format penalty does the grammar's work.
+  Raises: ValueError for grammar.constrained=True with an hf: init; hf_tokenizer.HFCheckpointError /
+    FileNotFoundError naming what the checkpoint lacks.
+  """
   g = config.grammar
-  if g.constrained:
+  hf_path = hf_tokenizer.hf_dir(config.policy.get("init", ""))
+  hf = None
+  if hf_path is None:  # the byte-level model trained from scratch (the default)
+    tok = ByteTokenizer()
+    mcfg = ModelConfig.from_dict({**config.model.to_dict(), "vocab_size": tok.vocab_size})
+  else:
+    if g.constrained:
+      raise ValueError(f"policy.init={config.policy.init!r}: grammar-constrained decoding is byte-level only; "
+                       "set --config.grammar.constrained=False (the format penalty rl.format_penalty does its "
+                       "work over a BPE vocabulary; README, 'RL from a pretrained checkpoint')")
+    m = config.model.to_dict()
+    hf = hf_tokenizer.load_hf_agent(hf_path, (config.model.image_h, config.model.image_w),
+                                    {k: m[k] for k in hf_tokenizer.RUNTIME_FIELDS if k in m})
+    tok, mcfg = hf.tokenizer, hf.model_cfg
+  if hf is not None:
+    grammar = hf_tokenizer.free_grammar(tok)
+  elif g.constrained:
     grammar = build_grammar(tok, actions=tuple(g.actions), max_thought_bytes=g.max_thought_bytes,
                             max_content_bytes=g.max_content_bytes, coord_format=g.coord_format)
   else:  # free text, but never an image placeholder or other special id (`free_grammar`)
@@ -178,16 +267,17 @@ def build(config) -> Parts:
   r = config.rl
   popt = ppo.make_optimizer(r.lr, r.warmup_steps, r.max_grad_norm, r.weight_decay)
   copt = ppo.make_optimizer(r.critic_lr, r.warmup_steps, r.max_grad_norm, r.weight_decay)
-  image_hw = (config.model.image_h, config.model.image_w)
+  image_hw = (config.model.image_h, config.model.image_w) if hf is None else hf.image_hw
   grid_hw = mcfg.merged_grid
   hp = hparams(config, tok.image_id, tuple(grid_hw))
   actions = tuple(g.actions) if g.constrained else None
   loop_cfg = LoopConfig(max_turns=config.env.max_turns, image_hw=image_hw,
                         n_img_tokens=grid_hw[0] * grid_hw[1],
-                        system=prompts.system_prompt(actions, compact=True),
-                        rewards=reward_config(r))
+                        system=(prompts.system_prompt(actions, compact=True) if hf is None
+                                else prompts.system_prompt(tuple(g.actions), compact=False, coord_format="int")),
+                        rewards=reward_config(r), memory=memory_config(config.memory))
   max_new = max_reply_tokens(grammar) if g.constrained else 64
   table = jnp.asarray(grammar.table)
   eval_loop_cfg = dataclasses.replace(loop_cfg, data_mode=config.env.get("eval_data_mode", "train"))
   return Parts(config, tok, mcfg, grammar, table, policy_gd, critic_gd, popt, copt, hp, loop_cfg,
-               eval_loop_cfg, image_hw, max_new, mesh, rules)
+               eval_loop_cfg, image_hw, max_new, mesh, rules, hf)

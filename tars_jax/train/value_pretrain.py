@@ -88,7 +88,8 @@ def value_update(state: dict, batch: dict[str, np.ndarray], *, critic_gd, copt, 
   mask = batch["loss_mask"]
   fresh = 0.5 * adv_lib.masked_mean((values - ret) ** 2, mask)
   batch.update(old_values=values, returns=ret)
-  rows = np.arange(n_real)
+  # memory: episodes cut into chained rows (`trajectory.collate`); n_real counts episodes, as in ppo_update
+  rows = (np.nonzero(np.asarray(batch["row_episode"]) >= 0)[0] if "row_episode" in batch else np.arange(n_real))
   collected = []
   for _ in range(epochs if n_real else 0):
     perm = rng.permutation(rows)

@@ -1,0 +1,251 @@
+r"""The inference service as a separate process behind HTTP, with the in-process client API
+(report section 2.5.3: the policy served apart from the trainer; multi-host rollouts).
+
+  python -m tars_jax.rollout.inference_remote --config experiments/configs/miniwob_ppo.py:smoke \
+      --port 8800 [--init runs/x/sft] [--slots 16]
+
+The server wraps one `InferenceService` (continuous batching over KV-cache slots) in FastAPI:
+
+  POST /generate  {"ids": [int], "images": [base64 PNG], "key": [2] | null, "max_new_tokens": int | null}
+                  -> {"tokens", "logprobs", "states", "versions", "request_id"}
+  POST /release   {"session": str}: the episode ended, its slot's context is dropped
+  POST /weights   msgpack of the policy params' leaves in tree order (`params_to_bytes`), header
+                  `x-policy-version`: served from the next decode step on (`set_params`)
+  POST /weights/checkpoint {"path": run dir or step dir, "version": int}: the same from an Orbax
+                  checkpoint the server can read (large models: nothing crosses the socket)
+  GET  /health    {"version", "slots", "occupancy", "requests", "steps"}
+
+`RemoteInference(url)` has the service's client API — `submit` (a `concurrent.futures.Future`),
+`await generate(...)`, `act(prompts, images)`, `release(session)`, `set_params(params, version)`,
+`version` — so
+`rollout/pool.py` and `agent_loop.run_episodes` take either. A request that does not fit raises
+`ContextTooLong` on the client, as in process (HTTP 413 with the lengths).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import concurrent.futures
+import io
+
+import numpy as np
+from fastapi import Request  # module level: FastAPI resolves the (string) annotation from here
+
+from tars_jax.rollout.inference_server import ContextTooLong, Reply
+
+
+def _png(image: np.ndarray) -> str:
+  from PIL import Image
+  buf = io.BytesIO()
+  Image.fromarray(np.asarray(image, np.uint8)).save(buf, format="PNG", compress_level=1)
+  return base64.b64encode(buf.getvalue()).decode()
+
+
+def _unpng(data: str) -> np.ndarray:
+  from PIL import Image
+  return np.asarray(Image.open(io.BytesIO(base64.b64decode(data))).convert("RGB"), np.uint8)
+
+
+def params_to_bytes(params) -> bytes:
+  """The leaves of a params pytree (e.g. an `nnx.State`) in tree order as msgpack (flax.serialization)."""
+  import flax.serialization
+  import jax
+  return flax.serialization.msgpack_serialize([np.asarray(x) for x in jax.tree.leaves(params)])
+
+
+def params_from_bytes(template, data: bytes):
+  """`params_to_bytes` back into the structure of `template`. Raises ValueError when the leaf count,
+  a shape or a dtype differs (weights of another model)."""
+  import flax.serialization
+  import jax
+  leaves, treedef = jax.tree.flatten(template)
+  new = flax.serialization.msgpack_restore(data)
+  if len(new) != len(leaves):
+    raise ValueError(f"{len(new)} weight arrays sent, the served model has {len(leaves)}")
+  for i, (a, b) in enumerate(zip(new, leaves)):
+    if a.shape != b.shape or a.dtype != b.dtype:
+      raise ValueError(f"weight {i}: sent {a.dtype}{list(a.shape)}, served model has {b.dtype}{list(b.shape)}")
+  return jax.tree.unflatten(treedef, [jax.numpy.asarray(a) for a in new])  # template leaves may be ShapeDtypeStructs
+
+
+def make_app(service, restore_params=None):
+  """FastAPI app serving `service` (an `InferenceService`). restore_params(path) -> params: how
+  POST /weights/checkpoint reads a checkpoint (None: that route answers 501)."""
+  from fastapi import FastAPI, HTTPException
+  from fastapi.responses import JSONResponse
+
+  app = FastAPI(title="tars_jax inference service")
+
+  @app.post("/generate")
+  async def generate(body: dict):
+    images = [_unpng(x) for x in body.get("images", [])]
+    key = body.get("key")
+    try:
+      fut = service.submit(body["ids"], images, None if key is None else np.asarray(key, np.uint32),
+                           body.get("max_new_tokens"), body.get("session"))
+    except ContextTooLong as e:
+      return JSONResponse(status_code=413, content={"error": "ContextTooLong", "prompt_tokens": e.prompt_tokens,
+                                                    "max_new_tokens": e.max_new_tokens, "capacity": e.capacity})
+    except ValueError as e:
+      raise HTTPException(status_code=422, detail=str(e))
+    r: Reply = await asyncio.wrap_future(fut)
+    return {"tokens": r.tokens, "logprobs": r.logprobs.tolist(), "states": r.states.tolist(),
+            "versions": r.versions.tolist(), "request_id": r.request_id}
+
+  @app.post("/release")
+  async def release(body: dict):
+    service.release(body["session"])
+    return {}
+
+  @app.post("/weights")
+  async def weights(request: Request):
+    version = int(request.headers["x-policy-version"])
+    try:
+      params = params_from_bytes(service.param_template, await request.body())
+    except ValueError as e:
+      raise HTTPException(status_code=422, detail=str(e))
+    service.set_params(params, version)
+    return {"version": version}
+
+  @app.post("/weights/checkpoint")
+  async def weights_checkpoint(body: dict):
+    if restore_params is None:
+      raise HTTPException(status_code=501, detail="this server was started without a checkpoint reader")
+    service.set_params(await asyncio.to_thread(restore_params, body["path"]), int(body["version"]))
+    return {"version": int(body["version"])}
+
+  @app.get("/health")
+  async def health():
+    s = service.stats
+    return {"version": service.version, "slots": service.n_slots, "occupancy": s.occupancy,
+            "requests": s.requests, "steps": s.steps}
+
+  return app
+
+
+class RemoteInference:
+  """Client of an inference server process, with `InferenceService`'s API.
+
+  url: the server's base URL. The version it reports is the one it last set (`set_params`) or read
+  from /health at construction; every reply carries the server's per-token versions.
+  Raises (from submit / generate / act): ContextTooLong (HTTP 413), ValueError (422), httpx errors.
+  """
+
+  def __init__(self, url: str, timeout_s: float = 600.0):
+    import httpx
+    self.url = url.rstrip("/")
+    self._sync = httpx.Client(base_url=self.url, timeout=timeout_s)
+    self._async = None
+    self._timeout = timeout_s
+    self._version = int(self._sync.get("/health").raise_for_status().json()["version"])
+    self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=32)
+
+  @property
+  def version(self) -> int:
+    return self._version
+
+  @staticmethod
+  def _body(ids, images, key, max_new_tokens, session) -> dict:
+    return {"ids": [int(x) for x in ids], "images": [_png(im) for im in images],
+            "key": None if key is None else [int(x) for x in np.asarray(key, np.uint32)],
+            "max_new_tokens": max_new_tokens, "session": session}
+
+  @staticmethod
+  def _reply(resp) -> Reply:
+    if resp.status_code == 413:
+      b = resp.json()
+      raise ContextTooLong(b["prompt_tokens"], b["max_new_tokens"], b["capacity"])
+    if resp.status_code == 422:
+      raise ValueError(resp.json().get("detail"))
+    resp.raise_for_status()
+    b = resp.json()
+    return Reply(b["tokens"], np.asarray(b["logprobs"], np.float32), np.asarray(b["states"], np.int32),
+                 np.asarray(b["versions"], np.int32), b["request_id"])
+
+  def submit(self, prompt_ids, images, key=None, max_new_tokens=None, session=None) -> concurrent.futures.Future:
+    body = self._body(prompt_ids, images, key, max_new_tokens, session)
+    return self._executor.submit(lambda: self._reply(self._sync.post("/generate", json=body)))
+
+  async def generate(self, prompt_ids, images, key=None, max_new_tokens=None, session: str | None = None) -> Reply:
+    import httpx
+    if self._async is None:  # bound to the running loop on first use
+      self._async = httpx.AsyncClient(base_url=self.url, timeout=self._timeout)
+    return self._reply(await self._async.post("/generate", json=self._body(prompt_ids, images, key, max_new_tokens,
+                                                                           session)))
+
+  def release(self, session: str) -> None:
+    """The episode `session` ended (best-effort, in the background)."""
+    self._executor.submit(lambda: self._sync.post("/release", json={"session": session}))
+
+  def act(self, prompts, images):
+    futs = [self.submit(p, im) for p, im in zip(prompts, images)]
+    return [(r.tokens, r.logprobs, r.states) for r in (f.result() for f in futs)]
+
+  def set_params(self, params, version: int) -> None:
+    """Ships `params` (msgpack) to the server, served as `version` from its next decode step.
+    Raises ValueError (the server's reason) for weights of another model."""
+    resp = self._sync.post("/weights", content=params_to_bytes(params),
+                           headers={"x-policy-version": str(int(version)), "content-type": "application/octet-stream"})
+    if resp.status_code == 422:
+      raise ValueError(resp.json().get("detail"))
+    resp.raise_for_status()
+    self._version = int(version)
+
+  def load_checkpoint(self, path: str, version: int) -> None:
+    """The server restores its params from an Orbax checkpoint at `path` (run or step dir)."""
+    self._sync.post("/weights/checkpoint", json={"path": path, "version": int(version)}).raise_for_status()
+    self._version = int(version)
+
+  def close(self) -> None:
+    self._executor.shutdown(wait=False)
+    self._sync.close()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+
+def main(argv):
+  del argv
+  import jax
+  import uvicorn
+  from absl import flags
+
+  from tars_jax.train import state as state_lib
+  F = flags.FLAGS
+  config = F.config
+  jax.config.update("jax_default_matmul_precision", config.matmul_precision)
+  parts = state_lib.build(config)
+  state = parts.init_state(config.seed)
+  if F.init:
+    state, src = state_lib.load_policy(state, F.init, parts.popt)
+    print(f"[inference] policy from {src}")
+  template = dict(state)
+
+  def restore(path):
+    return state_lib.load_policy(template, path, parts.popt)[0]["policy"]
+
+  service = parts.inference_service(state["policy"], slots=F.slots or config.env.num_sessions, seed=config.seed,
+                                    version=F.version)
+  print(f"[inference] serving on http://{F.host}:{F.port} ({service.n_slots} slots, "
+        f"{service.context_len} cache positions each)", flush=True)
+  try:
+    uvicorn.run(make_app(service, restore), host=F.host, port=F.port, log_level="warning")
+  finally:
+    service.close()
+
+
+if __name__ == "__main__":
+  from absl import app, flags
+  from ml_collections import config_flags
+  config_flags.DEFINE_config_file("config", None, "Config file (get_config(arg)): the policy's model.")
+  flags.DEFINE_string("init", "", "Run dir or step dir whose policy to serve (default: the config's init).")
+  flags.DEFINE_string("host", "127.0.0.1", "Interface to bind.")
+  flags.DEFINE_integer("port", 8800, "Port.")
+  flags.DEFINE_integer("slots", 0, "KV-cache slots (0 = env.num_sessions).")
+  flags.DEFINE_integer("version", 0, "Version of the initial weights.")
+  flags.mark_flags_as_required(["config"])
+  app.run(main)

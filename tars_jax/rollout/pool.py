@@ -1,0 +1,316 @@
+"""Streaming rollouts: a pool of episodes that run continuously against the sandboxes while the trainer
+updates (report section 2.5.3: asynchronous rollout with partial rollouts and a bounded staleness).
+
+Every episode is an asyncio task on the caller's event loop: it opens its session, builds each turn's
+prompt with `agent_loop.turn_context`, awaits a reply from the `InferenceService` (which batches it
+with whatever other episodes are decoding), steps its session and records the turn with
+`agent_loop.record_turn` — the same functions the lockstep loop uses, so the trajectories are the same
+kind. The pool keeps `concurrency` episodes in flight, starting a new group of episodes (same task
+and seed: the group of a group baseline) as soon as a group's worth of room frees. `take(min_batch)`
+returns finished groups as soon as they hold `min_batch` episodes; unfinished episodes keep running
+and continue under the newer weights the trainer swaps into the service (partial rollouts).
+
+Every model token records the policy version that produced it (`Turn.versions`). At `take`, an
+episode whose oldest token is more than `max_staleness` versions behind the service's version is
+dropped and counted (`stale="drop"`), or keeps its turns with the too-old tokens out of the loss
+(`stale="mask"`, `Turn.loss_mask`). PPO then uses the behaviour log-probs recorded at sampling time as
+the ratio's denominator (`train/ppo.py`: the clipped importance ratio pi_theta / pi_behaviour; with
+`rl.decoupled` the decoupled objective of Hilton et al. 2022, "Batch size-invariance for policy
+optimization", as AReaL (Fu et al. 2025) applies it to stale rollouts).
+
+Accounting (`PoolLedger`): every started episode is, at any moment, exactly one of running, queued
+(finished, not yet taken), taken (handed to the trainer), dropped for staleness, or failed (its
+session lost on every attempt); lost attempts and retries are counted on the side. Nothing leaves
+silently and nothing is handed out twice (tests/test_pool.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import itertools
+import logging
+import time
+import uuid
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from envs_bridge import protocol
+from envs_bridge.client import SandboxClient, client_for
+from tars_jax.agent.tokenizer import ByteTokenizer
+from tars_jax.agent.trajectory import Episode
+from tars_jax.rollout import agent_loop
+from tars_jax.rollout.agent_loop import LoopConfig, RolloutStats
+from tars_jax.rollout.jobs import rollout_jobs
+
+STALE_MODES = ("drop", "mask")
+
+
+@dataclasses.dataclass
+class PoolConfig:
+  """concurrency: episodes in flight (a multiple of the group size is best); min_batch: episodes per
+  `take` (whole groups, so a take may return a few more); max_staleness: versions a token may lag the
+  current policy at `take`; stale: 'drop' (the episode) or 'mask' (its too-old tokens)."""
+  concurrency: int
+  min_batch: int
+  max_staleness: int = 1
+  stale: str = "drop"
+
+  def __post_init__(self):
+    if self.stale not in STALE_MODES:
+      raise ValueError(f"stale must be one of {STALE_MODES}, got {self.stale!r}")
+    if self.concurrency < 1 or self.min_batch < 1 or self.max_staleness < 0:
+      raise ValueError(f"concurrency, min_batch >= 1 and max_staleness >= 0 needed, got {self}")
+
+
+@dataclasses.dataclass
+class PoolLedger:
+  """Episode counts since the pool started. Invariant (`check`): started == running + queued + taken +
+  dropped_stale + failed. lost_attempts / retried count session losses that were replayed."""
+  started: int = 0
+  running: int = 0
+  queued: int = 0
+  taken: int = 0
+  dropped_stale: int = 0
+  failed: int = 0
+  lost_attempts: int = 0
+  retried: int = 0
+  masked_tokens: int = 0
+
+  def check(self) -> None:
+    """Raises AssertionError when an episode is unaccounted for."""
+    total = self.running + self.queued + self.taken + self.dropped_stale + self.failed
+    if total != self.started:
+      raise AssertionError(f"pool ledger does not add up: {self}")
+
+
+def job_groups(tasks: Sequence[str], n: int, group_size: int, seed_offset: int, start_iteration: int = 0
+               ) -> Iterator[list[tuple[str, int]]]:
+  """Endless groups of `group_size` (task, seed) jobs: the groups of `rollout_jobs` for iterations
+  start_iteration, start_iteration + 1, ... (the seeds the lockstep trainer would play, in order)."""
+  for it in itertools.count(start_iteration):
+    jobs = rollout_jobs(tasks, n, group_size, it, seed_offset)
+    for g in range(0, len(jobs), group_size):
+      yield jobs[g:g + group_size]
+
+
+def staleness(ep: Episode, version: int) -> int:
+  """Versions between `version` and the oldest token of `ep` (0 for an episode without tokens)."""
+  vs = [int(t.versions.min()) for t in ep.turns if t.versions is not None and len(t.versions)]
+  return version - min(vs) if vs else 0
+
+
+def mask_stale_tokens(ep: Episode, min_version: int) -> int:
+  """Takes the tokens of `ep` produced before `min_version` out of the loss (`Turn.loss_mask` [n]
+  float32); returns how many were masked."""
+  masked = 0
+  for t in ep.turns:
+    if t.versions is None:
+      continue
+    keep = (t.versions >= min_version).astype(np.float32)
+    t.loss_mask = keep if t.loss_mask is None else t.loss_mask * keep
+    masked += int((keep == 0).sum())
+  return masked
+
+
+async def play_episode(service, client: SandboxClient, task: str, seed: int, cfg: LoopConfig,
+                       tok: ByteTokenizer, stats: RolloutStats, memory: Sequence[str] = ()) -> Episode:
+  """One attempt at an episode, turn by turn at its own pace: the streaming counterpart of
+  `agent_loop.run_episodes`'s lockstep round (same prompt, reward and trajectory functions).
+
+  service: an `InferenceService` or `RemoteInference` (`async generate(ids, images, session=) ->
+  Reply`, `release(session)`, `version`). The episode is one inference session: its later turns run
+  only their new tokens into the slot that holds its context (multi-turn KV reuse). Each Turn carries
+  the reply's per-token policy versions. Raises: the sandbox's errors (the caller retries
+  `protocol.is_retryable` ones); the sandbox session and the inference session end in any case.
+  """
+  session = uuid.uuid4().hex
+  t0 = time.perf_counter()
+  sid, ep, image = await agent_loop.open_episode(client, task, seed, tok, cfg, service.version, memory)
+  stats.env_time_s += time.perf_counter() - t0
+  obs_text = None
+  try:
+    for turn in range(cfg.max_turns):
+      ids, images, obs_ids, ctx = agent_loop.turn_context(tok, cfg, ep, image, obs_text)
+      t0 = time.perf_counter()
+      reply = await service.generate(ids, images, session=session)
+      stats.policy_time_s += time.perf_counter() - t0
+      stats.generated_tokens += len(reply.tokens)
+      text = tok.decode(reply.tokens)
+      t0 = time.perf_counter()
+      out = await client.step(sid, text)
+      stats.env_time_s += time.perf_counter() - t0
+      stats.env_steps += 1
+      last = turn == cfg.max_turns - 1
+      terms = agent_loop.record_turn(ep, out, image=image, obs_ids=obs_ids, reply_ids=reply.tokens,
+                                     logprobs=reply.logprobs, states=reply.states, text=text, last_turn=last,
+                                     cfg=cfg, tok=tok, context=ctx)
+      ep.turns[-1].versions = np.asarray(reply.versions, np.int32)
+      for k, v in terms.items():
+        stats.reward_terms[k] = stats.reward_terms.get(k, 0.0) + v
+      if out.done or last:
+        break
+      image, obs_text = agent_loop.next_view(out, cfg)
+  finally:
+    service.release(session)
+    try:
+      await client.close(sid)
+    except Exception:  # best-effort: the server reclaims a dead session by its lease
+      pass
+  return ep
+
+
+class RolloutPool:
+  """Episodes in flight on the caller's event loop; `take` hands finished groups to the trainer.
+
+  Args:
+    service: the `InferenceService` whose weights the trainer swaps (`set_params(params, version)`).
+    clients: sandbox clients (`client_for` routes each task to a server that serves it).
+    jobs: endless iterator of groups [(task, seed)] * group_size (`job_groups`).
+    cfg, tok: the rollout loop's config and tokenizer (`agent_loop.LoopConfig`).
+    pool: `PoolConfig`. stats: a `RolloutStats` the episodes add to (cumulative; `stats_since`).
+    episodic: a `memory.EpisodicMemory` whose summaries of a task go into each new episode's prefix
+      (the caller writes them, e.g. `memory.remember` on the episodes of each take), or None.
+
+  Raises (from `take`): the first non-retryable sandbox error of any episode (UnknownTask, ...), or
+  the inference service's error; the pool is then closed.
+  """
+
+  def __init__(self, service, clients: Sequence[SandboxClient], jobs: Iterator[list[tuple[str, int]]],
+               cfg: LoopConfig, tok: ByteTokenizer, pool: PoolConfig, stats: RolloutStats | None = None,
+               episodic=None):
+    self.service, self.clients, self.jobs, self.cfg, self.tok, self.pool = service, clients, jobs, cfg, tok, pool
+    self.episodic = episodic
+    self.stats = stats if stats is not None else RolloutStats()
+    self.ledger = PoolLedger()
+    self._done: collections.deque[list[Episode]] = collections.deque()  # finished groups, FIFO
+    self._tasks: set[asyncio.Task] = set()
+    self._changed: asyncio.Event | None = None
+    self._error: BaseException | None = None
+    self._next: list[tuple[str, int]] | None = None  # the next group, pulled from `jobs` when room frees
+    self._n_started = 0
+
+  async def start(self) -> None:
+    """Fills the pool to `concurrency` episodes, as tasks of the running event loop."""
+    self._changed = asyncio.Event()
+    self._fill()
+
+  def _fill(self) -> None:
+    while self._error is None:
+      if self._next is None:
+        self._next = next(self.jobs)
+      if self.ledger.running + len(self._next) > self.pool.concurrency:
+        break
+      group, self._next = self._next, None
+      self.ledger.started += len(group)
+      self.ledger.running += len(group)
+      task = asyncio.get_running_loop().create_task(self._run_group(group, self._n_started))
+      self._n_started += len(group)
+      self._tasks.add(task)
+      task.add_done_callback(self._tasks.discard)
+
+  async def _run_group(self, group: list[tuple[str, int]], first: int) -> None:
+    try:
+      eps = await asyncio.gather(*[self._run_one(task, seed, first + j) for j, (task, seed) in enumerate(group)])
+    except asyncio.CancelledError:  # close(): the group stays counted as running, never trained
+      raise
+    except BaseException as e:  # non-retryable: the trainer sees it at its next take
+      if self._error is None:
+        self._error = e
+      self.ledger.running -= len(group)
+      self.ledger.failed += len(group)
+      self._changed.set()
+      return
+    kept = [e for e in eps if not e.lost]
+    self.ledger.running -= len(group)
+    self.ledger.failed += len(group) - len(kept)
+    self.ledger.queued += len(kept)
+    if kept:
+      self._done.append(kept)
+    self._changed.set()
+    self._fill()
+
+  async def _run_one(self, task: str, seed: int, k: int) -> Episode:
+    for attempt in range(self.cfg.max_retries + 1):
+      client = client_for(self.clients, task, k)
+      try:
+        memory = self.episodic.summaries(task) if self.episodic is not None else ()
+        return await play_episode(self.service, client, task, seed, self.cfg, self.tok, self.stats, memory)
+      except Exception as e:
+        if not protocol.is_retryable(e):
+          raise
+        self.ledger.lost_attempts += 1
+        self.stats.episodes_lost += 1
+        logging.warning("episode %s/%d lost (attempt %d): %s: %s", task, seed, attempt, type(e).__name__,
+                        getattr(e, "reason", e))
+        if attempt < self.cfg.max_retries:
+          self.ledger.retried += 1
+          self.stats.episodes_retried += 1
+    self.stats.episodes_failed += 1
+    return Episode(task=task, seed=seed, instruction="", prefix_ids=[], lost=True, policy_version=self.service.version)
+
+  async def take(self, min_batch: int | None = None) -> list[Episode]:
+    """Waits until finished groups hold >= min_batch (default `pool.min_batch`) episodes that pass the
+    staleness rule, and returns them (whole groups, oldest first; stale ones dropped or masked and
+    counted in the ledger). Episodes still running keep running."""
+    need = self.pool.min_batch if min_batch is None else min_batch
+    out: list[Episode] = []
+    while len(out) < need:
+      if self._error is not None:
+        raise self._error
+      if not self._done:
+        self._changed.clear()
+        await self._changed.wait()
+        continue
+      group = self._done.popleft()
+      self.ledger.queued -= len(group)
+      version = self.service.version
+      kept = []
+      for ep in group:
+        if staleness(ep, version) <= self.pool.max_staleness:
+          kept.append(ep)
+        elif self.pool.stale == "drop":
+          self.ledger.dropped_stale += 1
+        else:
+          self.ledger.masked_tokens += mask_stale_tokens(ep, version - self.pool.max_staleness)
+          kept.append(ep)
+      self.ledger.taken += len(kept)
+      self.stats.episodes += len(kept)
+      out += kept
+    return out
+
+  async def close(self) -> None:
+    """Cancels the episodes in flight (their sessions are closed) and waits for them; they count as
+    running no more: the ledger keeps them under `running` (never trained)."""
+    self._error = self._error or RuntimeError("pool closed")
+    for t in list(self._tasks):
+      t.cancel()
+    await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def stats_since(now: RolloutStats, before: RolloutStats) -> RolloutStats:
+  """The rollout work done between two snapshots (`copy.deepcopy` of a pool's cumulative stats): field
+  by field differences, reward terms per key."""
+  out = RolloutStats()
+  for f in dataclasses.fields(RolloutStats):
+    if f.name == "reward_terms":
+      out.reward_terms = {k: v - before.reward_terms.get(k, 0.0) for k, v in now.reward_terms.items()}
+    else:
+      setattr(out, f.name, getattr(now, f.name) - getattr(before, f.name))
+  return out
+
+
+def pool_metrics(pool: RolloutPool, stale: Sequence[int], wait_s: float, iteration_s: float) -> dict:
+  """Metrics of one streaming update: the pool's ledger, the mean staleness of the trained episodes
+  (`stale`: `staleness(ep, service.version)` of each at take), the trainer's idle fraction (time
+  blocked in `take` over the iteration's wall time) and the service's mean slot occupancy."""
+  m = {f"pool/{k}": float(getattr(pool.ledger, k)) for k in
+       ("started", "running", "queued", "taken", "dropped_stale", "failed", "masked_tokens")}
+  m["pool/staleness_mean"] = float(np.mean(stale)) if len(stale) else 0.0
+  m["pool/trainer_idle_frac"] = wait_s / max(iteration_s, 1e-9)
+  stats = getattr(pool.service, "stats", None)
+  if stats is not None:
+    m["pool/slot_occupancy"] = stats.occupancy
+  return m

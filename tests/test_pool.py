@@ -1,0 +1,185 @@
+"""Streaming rollout pool (`rollout/pool.py`): accounting over many takes with long-tailed episode
+lengths, lost sessions and version swaps (every started episode is taken once, running, queued,
+dropped as stale or failed: none lost silently, none taken twice); staleness rules; and the real
+thing — the inference service with a tiny model against a real Chromium sandbox whose browser is
+killed -9 mid-rollout."""
+
+import asyncio
+import os
+import signal
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from envs_bridge import protocol as P
+from envs_bridge.client import SandboxClient
+from envs_bridge.launch import launch_server
+from tars_jax.agent.grammar import build_grammar
+from tars_jax.agent.tokenizer import ByteTokenizer
+from tars_jax.agent.trajectory import Episode, Turn, episode_arrays
+from tars_jax.models import Policy
+from tars_jax.rollout.agent_loop import LoopConfig
+from tars_jax.rollout.inference_server import InferenceService, Reply, max_reply_tokens
+from tars_jax.rollout.pool import PoolConfig, RolloutPool, job_groups, mask_stale_tokens, staleness
+
+from _shared import TINY_CFG, run
+
+TOK = ByteTokenizer()
+
+
+# ---- pure logic: a scripted policy and sandbox (the real ones are in the integration test below) ----
+class _ScriptedService:
+  """`generate` answers after a random number of event-loop ticks with a fixed reply; `version` is what
+  the test sets (as the trainer's set_params would)."""
+
+  def __init__(self, rng):
+    self.rng, self.version, self.released = rng, 0, 0
+
+  def release(self, session):
+    self.released += 1
+
+  async def generate(self, ids, images, session=None):
+    for _ in range(int(self.rng.integers(0, 4))):
+      await asyncio.sleep(0)
+    n = 3
+    return Reply(TOK.encode("ok") + [TOK.eos_id], np.full(n, -0.5, np.float32), np.full(n, -1, np.int32),
+                 np.full(n, self.version, np.int32))
+
+
+class _Obs:
+  def __init__(self, done, reward):
+    self.done, self.reward, self.info = done, reward, {}
+
+  def image(self):
+    return np.zeros((8, 8, 3), np.uint8)
+
+
+class _ScriptedSandbox:
+  """Episode lengths long-tailed (geometric, capped by max_turns); each step may lose the session."""
+
+  serves = None
+
+  def __init__(self, rng, p_lost):
+    self.rng, self.p_lost, self.sessions, self.closed = rng, p_lost, {}, 0
+
+  async def open(self, task, seed, data_mode="train"):
+    sid = f"s{len(self.sessions)}"
+    self.sessions[sid] = int(min(self.rng.geometric(0.35), 12))
+    return sid, _Obs(False, 0.0)
+
+  async def step(self, sid, text):
+    await asyncio.sleep(0)
+    if self.rng.random() < self.p_lost:
+      raise P.SessionLost("scripted loss")
+    self.sessions[sid] -= 1
+    return _Obs(self.sessions[sid] <= 0, 1.0 if self.sessions[sid] <= 0 else 0.0)
+
+  async def close(self, sid):
+    self.closed += 1
+
+
+def test_accounting_over_many_takes_with_losses_and_staleness():
+  rng = np.random.default_rng(0)
+  svc, sb = _ScriptedService(rng), _ScriptedSandbox(rng, p_lost=0.03)
+  cfg = LoopConfig(max_turns=12, image_hw=(8, 8), n_img_tokens=2, max_retries=1)
+  pool_cfg = PoolConfig(concurrency=12, min_batch=8, max_staleness=2, stale="drop")
+
+  async def go():
+    pool = RolloutPool(svc, [sb], job_groups(["t/a", "t/b", "t/c"], 12, 2, 0), cfg, TOK, pool_cfg)
+    await pool.start()
+    seen, takes = set(), []
+    for it in range(40):
+      eps = await pool.take()
+      pool.ledger.check()
+      takes.append(len(eps))
+      for e in eps:
+        assert (e.task, e.seed, id(e)) not in seen
+        seen.add((e.task, e.seed, id(e)))
+        assert not e.lost and staleness(e, svc.version) <= 2
+        assert all(len(t.versions) == len(t.reply_ids) for t in e.turns)
+      svc.version = it + 1  # the trainer's update
+    await pool.close()
+    return pool, seen, takes
+
+  pool, seen, takes = run(go())
+  L = pool.ledger
+  L.check()
+  assert L.taken == len(seen) == sum(takes) and min(takes) >= 8
+  assert L.lost_attempts > 0 and L.retried > 0 and L.failed > 0  # losses happened and were counted
+  assert L.dropped_stale > 0  # long episodes outlived the staleness bound
+  assert L.running + L.queued > 0  # the pool kept episodes in flight past the last take
+  # every opened session was closed except those cancelled by close() mid-step (at most the running ones)
+  assert len(sb.sessions) - sb.closed <= L.running
+  assert svc.released == len(sb.sessions)  # every episode ended its inference session (KV slot) too
+  # each (task, seed) group of 2 shares one task and seed; seeds never repeat across groups
+  per_seed = {}
+  for task, seed, _ in seen:
+    per_seed.setdefault(seed, set()).add(task)
+  assert all(len(v) == 1 for v in per_seed.values())
+
+
+def _episode(versions_per_turn, reward=1.0):
+  turns = []
+  for v in versions_per_turn:
+    n = len(v)
+    turns.append(Turn(image=np.zeros((2, 2, 3), np.uint8), obs_ids=[1, 2], reply_ids=list(range(3, 3 + n)),
+                      logprobs=np.full(n, -0.1, np.float32), states=np.zeros(n, np.int32), reward=reward,
+                      versions=np.asarray(v, np.int32)))
+  return Episode(task="t", seed=0, instruction="", prefix_ids=[9], turns=turns)
+
+
+def test_staleness_and_masking_rules():
+  ep = _episode([[3, 3, 4], [4, 5], [6, 6]])
+  assert staleness(ep, 6) == 3 and staleness(ep, 3) == 0
+  assert mask_stale_tokens(ep, 5) == 4  # tokens of versions 3, 3, 4, 4
+  loss = episode_arrays(ep)["loss"]
+  # prefix 1 + (obs 2 + reply 3) + (obs 2 + reply 2) + (obs 2 + reply 2)
+  np.testing.assert_array_equal(loss, [0] + [0, 0, 0, 0, 0] + [0, 0, 0, 1] + [0, 0, 1, 1])
+  with pytest.raises(ValueError, match="stale"):
+    PoolConfig(concurrency=2, min_batch=2, stale="ignore")
+
+
+# ---- the real thing: inference service + Chromium sandbox, kill -9 mid-rollout -------------------------
+def _chromium_main(server_pid):
+  from test_browser_server import _chromium_main as find
+  return find(server_pid)
+
+
+@pytest.mark.slow  # ~50 s: the service compiles, real Chromium is killed and recovers
+@pytest.mark.browser
+def test_real_pool_survives_a_killed_browser_and_accounts_for_every_episode():
+  cfg_m = TINY_CFG
+  gd, params = nnx.split(Policy(cfg_m, nnx.Rngs(0)))
+  g = build_grammar(actions=("click",), max_thought_bytes=4, coord_format="fixed3")
+  loop_cfg = LoopConfig(max_turns=3, image_hw=(cfg_m.image_h, cfg_m.image_w), n_img_tokens=cfg_m.n_img_tokens,
+                        max_retries=2)
+  with launch_server(lease_s=60.0) as h, InferenceService(
+      gd, params, tokenizer=TOK, grammar=g, slots=4, context_len=512, max_images=3,
+      image_hw=loop_cfg.image_hw, max_new_tokens=max_reply_tokens(g), length_multiple=64, jump_forward=8) as svc:
+    async def go():
+      async with SandboxClient(h.url) as c:
+        pool = RolloutPool(svc, [c], job_groups(["miniwob/click-test", "miniwob/click-test-2"], 4, 2, 0),
+                           loop_cfg, TOK, PoolConfig(concurrency=4, min_batch=4, max_staleness=1))
+        await pool.start()
+        got = []
+        for it in range(4):
+          if it == 1:  # kill -9 the sandbox's Chromium while episodes are in flight
+            os.kill(_chromium_main(h.proc.pid), signal.SIGKILL)
+          got += await pool.take()
+          pool.ledger.check()
+          svc.set_params(params, it + 1)
+        await pool.close()
+        return pool, got, await c.health()
+    pool, got, health = run(go())
+  L = pool.ledger
+  L.check()
+  assert L.taken == len(got) >= 16 and L.lost_attempts >= 1 and L.retried >= 1
+  assert health["browser_restarts"] >= 1
+  for e in got:  # real episodes: rewards read from the page, versions per token, replies parsed by the server
+    assert e.turns and all(len(t.versions) == len(t.reply_ids) for t in e.turns)
+    assert all(t.reply_ids[-1] == TOK.eos_id for t in e.turns)
+    assert e.env_return == pytest.approx(sum(t.env_reward for t in e.turns))
+    vs = np.concatenate([t.versions for t in e.turns])
+    assert np.all(np.diff(vs) >= 0)  # an episode's tokens come from non-decreasing policy versions

@@ -166,9 +166,11 @@ def main(argv):
       # the starting policy, for the before / after comparison (a policy.init run was measured at the
       # end of the run it comes from)
       writer.write(0, evaluate(params, 0))
+    budget_ended = False
     while step < s.steps:
       if minutes() > s.max_minutes:
         print(f"[sft] training budget of {s.max_minutes} min reached at step {step}")
+        budget_ended = True
         break
       batch = next(data_iter)
       params, opt_state, m = step_fn(params, opt_state, batch, parts.table)
@@ -189,9 +191,10 @@ def main(argv):
         ckpt.save(mngr, step, dict(state, policy=params, policy_opt=opt_state),
                   {"iteration": step, "data_state": data_iter.get_state(), "minutes": minutes()})
       bar.update(1)
-    if mngr.latest_step() != step and step > start:
-      ckpt.save(mngr, step, dict(state, policy=params, policy_opt=opt_state),
-                {"iteration": step, "data_state": data_iter.get_state(), "minutes": minutes()})
+    if step > start:
+      ckpt.save_at_stop(mngr, step, dict(state, policy=params, policy_opt=opt_state),
+                        {"iteration": step, "data_state": data_iter.get_state(), "minutes": minutes()},
+                        budget_ended=budget_ended)
     if s.eval_every and step % s.eval_every and step > start:  # the final policy, measured once more
       last = evaluate(params, step)
       writer.write(step, last)

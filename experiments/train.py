@@ -144,10 +144,12 @@ def main(argv):
 
     bar = tqdm(total=config.iterations, initial=start_iter, desc=config.rl.algo, unit="it", dynamic_ncols=True,
                disable=not dist.is_main())
+    budget_ended = False
     try:
       for it in range(start_iter, config.iterations):
         if minutes() > config.max_minutes:
           print(f"[train] wall-clock budget of {config.max_minutes} min reached at iteration {it}")
+          budget_ended = True
           break
         t0 = time.perf_counter()
         if pool is not None:
@@ -244,8 +246,9 @@ def main(argv):
                         ev=f"{train_m.get('explained_variance', float('nan')):.2f}")
       else:
         it = config.iterations
-      if mngr.latest_step() != it and it > start_iter:
-        ckpt.save(mngr, it, state, {"iteration": it, "episodes": it * n, "minutes": minutes()})
+      if it > start_iter:
+        ckpt.save_at_stop(mngr, it, state, {"iteration": it, "episodes": it * n, "minutes": minutes()},
+                          budget_ended=budget_ended)
     finally:
       bar.close()
       if pool is not None:  # episodes in flight are not trained: a resumed run starts new ones

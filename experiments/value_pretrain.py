@@ -129,8 +129,9 @@ def main(argv):
       writer.close()
   reason = ("thresholds" if streak >= rule.patience else "max_minutes" if minutes() > v.max_minutes
             else "max_iterations")
-  if mngr.latest_step() != done:
-    save(done)
+  if mngr.latest_step() != done or done > start:
+    ckpt.save_at_stop(mngr, done, state, {"iteration": done, "streak": streak, "minutes": minutes()},
+                      budget_ended=reason == "max_minutes")
   path = ckpt.save_tree(os.path.join(workdir, "critic"), state["critic"])
   summary = {"iterations": done, "stopped_by": reason, "critic": path,
              "final": {k: x for k, x in m.items() if k.startswith("train/")}}

@@ -34,6 +34,18 @@ def save(mngr: ocp.CheckpointManager, step: int, state: Any, meta: dict | None =
   mngr.wait_until_finished()
 
 
+def save_at_stop(mngr: ocp.CheckpointManager, step: int, state: Any, meta: dict, *, budget_ended: bool) -> None:
+  """The checkpoint a run that made steps writes when its loop stops at `step`: a new one when the
+  latest is older; when the time budget ended the run and the latest is already `step` (saved on the
+  periodic schedule just before the budget ran out), that one again, so its meta records the time
+  spent at the stop and a re-run of the same command stops at once instead of making one more step."""
+  if mngr.latest_step() == step:
+    if not budget_ended:
+      return
+    mngr.delete(step)
+  save(mngr, step, state, meta)
+
+
 def restore(mngr: ocp.CheckpointManager, target: Any, step: int | None = None) -> tuple[int, Any, dict]:
   """Restores (step, state, meta) into the structure/shardings of `target`.
 

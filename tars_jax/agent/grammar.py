@@ -383,6 +383,19 @@ def build_grammar(tokenizer: ByteTokenizer = ByteTokenizer(), actions=ALL_ACTION
                 thought_charset)
 
 
+def free_text_grammar(vocab_size: int, text_ids, eos_id: int, pad_id: int, regex: str) -> Grammar:
+  """Two-state automaton of free text: state 0 allows `text_ids` (-> 0) and EOS (-> done = 1); done
+  allows only PAD. Returns: Grammar with table [2, vocab_size] int32 (read-only)."""
+  table = np.full((2, vocab_size), -1, np.int32)
+  table[0, text_ids] = 0
+  table[0, eos_id] = 1
+  table[1, pad_id] = 1
+  accepting = np.array([True, False])
+  table.setflags(write=False)
+  accepting.setflags(write=False)
+  return Grammar(table=table, start=0, done=1, accepting=accepting, regex=regex)
+
+
 @functools.lru_cache(maxsize=8)
 def free_grammar(tokenizer: ByteTokenizer = ByteTokenizer()) -> Grammar:
   """The unconstrained reply language (`config.grammar.constrained = False`): any byte string, then
@@ -396,15 +409,8 @@ def free_grammar(tokenizer: ByteTokenizer = ByteTokenizer()) -> Grammar:
   loss mask the same tokens, so the log-probs agree.
   Returns: Grammar with table [2, V] int32 (read-only; cached).
   """
-  v = tokenizer.vocab_size
-  table = np.full((2, v), -1, np.int32)
-  table[0, :256] = 0  # every byte id
-  table[0, tokenizer.eos_id] = 1
-  table[1, tokenizer.pad_id] = 1
-  accepting = np.array([True, False])
-  table.setflags(write=False)
-  accepting.setflags(write=False)
-  return Grammar(table=table, start=0, done=1, accepting=accepting, regex="[\\x00-\\xff]*")
+  return free_text_grammar(tokenizer.vocab_size, np.arange(256), tokenizer.eos_id, tokenizer.pad_id,
+                           "[\\x00-\\xff]*")  # every byte id
 
 
 def walk(grammar: Grammar, ids) -> np.ndarray:

@@ -39,7 +39,7 @@ from typing import Sequence
 
 import numpy as np
 
-from tars_jax.agent.grammar import Grammar
+from tars_jax.agent.grammar import Grammar, free_text_grammar
 from tars_jax.models.config import FAMILIES, ModelConfig
 
 HF_PREFIX = "hf:"
@@ -297,12 +297,6 @@ def free_grammar(tok: HFTokenizer) -> Grammar:
   is `agent.grammar.free_grammar`'s: sampler and PPO loss mask the same tokens).
   Returns: Grammar with table [2, vocab_size] int32 (read-only).
   """
-  table = np.full((2, tok.vocab_size), -1, np.int32)
-  table[0, :len(tok.hf)] = 0
-  table[0, sorted(i for i in tok.special_ids if i < tok.vocab_size)] = -1
-  table[0, tok.eos_id] = 1
-  table[1, tok.pad_id] = 1
-  accepting = np.array([True, False])
-  table.setflags(write=False)
-  accepting.setflags(write=False)
-  return Grammar(table=table, start=0, done=1, accepting=accepting, regex="<any text token>*")
+  special = set(tok.special_ids)
+  text = [i for i in range(min(len(tok.hf), tok.vocab_size)) if i not in special]
+  return free_text_grammar(tok.vocab_size, np.asarray(text, np.int64), tok.eos_id, tok.pad_id, "<any text token>*")

@@ -6,6 +6,7 @@ several runs' per-task success side by side (ablations).
   python -m experiments.plot --compare runs/ppo,runs/grpo --out docs/ppo_vs_grpo.png
   python -m experiments.plot --sweep runs/ablations [--out runs/ablations/comparison.png]
   python -m experiments.plot --pipeline runs/main [--out runs/main/pipeline.png]   # scripts/demo.sh
+  python -m experiments.plot --flywheel runs/flywheel [--out runs/flywheel/flywheel.png]   # experiments/flywheel.py
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ _OUT = flags.DEFINE_string("out", None, "Output PNG (default <run>/learning_curv
 _COMPARE = flags.DEFINE_list("compare", None, "Run directories to compare (per-task success).")
 _SWEEP = flags.DEFINE_string("sweep", None, "Parent dir of experiments/sweep.py (mean +- std over seeds).")
 _PIPELINE = flags.DEFINE_string("pipeline", None, "Pipeline run dir of scripts/demo.sh (all its stages).")
+_FLYWHEEL = flags.DEFINE_string("flywheel", None, "Run dir of experiments/flywheel.py (its flywheel.json).")
 
 
 # Exploration panels (second row of `plot_run`), against iteration: (title, ((metric, label), ...)).
@@ -229,8 +231,65 @@ def pipeline_figure(run: str) -> plt.Figure:
   return fig
 
 
+def flywheel_figure(rows: list[dict], tasks: list[str], title: str = "") -> plt.Figure:
+  """Figure of the flywheel table (experiments/flywheel.py, flywheel.json "rows"), against iteration:
+  the fraction of samples with V = 1 (all tasks and per task; iteration t's samples come from iteration
+  t-1's policy), held-out success per task of each iteration's policy (iteration 0 = the initial policy,
+  when measured), and the SFT / CT set sizes after each iteration. Raises ValueError for no rows."""
+  if not rows:
+    raise ValueError("no flywheel rows to plot")
+  fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+  gen = [r for r in rows if r["iteration"] >= 1]
+
+  def y(values):
+    return np.array([np.nan if v is None else v for v in values], float)
+
+  ax = axes[0]
+  if gen:
+    x = [r["iteration"] for r in gen]
+    ax.plot(x, y([r["v1_fraction"] for r in gen]), "o-", lw=2, color="k", label="all tasks")
+    for t in tasks:
+      ax.plot(x, y([r["per_task"].get(t, {}).get("v1_fraction") for r in gen]), "o--", label=t.split("/")[-1])
+  ax.set(title="samples with V = 1 (rejection sampling)", xlabel="iteration t (sampled by the policy of t - 1)",
+         ylim=(-0.02, 1.02))
+  ax = axes[1]
+  ev = [r for r in rows if "heldout" in r]
+  for t in tasks:
+    ax.plot([r["iteration"] for r in ev], y([r["heldout"].get(t) for r in ev]), "s-", label=t.split("/")[-1])
+  ax.set(title="held-out success of the iteration's policy", xlabel="iteration t (its RL policy; 0 = the initial one)",
+         ylim=(-0.02, 1.02))
+  ax = axes[2]
+  if gen:
+    x = [r["iteration"] for r in gen]
+    ax.plot(x, [r["sft_set"] for r in gen], "o-", label="SFT set (V = 1, with its base)")
+    ax.plot(x, [r["ct_set"] for r in gen], "o-", label="CT set (V = 0, with its base)")
+  ax.set(title="data set sizes after the iteration (records)", xlabel="iteration")
+  for a in axes:
+    a.xaxis.get_major_locator().set_params(integer=True)
+    if a.lines:
+      a.legend(fontsize=8)
+  fig.suptitle(title or "data flywheel: generate -> validate -> route -> CT / SFT -> RL")
+  fig.tight_layout()
+  return fig
+
+
+def flywheel_plot(run: str, out: str | None = None) -> str:
+  """`flywheel_figure` of `<run>/flywheel.json`, saved to `out` (default <run>/flywheel.png); returns the
+  path. Raises FileNotFoundError without flywheel.json."""
+  with open(os.path.join(run, "flywheel.json")) as f:
+    data = json.load(f)
+  out = out or os.path.join(run, "flywheel.png")
+  fig = flywheel_figure(data["rows"], data["tasks"], f"data flywheel {os.path.basename(os.path.normpath(run))}")
+  fig.savefig(out, dpi=100)
+  plt.close(fig)
+  return out
+
+
 def main(argv):
   del argv
+  if _FLYWHEEL.value:
+    print(f"[plot] wrote {flywheel_plot(_FLYWHEEL.value, _OUT.value)}")
+    return
   if _SWEEP.value:
     with open(os.path.join(_SWEEP.value, "sweep.json")) as f:
       runs = json.load(f)["runs"]

@@ -18,6 +18,21 @@ of the policy's own actions on `sft.eval_episodes` held-out seeds of each task i
 `sft.max_minutes` bounds the training time (compiles included, evaluations not), so a stage's updates
 do not depend on how long its evaluations take; the time is summed over resumed processes (checkpoint
 metadata), so a re-run of a stage that its budget ended makes no more updates.
+
+Continual pre-training (report 2.3, the data flywheel's CT set of rejected trajectories):
+`sft.ct_data` names CT record dirs and `sft.ct_ratio` the fraction of batches drawn from them. A CT
+batch is trained by next-token loss on every text token of its trajectories, observations included,
+screenshots as context (tars_jax/train/ct.py), an SFT batch as above; the two sets are separate
+shuffled, length-bucketed streams interleaved batch by batch (each batch all SFT or all CT, so each
+keeps its length buckets and its own jitted update), in a fixed order (data/pipeline.py `mix`) whose
+position is in the checkpoint with both streams' states. `ct_ratio=1.0` with `data` empty is a CT-only
+run. Metrics: `train/ct_ce` (per CT text token) beside `train/ce` (per SFT reply token); a log row
+holds the latest step of each kind since the previous row.
+
+  python -m experiments.sft --config experiments/configs/miniwob_pipeline.py --workdir runs/x/ct \
+      --config.policy.init=runs/x/ppo --config.sft.data="('runs/x/demos',)" \
+      --config.sft.ct_data="('runs/x/flywheel/ct',)" --config.sft.ct_ratio=0.25
+
 Layout of the run dir: config.json, metrics.jsonl, tensorboard/, checkpoints/, sft.json (summary).
 """
 
@@ -44,7 +59,7 @@ from tars_jax.analysis.image_dependence import image_dependence
 from tars_jax.data import grounding, pipeline, records
 from tars_jax.rollout import evaluation
 from tars_jax.train import checkpoint as ckpt
-from tars_jax.train import sft
+from tars_jax.train import ct, sft
 from tars_jax.train import state as state_lib
 from tars_jax.train.metrics import MetricsWriter, episode_metrics
 
@@ -57,9 +72,20 @@ def main(argv):
   config, workdir = _CONFIG.value, _WORKDIR.value
   jax.config.update("jax_default_matmul_precision", config.matmul_precision)  # before any compute
   s = config.sft
-  if not s.data:
+  if not 0.0 <= s.ct_ratio <= 1.0:
+    raise app.UsageError(f"config.sft.ct_ratio={s.ct_ratio}: the fraction of batches from ct_data, in [0, 1]")
+  if s.ct_data and s.ct_ratio == 0:
+    raise app.UsageError("config.sft.ct_data is set but config.sft.ct_ratio is 0: give the fraction of batches "
+                         "to draw from it, e.g. --config.sft.ct_ratio=0.25")
+  if s.ct_ratio > 0 and not s.ct_data:
+    raise app.UsageError(f"config.sft.ct_ratio={s.ct_ratio} but config.sft.ct_data is empty: name the CT record "
+                         "dirs, e.g. --config.sft.ct_data=\"('runs/x/ct',)\"")
+  if s.ct_ratio == 1 and s.data:
+    raise app.UsageError("config.sft.ct_ratio=1.0 draws every batch from config.sft.ct_data: config.sft.data would "
+                         "never be read; leave it empty for a CT-only run, or lower ct_ratio")
+  if s.ct_ratio < 1 and not s.data:
     raise app.UsageError("config.sft.data is empty: name the record dirs to train on, e.g. "
-                         "--config.sft.data=\"('runs/x/demos',)\"")
+                         "--config.sft.data=\"('runs/x/demos',)\" (or set ct_ratio=1.0 for a CT-only run)")
   os.makedirs(workdir, exist_ok=True)
   logging.getLogger().setLevel(logging.WARNING)
   signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
@@ -68,6 +94,10 @@ def main(argv):
   # Model, optimiser, data (checked against the model before any step), resume.
   # ----------------------------------------------------------------------------------------------
   parts = state_lib.build(config)
+  tok = parts.tokenizer
+  for dirs in (s.data, s.ct_data, s.heldout):  # mismatched or empty data fails here, before any init or step
+    if dirs:
+      sft.check_data(dirs, image_hw=parts.image_hw, n_img_tokens=parts.loop_cfg.n_img_tokens, tokenizer=tok)
   r = config.rl
   opt = sft.make_optimizer(s.lr, s.warmup_steps, s.decay_steps or s.steps, s.final_lr_fraction, r.max_grad_norm,
                            r.weight_decay)
@@ -77,18 +107,27 @@ def main(argv):
     print(f"[sft] policy initialised from {src}")
   else:
     state = dict(state, policy_opt=opt.init(state["policy"]))
-  tok = parts.tokenizer
-  for dirs in (s.data, s.heldout):  # mismatched or empty data fails here, before any step
-    if dirs:
-      sft.check_data(dirs, image_hw=parts.image_hw, n_img_tokens=parts.loop_cfg.n_img_tokens, tokenizer=tok)
   prep = functools.partial(sft.prepare, grammar=parts.grammar, tokenizer=tok, thoughts=s.thoughts)
-  coll = functools.partial(_collate, prep=prep, pad_id=tok.pad_id, image_hw=parts.image_hw,
-                           length_multiple=config.length_multiple, batch_size=s.batch_size)
+  coll_kw = dict(pad_id=tok.pad_id, image_hw=parts.image_hw, length_multiple=config.length_multiple,
+                 batch_size=s.batch_size)
+  coll = functools.partial(_collate, prep=prep, **coll_kw)
   corrupt = records.CorruptCounter()
-  train_ds = pipeline.batches(records.episodes(tuple(s.data), skip_corrupt=s.skip_corrupt, counter=corrupt),
-                              seed=config.seed, batch_size=s.batch_size, collate_fn=coll, shuffle=True,
-                              process_index=jax.process_index(), process_count=jax.process_count(),
-                              length_multiple=config.length_multiple)
+  # Per source, once: how its episodes become a batch and the update that trains on it (SFT: reply
+  # tokens under the grammar; CT: every text token, full softmax: tars_jax/train/ct.py).
+  collate_fns = {"sft": coll, "ct": functools.partial(_ct_collate, prep=functools.partial(ct.prepare, tokenizer=tok),
+                                                      image_id=parts.hparams.image_token_id, **coll_kw)}
+  steps = {"sft": functools.partial(sft.train_step, table=parts.table, graphdef=parts.policy_gd, opt=opt,
+                                    hp=parts.hparams, aux_coef=r.aux_loss_coef),
+           "ct": functools.partial(ct.train_step, graphdef=parts.policy_gd, opt=opt, hp=parts.hparams,
+                                   aux_coef=r.aux_loss_coef)}
+  set_dirs, weights = {"sft": s.data, "ct": s.ct_data}, {"sft": 1.0 - s.ct_ratio, "ct": s.ct_ratio}
+  # each set its own shuffled, length-bucketed stream (seeds config.seed, + 1), interleaved at ct_ratio
+  streams = {name: pipeline.batches(
+      records.episodes(tuple(set_dirs[name]), skip_corrupt=s.skip_corrupt, counter=corrupt), seed=config.seed + k,
+      batch_size=s.batch_size, collate_fn=collate_fns[name], shuffle=True, process_index=jax.process_index(),
+      process_count=jax.process_count(), length_multiple=config.length_multiple)
+      for k, name in enumerate(set_dirs) if weights[name] > 0}
+  train_ds = pipeline.mix(streams, {name: weights[name] for name in streams})  # (source name, batch) pairs
   heldout_pairs = [pair for d in s.heldout for pair in records.read_episodes(d)]  # (episode, provenance)
   # a fixed sample of `eval_examples` over all held-out tasks (the sets are written task by task)
   pick = np.random.default_rng(0).permutation(len(heldout_pairs))[: s.eval_examples]
@@ -108,10 +147,9 @@ def main(argv):
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(config.to_json_best_effort(indent=2))
   writer = MetricsWriter(workdir, resume_step=start)
+  ct_note = f" | CT ({s.ct_ratio:.0%} of batches): {', '.join(s.ct_data)}" if s.ct_data else ""
   print(f"[sft] MoE: {nnx.merge(parts.policy_gd, state['policy']).moe_strategy_summary()} | data: "
-        f"{', '.join(s.data)} | held-out: {len(heldout)} episodes | thoughts: {s.thoughts}")
-  step_fn = functools.partial(sft.train_step, graphdef=parts.policy_gd, opt=opt, hp=parts.hparams,
-                              aux_coef=r.aux_loss_coef)
+        f"{', '.join(s.data) or '-'}{ct_note} | held-out: {len(heldout)} episodes | thoughts: {s.thoughts}")
   eval_fn = functools.partial(sft.eval_metrics, graphdef=parts.policy_gd, hp=parts.hparams)
 
   eval_s = 0.0  # time spent in evaluate(): not counted against the training budget `max_minutes`
@@ -159,6 +197,7 @@ def main(argv):
     return spent_min + (time.time() - t_start - eval_s) / 60
 
   log_step, t_log = start, time.perf_counter()
+  window: dict[str, dict] = {}  # source -> metrics of its latest step since the last log row
   params, opt_state = state["policy"], state["policy_opt"]
   bar = tqdm(total=s.steps, initial=start, desc="sft", unit="step", dynamic_ncols=True)
   try:
@@ -172,11 +211,12 @@ def main(argv):
         print(f"[sft] training budget of {s.max_minutes} min reached at step {step}")
         budget_ended = True
         break
-      batch = next(data_iter)
-      params, opt_state, m = step_fn(params, opt_state, batch, parts.table)
+      source, batch = next(data_iter)
+      params, opt_state, window[source] = steps[source](params, opt_state, batch)
       step += 1
       if step % s.log_every == 0 or step == s.steps:
-        m = {f"train/{k}": float(v) for k, v in jax.device_get(m).items()}
+        m = {f"train/{k}": float(v) for sm in jax.device_get(list(window.values())) for k, v in sm.items()}
+        window = {}
         # over the steps since the last log (a step's own time is hidden by jax's async dispatch)
         m["perf/examples_per_s"] = s.batch_size * (step - log_step) / max(time.perf_counter() - t_log, 1e-9)
         m["perf/wall_min"] = (time.time() - t_start) / 60
@@ -186,7 +226,7 @@ def main(argv):
         writer.write(step, m)
         last = m
         log_step, t_log = step, time.perf_counter()  # evaluation time not counted as training
-        bar.set_postfix(ce=f"{m['train/ce']:.3f}", acc=f"{m['train/acc_free']:.2f}")
+        bar.set_postfix({k: f"{m['train/' + k]:.3f}" for k in ("ce", "acc_free", "ct_ce") if "train/" + k in m})
       if step % s.ckpt_every == 0:
         ckpt.save(mngr, step, dict(state, policy=params, policy_opt=opt_state),
                   {"iteration": step, "data_state": data_iter.get_state(), "minutes": minutes()})
@@ -218,6 +258,11 @@ def _collate(episodes, *, prep, pad_id, image_hw, length_multiple, batch_size) -
   turns = max(len(e.turns) for e in eps)
   return collate(eps, pad_id=pad_id, max_images=1 << (turns - 1).bit_length(), image_hw=image_hw,
                  length_multiple=length_multiple, batch_size=batch_size).as_dict()
+
+
+def _ct_collate(episodes, *, image_id, **kw) -> dict:
+  """A CT batch: `_collate` (with `ct.prepare` as `prep`) plus `text_mask`, the all-text loss mask."""
+  return ct.with_text_mask(_collate(episodes, **kw), image_id)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from tars_jax.agent import memory as memory_lib
 from tars_jax.agent.trajectory import collate, real_rows
 from tars_jax.analysis.image_dependence import image_dependence
 from tars_jax.data import records
+from tars_jax.rl import orm as orm_lib
 from tars_jax.rollout import evaluation
 from tars_jax.rollout import pool as pool_lib
 from tars_jax.rollout.agent_loop import RolloutStats, run_episodes, trainable
@@ -112,6 +113,11 @@ def main(argv):
                                 batch_size=dist.share_size(config.env.num_sessions),
                                 seed=dist.process_seed(config.seed))
   hp = parts.hparams
+  # Outcome reward: the verifier's (the sandbox's reward), or a generative ORM's P(yes) with
+  # rl.orm_run (tars_jax/rl/orm.py; report 2.5.2), the verifier's still logged beside it.
+  orm = orm_lib.scorer_for_ppo(config, parts)
+  if orm is not None:
+    print(f"[train] outcome rewards from the ORM {config.rl.orm_run} (P(yes) in {tuple(config.rl.orm_reward_range)})")
 
   # ----------------------------------------------------------------------------------------------
   # Training loop.
@@ -173,6 +179,8 @@ def main(argv):
           writer.write(it + 1, {"episodes_lost": stats.episodes_lost, "episodes_failed": stats.episodes_failed})
           continue
         t_roll = time.perf_counter() - t0
+        orm_m = (orm_lib.apply_orm_rewards(episodes, orm, parts.loop_cfg.rewards, tuple(config.rl.orm_reward_range))
+                 if orm is not None else {})
         batch = collate(episodes, pad_id=parts.tokenizer.pad_id, max_images=config.env.max_turns,
                         image_hw=parts.image_hw, length_multiple=config.length_multiple,
                         batch_size=max(n, len(episodes))).as_dict()
@@ -203,6 +211,7 @@ def main(argv):
         train_tokens = train_m.pop("tokens_trained")
         m = episode_metrics(episodes, tasks, parts.tokenizer, parts.table)
         m.update({f"train/{k}": v for k, v in train_m.items()})
+        m.update(orm_m)
         m.update({f"reward_terms/{k}": v / max(1, len(episodes)) for k, v in stats.reward_terms.items()})
         m.update({f"image_dependence/{k}": v for k, v in image_dep.items() if k not in ("embed", "decisions")})
         m.update({

@@ -142,9 +142,22 @@ def test_staleness_and_masking_rules():
 
 
 # ---- the real thing: inference service + Chromium sandbox, kill -9 mid-rollout -------------------------
-def _chromium_main(server_pid):
-  from test_browser_server import _chromium_main as find
-  return find(server_pid)
+class _KillBeforeStep:
+  """The sandbox client, except that once armed its next `step` first kills -9 the server's Chromium
+  (pid from the server's own health report): a session is then certainly open on the dead browser."""
+
+  def __init__(self, client):
+    self.client, self.armed, self.killed = client, False, None
+
+  def __getattr__(self, name):
+    return getattr(self.client, name)
+
+  async def step(self, sid, text):
+    if self.armed:
+      self.armed = False
+      self.killed = (await self.client.health())["browsers"][0]["pid"]
+      os.kill(self.killed, signal.SIGKILL)
+    return await self.client.step(sid, text)
 
 
 @pytest.mark.slow  # ~50 s: the service compiles, real Chromium is killed and recovers
@@ -159,19 +172,21 @@ def test_real_pool_survives_a_killed_browser_and_accounts_for_every_episode():
       gd, params, tokenizer=TOK, grammar=g, slots=4, context_len=512, max_images=3,
       image_hw=loop_cfg.image_hw, max_new_tokens=max_reply_tokens(g), length_multiple=64, jump_forward=8) as svc:
     async def go():
-      async with SandboxClient(h.url) as c:
+      async with SandboxClient(h.url) as raw:
+        c = _KillBeforeStep(raw)
         pool = RolloutPool(svc, [c], job_groups(["miniwob/click-test", "miniwob/click-test-2"], 4, 2, 0),
                            loop_cfg, TOK, PoolConfig(concurrency=4, min_batch=4, max_staleness=1))
         await pool.start()
         got = []
         for it in range(4):
-          if it == 1:  # kill -9 the sandbox's Chromium while episodes are in flight
-            os.kill(_chromium_main(h.proc.pid), signal.SIGKILL)
+          if it == 1:  # the next step of an episode in flight meets a killed Chromium
+            c.armed = True
           got += await pool.take()
           pool.ledger.check()
           svc.set_params(params, it + 1)
         await pool.close()
-        return pool, got, await c.health()
+        assert c.killed is not None and not c.armed
+        return pool, got, await raw.health()
     pool, got, health = run(go())
   L = pool.ledger
   L.check()

@@ -51,6 +51,12 @@ def sft_section(smoke: bool) -> mlc.ConfigDict:
   sets it per stage."""
   s = mlc.ConfigDict()
   s.data = ()  # trajectory record dirs trained on (tars_jax/data/records.py), e.g. runs/x/demos
+  # continual pre-training (report 2.3, the flywheel's CT set: rejected trajectories): record dirs
+  # trained by next-token loss on all their text tokens (tars_jax/train/ct.py), mixed into `data`
+  s.ct_data = ()
+  # fraction of training batches drawn from `ct_data` (a fixed interleaving, data/pipeline.py `mix`);
+  # 0 = plain SFT, 1 = CT only (then `data` stays empty); ct_data and ct_ratio > 0 go together
+  s.ct_ratio = 0.0
   s.heldout = ()  # record dirs of held-out examples: their loss every `eval_every` steps
   s.steps = 4 if smoke else 1500
   s.max_minutes = 3.0 if smoke else 15.0  # stop (and checkpoint) after this much training (evaluations not counted)
@@ -83,6 +89,82 @@ def data_section(smoke: bool) -> mlc.ConfigDict:
   d.grounding_heldout_seeds = 2 if smoke else 8  # pages per task for held-out examples
   d.grounding_seed_offset = 3_000_000  # training pages; held-out pages from offset + 1e6
   return d
+
+
+def orm_section(smoke: bool) -> mlc.ConfigDict:
+  """The `orm` section: the generative outcome reward model (experiments/orm.py, tars_jax/rl/orm.py;
+  report sections 2.5.2 and 3.3); experiments/configs/orm.py sets it for its runs."""
+  o = mlc.ConfigDict()
+  o.data = ()  # record dirs of verifier-labelled trajectories (rollouts, demos): label = Episode.success
+  o.heldout = ()  # record dirs of held-out trajectories; () = `heldout_fraction` of data's (task, seed) groups
+  o.heldout_fraction = 0.2
+  o.screenshots = 5  # the last k turns keep their screenshot (report: 5); older turns as text
+  o.max_tokens = 1024  # prompt + answer tokens; over it older turns / screenshots are left out; 0 = no bound
+  o.question = "Did the agent complete the task? Answer yes or no."
+  o.answers = ("yes", "no")  # (success, failure) answers; the score compares their first tokens
+  # the records' thoughts (True) or emptied ones (False: demonstrations have templated thoughts and
+  # the policy writes none, which the ORM would otherwise learn instead of the outcome)
+  o.thoughts = False
+  o.steps = 6 if smoke else 600
+  o.max_minutes = 3.0 if smoke else 15.0  # training time (evaluations not counted)
+  o.batch_size = 4 if smoke else 16  # half successes, half failures (classes balanced by sampling)
+  o.lr = 1e-3
+  o.warmup_steps = 2 if smoke else 30
+  o.final_lr_fraction = 0.1
+  o.log_every = 1 if smoke else 10
+  o.eval_every = 3 if smoke else 200  # held-out F1 / precision / recall / FPR; 0 = at the end only
+  o.eval_examples = 16 if smoke else 512  # held-out episodes scored (a fixed sample)
+  o.ckpt_every = 3 if smoke else 100
+  return o
+
+
+def flywheel_section(smoke: bool) -> mlc.ConfigDict:
+  """The `flywheel` section: the data flywheel (experiments/flywheel.py, tars_jax/data/flywheel.py; report
+  section 2.3); experiments/configs/flywheel.py sets it for its runs."""
+  f = mlc.ConfigDict()
+  # Iteration 0's policy: a run dir with checkpoints (an SFT or PPO stage, e.g. runs/main/ppo, or one of
+  # its step dirs <run>/checkpoints/<step>); "" = the fresh init of `seed`.
+  f.init = ""
+  f.iterations = 2 if smoke else 3
+  # --- generate: k = seeds_per_task x samples_per_seed samples per task of `tasks` per iteration, through
+  # the training rollout path (sampled at sampling.temperature); seeds from seed_offset on, apart from
+  # training (0+), demonstrations (2e6+), grounding (3e6+), value pretraining (5e6+) and evaluation (1e7+)
+  f.seeds_per_task = 2 if smoke else 64
+  f.samples_per_seed = 2
+  f.seed_offset = 6_000_000
+  # --- validate: the verifiers (environment reward: MiniWoB++, games, desktop checks, browse answers), or
+  # an ORM run (experiments/orm.py; tars_jax/rl/orm.py) with V = 1[P(yes) > orm_threshold]
+  f.orm_run = ""
+  f.orm_threshold = 0.5
+  f.skip_corrupt = False  # a corrupt staged sample: raise with file and index (False) or skip and count it
+  # --- route: the sets start from these record dirs (the report's bootstrap sets, e.g. the main job's
+  # runs/main/demos and runs/main/grounding/data/train); generated samples accumulate in
+  # <workdir>/data/sft (V = 1) and <workdir>/data/ct (V = 0)
+  f.sft_base = ()
+  f.ct_base = ()
+  # --- CT every ct_every-th iteration (t % ct_every == 0; 0 = never): the CT set mixed into the SFT set,
+  # ct_ratio of the batches from CT (sft.ct_data / sft.ct_ratio; CT alone while the SFT set is empty).
+  # The report runs CT less often than SFT and RL.
+  f.ct_every = 1 if smoke else 2
+  f.ct_ratio = 0.5
+  f.ct_steps = 1 if smoke else 200
+  f.ct_lr = 3e-4
+  # --- SFT on the accumulated SFT set, from the previous stage's weights (skipped while the set is empty)
+  f.sft_steps = 1 if smoke else 300
+  f.sft_lr = 3e-4
+  # --- RL (experiments/train.py) from the SFT weights, a short budget per iteration; training seeds of
+  # iteration t from (t - 1) * rl_seed_stride (none repeats across iterations); value pretraining of the
+  # critic under the SFT policy first (rl.algo 'ppo' only)
+  f.rl_iterations = 1 if smoke else 15
+  f.rl_minutes = 2.0 if smoke else 3.0
+  f.rl_seed_stride = 100_000
+  f.value_pretrain = not smoke
+  # --- held-out evaluation of each iteration's policy (experiments/eval.py): episodes per task of
+  # `tasks`; eval_init: iteration 0's policy too (row 0 of the table; needs `init`)
+  f.eval_episodes = 2 if smoke else 100
+  f.eval_init = not smoke
+  f.stage_timeout_min = 30.0 if smoke else 24 * 60.0  # a stage running longer is killed (the driver stops)
+  return f
 
 
 def get_config(arg: str | None = None) -> mlc.ConfigDict:
@@ -250,6 +332,13 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.rl.overlong_weight = 0.0  # DAPO soft overlong thought penalty (0 = off)
   c.rl.overlong_max_tokens = 0
   c.rl.overlong_buffer = 0
+  # Outcome reward from a generative ORM instead of the verifier (tars_jax/rl/orm.py; report 2.5.2):
+  # an experiments/orm.py run dir; its P(yes) replaces each episode's outcome term by
+  # lo + P(yes) * (hi - lo), (lo, hi) = orm_reward_range, the verifier's (failure, success) rewards
+  # (MiniWoB: -1 / +1). "" = the verifier's reward. The verifier's outcome is still logged
+  # (success_rate, rollout/verifier_success) beside the ORM's (orm/*).
+  c.rl.orm_run = ""
+  c.rl.orm_reward_range = (-1.0, 1.0)
 
   c.policy = mlc.ConfigDict()
   # Initial policy: a run dir (its latest checkpoint, e.g. an experiments/sft.py run) or one of its
@@ -327,4 +416,6 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.vpt = vpt_section(smoke=arg == "smoke")
   c.sft = sft_section(smoke=arg == "smoke")
   c.data = data_section(smoke=arg == "smoke")
+  c.flywheel = flywheel_section(smoke=arg == "smoke")
+  c.orm = orm_section(smoke=arg == "smoke")
   return c

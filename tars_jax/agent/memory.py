@@ -112,6 +112,23 @@ def strip_vision(ids: Sequence[int], tok: ByteTokenizer) -> list[int]:
   return out
 
 
+def turns_length(mode: list[str], full_len: list[int], text_len: list[int]) -> int:
+  """Tokens of the turns in a context: turn j costs full_len[j] shown "full", text_len[j] as "text",
+  nothing "dropped"."""
+  return sum(full_len[j] if m == "full" else text_len[j] if m == "text" else 0 for j, m in enumerate(mode))
+
+
+def shrink_oldest(mode: list[str]) -> bool:
+  """One step of leaving history out of a context, in place: the oldest text-only turn is dropped, else
+  the oldest turn with a screenshot becomes text-only. Returns False when every turn is dropped already
+  (the caller then cuts something else or gives up). mode: per turn, "full" | "text" | "dropped"."""
+  for old, new in (("text", "dropped"), ("full", "text")):
+    if old in mode:
+      mode[mode.index(old)] = new
+      return True
+  return False
+
+
 def build_context(ep: Episode, obs_ids: Sequence[int], image: np.ndarray, *, cfg: MemoryConfig,
                   tok: ByteTokenizer, system: str) -> tuple[list[int], list[np.ndarray], Context]:
   """The prompt of the next reply of `ep` (module docstring): (ids, screenshots in IMAGE-block order,
@@ -140,18 +157,13 @@ def build_context(ep: Episode, obs_ids: Sequence[int], image: np.ndarray, *, cfg
     return prompts.encode_episode_prefix(tok, ep.instruction, system, memory=ep.memory[mem_drop:])
 
   def length() -> int:
-    turns = sum(full_len[j] if m == "full" else text_len[j] if m == "text" else 0 for j, m in enumerate(mode))
-    return len(prefix_ids()) + turns + len(obs_ids)
+    return len(prefix_ids()) + turns_length(mode, full_len, text_len) + len(obs_ids)
 
   budget = cfg.max_context_tokens - cfg.reserve_tokens if cfg.max_context_tokens else None
   while budget is not None and length() > budget:
-    text = [j for j, m in enumerate(mode) if m == "text"]
-    full = [j for j, m in enumerate(mode) if m == "full"]
-    if text:
-      mode[text[0]] = "dropped"
-    elif full:
-      mode[full[0]] = "text"
-    elif mem_drop < n_mem:
+    if shrink_oldest(mode):
+      continue
+    if mem_drop < n_mem:
       mem_drop += 1
     else:
       raise ContextBudgetError(length(), budget)

@@ -18,6 +18,9 @@ first, as smaller batches (collate pads the rows up to its `batch_size`), or are
 drop_remainder. So each epoch yields every episode of the share exactly once (no duplicate within
 a batch), and an epoch has at most n_buckets smaller batches.
 
+`mix` interleaves several such streams by weight (an SFT and a continual-pretraining set, the
+trainer experiments/sft.py), as `(name, batch)` pairs, its state holding each stream's.
+
 Resuming: the iterator's `get_state()` is a small JSON-able dict (the stream position and the stream
 positions of the waiting episodes); `set_state` on a fresh iterator of the same pipeline re-reads the
 waiting episodes and continues with exactly the batches the saved run would have produced.
@@ -25,6 +28,7 @@ waiting episodes and continues with exactly the batches the saved run would have
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import grain
@@ -180,3 +184,73 @@ def batches(ds: grain.MapDataset, *, seed: int, batch_size: int, collate_fn: Cal
   return LengthBucketBatchIterDataset(share, batch_size=batch_size, length_multiple=length_multiple,
                                       drop_remainder=drop_remainder, read_options=read_options,
                                       epoch_length=epoch_length, fingerprint=fingerprint).map(collate_fn)
+
+
+MIX_STATE_VERSION = 1
+
+
+def _tag(name: str, element) -> tuple[str, Any]:
+  return name, element
+
+
+class _MixIterDataset(grain.IterDataset):
+  """grain's `IterDataset.mix` of named sources whose iterator state also records the weights (a
+  state saved with other weights is refused: the same position would name other batches)."""
+
+  def __init__(self, parent: grain.IterDataset, weights: dict[str, float]):
+    super().__init__(parent)
+    self.weights = weights
+
+  def __iter__(self) -> "_MixIterator":
+    return _MixIterator(self._parent.__iter__(), self.weights)
+
+  def __str__(self) -> str:
+    return f"MixIterDataset(weights={self.weights})"
+
+
+class _MixIterator(grain.DatasetIterator):
+
+  def __init__(self, parent: grain.DatasetIterator, weights: dict[str, float]):
+    super().__init__(parent)
+    self._weights = weights
+
+  def __next__(self):
+    return next(self._parent)
+
+  def get_state(self) -> dict[str, Any]:
+    return {"mix_version": MIX_STATE_VERSION, "weights": dict(self._weights), "mix": self._parent.get_state()}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    if "mix_version" not in state:
+      raise ValueError(f"iterator state of an unmixed stream, this pipeline mixes {self._weights}")
+    if state["mix_version"] != MIX_STATE_VERSION:
+      raise ValueError(f"mix state version {state['mix_version']}, this code reads {MIX_STATE_VERSION}")
+    if state["weights"] != self._weights:
+      raise ValueError(f"iterator state of another mix: weights {state['weights']} saved, {self._weights} here")
+    self._parent.set_state(state["mix"])
+
+
+def mix(sources: dict[str, grain.IterDataset], weights: dict[str, float]) -> grain.IterDataset:
+  """`(name, element)` pairs drawn from named endless sources (e.g. `batches(...)` of an SFT and a CT
+  set) in proportion to `weights`; sources of weight 0 are left out.
+
+  The draw is grain's `IterDataset.mix`: a fixed, evenly spread interleaving, not a random one (weights
+  0.75 / 0.25: every fourth element from the second source), so any window of n elements holds each
+  source's share up to about one element (grain scales the weights to integers, the smallest to 100:
+  a share is met to within 1% of itself).
+  Resuming: the iterator's state is {"mix_version", "weights", "mix": grain's state (the mix position and
+  each source's own state, by name)}; set_state raises ValueError for a state of other weights. With a
+  single source left, its own dataset is returned, tagged (its state is that source's, as before any
+  mixing: checkpoints of unmixed runs resume).
+
+  Raises: ValueError for weights < 0, all 0, or names that differ from the sources'.
+  """
+  if set(sources) != set(weights):
+    raise ValueError(f"sources {sorted(sources)} and weights {sorted(weights)} name different datasets")
+  if any(w < 0 for w in weights.values()) or not any(w > 0 for w in weights.values()):
+    raise ValueError(f"mix weights must be >= 0 and not all 0, got {weights}")
+  tagged = {k: sources[k].map(functools.partial(_tag, k)) for k, w in weights.items() if w > 0}
+  if len(tagged) == 1:
+    return next(iter(tagged.values()))
+  kept = {k: float(weights[k]) for k in tagged}
+  return _MixIterDataset(grain.IterDataset.mix(tagged, kept), kept)

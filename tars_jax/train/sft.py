@@ -4,7 +4,8 @@ UI-TARS-2 never starts RL from scratch: the policy is first trained by cross-ent
 and grounding data (report sections 2.3-2.4, "cold start"), then its critic is pretrained (2.5.4), then
 PPO runs. This module holds the pure parts of that stage: turning a recorded episode into the token
 view the policy is trained on (`prepare`), the loss, and the jitted update. The trainer is
-`experiments/sft.py`.
+`experiments/sft.py`, which also mixes in continual pre-training on all text tokens of the
+flywheel's CT set (`train/ct.py`).
 
 Loss: cross-entropy of the model-written tokens (`loss_mask` = reply bytes and their EOS; never the
 prompt, observation or image tokens) under the run's grammar: the log-softmax is taken over the tokens

@@ -1,0 +1,68 @@
+r"""Generative outcome reward model (ORM; UI-TARS-2 report sections 2.5.2 and 3.3, issue #28 item 4):
+train the policy's model to answer "Did the agent complete the task?" on verifier-labelled
+trajectories, measure it on held-out ones (F1, precision, recall, false-positive rate), then train PPO
+with its rewards only and compare held-out success with the same run on the verifier's rewards.
+
+The ORM has the pipeline's model, prompt and grammar (experiments/configs/miniwob_pipeline.py) and
+starts from its SFT policy (the report's ORM is the policy model itself). Commands, after the main job
+(`bash scripts/demo.sh`: runs/main/{sft,demos,ppo}):
+
+  # 1. the verifier arm; its rollouts (recorded by default: <run>/rollouts) are labelled trajectories
+  python -m experiments.train --config experiments/configs/orm.py:ppo_verifier --workdir runs/orm/ppo_verifier
+  # 2. the ORM: rollouts (successes and failures) + demonstrations (successes); 20 % of the (task, seed)
+  #    groups held out; table printed and written to runs/orm/orm/orm.json
+  python -m experiments.orm --config experiments/configs/orm.py --workdir runs/orm/orm \
+      --config.orm.data="('runs/orm/ppo_verifier/rollouts','runs/main/ppo/rollouts','runs/main/demos')"
+  # 3. the ORM arm: the same PPO run, rewards from the ORM's P(yes) only
+  python -m experiments.train --config experiments/configs/orm.py:ppo_orm --workdir runs/orm/ppo_orm \
+      --config.rl.orm_run=runs/orm/orm
+  # 4. held-out success of both arms (200 seeds never trained on)
+  python -m experiments.eval --run runs/orm/ppo_verifier --episodes 200 --json runs/orm/eval_verifier.json
+  python -m experiments.eval --run runs/orm/ppo_orm --episodes 200 --json runs/orm/eval_orm.json
+
+  # tiny versions of each (tests): "+smoke" appended, e.g.
+  python -m experiments.orm --config experiments/configs/orm.py:+smoke --workdir /tmp/orm \
+      --config.orm.data="('/tmp/records',)"
+
+The two PPO arms differ only in `rl.orm_run`: GRPO (4 episodes per screen) on `miniwob/click-test-2`
+from the SFT policy, the same seeds, iterations and budget. GRPO, not critic PPO: a critic pretrained
+on the verifier's returns would carry them into the ORM arm, and a group baseline makes the ORM's
+calibration offset (its high false-positive rate shifts every P(yes) up) irrelevant: only the order of
+a group's episodes matters.
+
+Args (`ARGS`): "" = the ORM stage (experiments/orm.py); "ppo_orm" / "ppo_verifier" = the two PPO arms
+(experiments/train.py); "+smoke" appended (or "smoke" = "+smoke") = tiny model and budgets.
+"""
+
+import ml_collections as mlc
+
+from experiments.configs import miniwob_pipeline
+
+STAGES = ("", "ppo_orm", "ppo_verifier")
+ARGS = (*STAGES, *(s + "+smoke" for s in STAGES), "smoke")
+
+
+def get_config(arg: str | None = None) -> mlc.ConfigDict:
+  arg = "+smoke" if arg == "smoke" else arg
+  stage, smoke = miniwob_pipeline.stage_arg(arg, STAGES)
+  c = miniwob_pipeline.get_config("+smoke" if smoke else "")
+  sft = "" if smoke else "runs/main/sft"  # the main job's SFT policy (scripts/demo.sh)
+
+  # --- The ORM stage (experiments/orm.py): from the SFT policy, which already reads the screens ----
+  c.policy.init = sft
+  o = c.orm
+  o.data = () if smoke else ("runs/orm/ppo_verifier/rollouts", "runs/main/ppo/rollouts", "runs/main/demos")
+  o.lr = 1e-3 if smoke else 3e-4  # fine-tuning a trained policy
+
+  # --- The two PPO arms: GRPO from the SFT policy on click-test-2 (SFT alone: ~0.72 held-out) ------
+  if stage in ("ppo_orm", "ppo_verifier"):
+    c.tasks = ("miniwob/click-test-2",)
+    c.rl.algo, c.rl.group_size = "grpo", 4
+    c.critic.init = ""
+    # the same number of updates in both arms (the ORM's forward pass costs the ORM arm time)
+    c.iterations = 2 if smoke else 30
+    c.max_minutes = 3.0 if smoke else 30.0
+    c.eval_every = 0 if smoke else 10
+    c.eval_episodes = 2 if smoke else 32
+    c.rl.orm_run = ("runs/orm_smoke/orm" if smoke else "runs/orm/orm") if stage == "ppo_orm" else ""
+  return c

@@ -1,0 +1,111 @@
+"""Continual pre-training (CT) on trajectory records: next-token loss on every text token.
+
+In the UI-TARS-2 data flywheel (report sections 2.3-2.4) the trajectories the validator rejects
+(V = 0) are not thrown away: they go to the CT set, and the model is retrained CT -> SFT -> RL on the
+grown sets, CT "emphasizing broad knowledge acquisition" and SFT the verified replies; "during both CT
+and SFT, agent-specific data is mixed with general-purpose data" (2.3). This module holds the pure
+parts of CT; the trainer is `experiments/sft.py` (`sft.ct_data`, `sft.ct_ratio`), which mixes CT
+batches into the SFT stream.
+
+What CT trains on: the whole token view of a recorded episode (`trajectory.collate`), as language
+modelling: the prefix (system prompt, instruction, episodic memory), every observation's text and the
+chat template's structure tokens (TURN_START / TURN_END, VISION_START / VISION_END), and the replies
+as they were written — never the IMAGE placeholder tokens (they stand for pixels, whose features the
+vision tower splices in; the screenshots are context only) and never padding (`text_mask`).
+
+Loss: cross-entropy under the full-vocabulary softmax at every position, replies included, not the
+grammar-constrained one of SFT (`sft.loss_and_metrics`). Three reasons: (1) CT is pre-training, the
+likelihood of the sequence under the model's own distribution, and observation text has no grammar,
+so one distribution for all positions keeps the loss a proper next-token log-likelihood; (2) CT
+trajectories are the rejected ones, whose replies may be invalid actions the grammar does not accept
+(a target the grammar forbids has log-prob -1e9 under the constrained softmax, and `sft.prepare`
+refuses such replies outright); (3) what the policy samples is still grammar-constrained, so the
+extra mass CT moves onto grammar-illegal tokens never reaches an action. Token-mean over the batch's
+text tokens (as `sft.loss_and_metrics` takes the mean over reply tokens).
+
+Replies are kept as recorded (`prepare`): the ids the model wrote, thoughts included whatever
+`sft.thoughts` says (CT learns what was written; the thought choice is about the SFT target).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from tars_jax.agent.tokenizer import ByteTokenizer
+from tars_jax.agent.trajectory import Episode
+from tars_jax.rl import losses
+from tars_jax.train import ppo
+
+
+def prepare(ep: Episode, *, tokenizer: ByteTokenizer) -> Episode:
+  """A recorded episode as CT trains on it: each turn's `reply_ids` as recorded (what the model wrote,
+  an unparseable reply included), or — for a record written with text only (no ids) — its text's
+  bytes + EOS; grammar states and behaviour log-probs 0 (unused: full-vocabulary softmax), per-token
+  staleness masks of streaming rollouts dropped (CT trains every text token).
+
+  Returns a new Episode (the input is not modified).
+  """
+  turns = []
+  for t in ep.turns:
+    ids = list(t.reply_ids) if len(t.reply_ids) or not t.text else tokenizer.encode(t.text) + [tokenizer.eos_id]
+    turns.append(dataclasses.replace(t, reply_ids=ids, states=np.zeros(len(ids), np.int32),
+                                     logprobs=np.zeros(len(ids), np.float32), loss_mask=None, versions=None))
+  return dataclasses.replace(ep, turns=turns)
+
+
+def text_mask(tokens, attn_mask, image_id: int) -> np.ndarray:
+  """The CT loss mask of a collated batch, in target alignment (`trajectory.Batch`).
+
+  tokens: [B, T] int32, attn_mask: [B, T] bool (True on real tokens).
+  Returns [B, T-1] float32: 1 where target token j+1 is a real token and not an IMAGE placeholder
+  (the prefix after BOS, observation text and structure tokens, reply tokens), 0 on image slots and
+  padding.
+  """
+  tokens, attn_mask = np.asarray(tokens), np.asarray(attn_mask)
+  target, real = tokens[:, 1:], attn_mask[:, 1:]
+  return (real & (target != image_id)).astype(np.float32)
+
+
+def with_text_mask(batch: dict, image_id: int) -> dict:
+  """A collated batch dict plus its `text_mask` [B, T-1] float32 (the key `loss_and_metrics` reads;
+  `loss_mask`, the reply tokens, is kept as it is)."""
+  return dict(batch, text_mask=text_mask(batch["tokens"], batch["attn_mask"], image_id))
+
+
+def loss_and_metrics(graphdef, params, batch: dict, hp: ppo.PPOHparams, aux_coef: float):
+  """(loss, metrics): token-mean full-vocabulary cross-entropy over `batch["text_mask"]` +
+  aux_coef * MoE load-balance loss (module docstring).
+
+  batch: a collated `trajectory.Batch` dict with `text_mask` [B, T-1] float32 (`with_text_mask`).
+  metrics (float32 scalars): ct_ce (per CT text token, nats), ct_acc (arg-max = target on text
+  tokens), ct_tokens (text tokens), ct_aux.
+  """
+  out = nnx.merge(graphdef, params)(batch["tokens"], ppo._positions(batch["tokens"], batch["attn_mask"], hp),
+                                    batch["attn_mask"], batch["pixel_values"], batch["image_mask"])
+  logp_all = losses.masked_log_softmax(out.logits[:, :-1])  # float32, every token of the vocabulary
+  target = batch["tokens"][:, 1:]
+  logp = jnp.take_along_axis(logp_all, target[..., None], axis=-1)[..., 0]
+  mask = batch["text_mask"]
+  n = jnp.maximum(mask.sum(), 1.0)
+  ce = -(logp * mask).sum() / n
+  acc = ((jnp.argmax(logp_all, -1) == target) * mask).sum() / n
+  return ce + aux_coef * out.aux_loss, {"ct_ce": ce, "ct_acc": acc, "ct_tokens": mask.sum(), "ct_aux": out.aux_loss}
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "opt", "hp", "aux_coef"))
+def train_step(params, opt_state, batch: dict, *, graphdef, opt, hp: ppo.PPOHparams, aux_coef: float):
+  """One CT update (same optimiser and state as `sft.train_step`). Returns (params, opt_state,
+  metrics of `loss_and_metrics` + ct_loss, ct_grad_norm): every name `ct_`-prefixed, so a log row
+  can hold an SFT and a CT step's metrics side by side."""
+  (loss, m), g = jax.value_and_grad(
+      lambda p: loss_and_metrics(graphdef, p, batch, hp, aux_coef), has_aux=True)(params)
+  updates, opt_state = opt.update(g, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state, dict(m, ct_loss=loss, ct_grad_norm=optax.global_norm(g))
+

@@ -40,7 +40,6 @@ import contextlib
 import json
 import logging as std_logging
 import os
-import re
 import subprocess
 import sys
 import time
@@ -48,6 +47,7 @@ import time
 from absl import app, flags
 from ml_collections import config_flags
 
+from experiments.flywheel_parts import config_spec, format_table, forwarded_overrides, pct
 from tars_jax.data import flywheel as fw_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiments/configs/flywheel.py[:arg].",
@@ -122,27 +122,6 @@ def generate_stage(config, root: str, t: int, policy_run: str) -> fw_lib.Iterati
 # ------------------------------------------------------------------------------------------------------
 # The driver.
 # ------------------------------------------------------------------------------------------------------
-
-def forwarded_overrides(argv: list[str]) -> list[str]:
-  """The `--config.<field>` overrides of a command line, as `--config.<field>=<value>` strings."""
-  out, i = [], 0
-  while i < len(argv):
-    a = argv[i]
-    if a.startswith("--config."):
-      if "=" in a:
-        out.append(a)
-      elif i + 1 < len(argv):
-        out.append(f"{a}={argv[i + 1]}")
-        i += 1
-    i += 1
-  return out
-
-
-def config_spec(spec: str) -> str:
-  """`path.py[:arg]` with the path made absolute (stages run from the repository root)."""
-  m = re.fullmatch(r"(.*?\.py)(:.*)?", spec)
-  return os.path.abspath(m.group(1)) + (m.group(2) or "") if m else spec
-
 
 def _tuple(xs) -> str:
   return repr(tuple(str(x) for x in xs))
@@ -324,7 +303,7 @@ def main(argv):
 
   from experiments import plot
   png = plot.flywheel_plot(root)
-  summary = ", ".join(f"{r['iteration']}: {_pct(r.get('v1_fraction'))}" for r in rows if r["iteration"])
+  summary = ", ".join(f"{r['iteration']}: {pct(r.get('v1_fraction'))}" for r in rows if r["iteration"])
   say(f"done: {fw.iterations} iterations | V=1 fraction by iteration {summary} | table: "
       f"{os.path.join(root, 'flywheel.json')} | plot: {png} | policy: {prev} (checkpoints/) | sets: "
       f"{sets['sft']}, {sets['ct']}")
@@ -356,28 +335,6 @@ def _write(root: str, rows: list[dict], tasks: list[str], spec: str) -> None:
   with open(tmp, "w") as f:
     json.dump({"config": spec, "tasks": tasks, "rows": rows}, f, indent=1)
   os.replace(tmp, os.path.join(root, "flywheel.json"))
-
-
-def _pct(x) -> str:
-  return "-" if x is None else f"{x:.3f}"
-
-
-def format_table(rows: list[dict], tasks: list[str]) -> str:
-  """The flywheel table: a line per iteration (samples, verdicts, V = 1 fraction, set sizes after the
-  iteration, stages, held-out success per task)."""
-  short = [t.split("/")[-1] for t in tasks]
-  head = (f"{'iter':>4s} {'samples':>7s} {'V=1':>5s} {'V=0':>5s} {'lost':>4s} {'V=1 frac':>8s} {'SFT set':>7s} "
-          f"{'CT set':>6s}  {'stages':26s}" + "".join(f" {s[:14]:>14s}" for s in short))
-  lines = [head, "-" * len(head)]
-  for r in rows:
-    if r["iteration"] == 0:
-      lines.append(f"{0:4d} {'':7s} {'':5s} {'':5s} {'':4s} {'':8s} {'':7s} {'':6s}  {'initial policy':26s}"
-                   + "".join(f" {_pct(r['heldout'].get(t)):>14s}" for t in tasks))
-      continue
-    lines.append(f"{r['iteration']:4d} {r['generated']:7d} {r['v1']:5d} {r['v0']:5d} {r['lost']:4d} "
-                 f"{_pct(r['v1_fraction']):>8s} {r['sft_set']:7d} {r['ct_set']:6d}  {','.join(r['stages']):26s}"
-                 + "".join(f" {_pct(r.get('heldout', {}).get(t)):>14s}" for t in tasks))
-  return "\n".join(lines)
 
 
 if __name__ == "__main__":

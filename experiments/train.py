@@ -140,7 +140,7 @@ def main(argv):
           service, clients, pool_lib.job_groups(tasks, n, config.rl.group_size, config.env.train_seed_offset,
                                                 start_iter), parts.loop_cfg, parts.tokenizer,
           pool_lib.PoolConfig(concurrency=conc, min_batch=r.min_batch or n, max_staleness=r.max_staleness,
-                              stale=r.stale), episodic=episodic)
+                              stale=r.stale, max_failed_in_a_row=r.max_failed_in_a_row), episodic=episodic)
       loop.run_until_complete(pool.start())
 
     # Training time over the run's processes (checkpoint metadata): `max_minutes` bounds it, so a re-run

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from array_record.python import array_record_module
 
-from experiments import flywheel as driver
+from experiments import flywheel_parts as driver
 from experiments import plot
 from tars_jax.agent.prompts import ChatTemplate
 from tars_jax.agent.trajectory import Episode, Turn

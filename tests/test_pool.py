@@ -22,7 +22,8 @@ from tars_jax.agent.trajectory import Episode, Turn, episode_arrays
 from tars_jax.models import Policy
 from tars_jax.rollout.agent_loop import LoopConfig
 from tars_jax.rollout.inference_server import InferenceService, Reply, max_reply_tokens
-from tars_jax.rollout.pool import PoolConfig, RolloutPool, job_groups, mask_stale_tokens, staleness
+from tars_jax.rollout.pool import (PoolConfig, RolloutPool, SandboxesUnreachable, job_groups, mask_stale_tokens,
+                                   staleness)
 
 from _shared import TINY_CFG, run
 
@@ -118,6 +119,35 @@ def test_accounting_over_many_takes_with_losses_and_staleness():
   for task, seed, _ in seen:
     per_seed.setdefault(seed, set()).add(task)
   assert all(len(v) == 1 for v in per_seed.values())
+
+
+class _DownSandbox(_ScriptedSandbox):
+  """A fleet that is down: every open fails with a retryable error (as a dead server's ConnectError)."""
+
+  async def open(self, task, seed, data_mode="train"):
+    await asyncio.sleep(0)
+    raise P.SessionLost("connection refused")
+
+
+def test_a_fleet_that_is_down_stops_the_pool_instead_of_retrying_forever():
+  rng = np.random.default_rng(0)
+  cfg = LoopConfig(max_turns=3, image_hw=(8, 8), n_img_tokens=2, max_retries=2)
+
+  async def go():
+    pool = RolloutPool(_ScriptedService(rng), [_DownSandbox(rng, 0.0)], job_groups(["t/a"], 4, 2, 0), cfg, TOK,
+                       PoolConfig(concurrency=4, min_batch=4, max_failed_in_a_row=6))
+    await pool.start()
+    with pytest.raises(SandboxesUnreachable, match=r"failed all 3 attempts .*last: SessionLost: connection refused"):
+      await pool.take()
+    await pool.close()
+    return pool.ledger
+
+  L = run(go())
+  L.check()
+  # stopped at the first finished group past 6 failures in a row: 6 failed, and no more than a
+  # pool-full (4) of episodes started after the limit was reached
+  assert L.taken == 0 and 6 <= L.failed <= 8 and L.started <= L.failed + 4
+  assert L.lost_attempts == 3 * L.failed and L.retried == 2 * L.failed
 
 
 def _episode(versions_per_turn, reward=1.0):

@@ -226,6 +226,7 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.rollout.min_batch = 0  # episodes per update; 0 = env.num_sessions
   c.rollout.max_staleness = 1  # policy versions a token may lag the trained policy
   c.rollout.stale = "drop"  # "drop": a too-stale episode is dropped and counted; "mask": its old tokens
+  c.rollout.max_failed_in_a_row = 16  # episodes failing every attempt in a row: the fleet is down, stop
   c.rollout.slots = 0  # KV-cache slots of the inference service; 0 = concurrency
   c.rollout.context_len = 0  # cache positions per slot; 0 = Parts.context_capacity()
 

@@ -52,17 +52,25 @@ STALE_MODES = ("drop", "mask")
 class PoolConfig:
   """concurrency: episodes in flight (a multiple of the group size is best); min_batch: episodes per
   `take` (whole groups, so a take may return a few more); max_staleness: versions a token may lag the
-  current policy at `take`; stale: 'drop' (the episode) or 'mask' (its too-old tokens)."""
+  current policy at `take`; stale: 'drop' (the episode) or 'mask' (its too-old tokens);
+  max_failed_in_a_row: episodes in a row that failed every attempt (no episode finished between them)
+  after which the pool stops with `SandboxesUnreachable` instead of starting more forever (0 = never)."""
   concurrency: int
   min_batch: int
   max_staleness: int = 1
   stale: str = "drop"
+  max_failed_in_a_row: int = 16
 
   def __post_init__(self):
     if self.stale not in STALE_MODES:
       raise ValueError(f"stale must be one of {STALE_MODES}, got {self.stale!r}")
-    if self.concurrency < 1 or self.min_batch < 1 or self.max_staleness < 0:
+    if self.concurrency < 1 or self.min_batch < 1 or self.max_staleness < 0 or self.max_failed_in_a_row < 0:
       raise ValueError(f"concurrency, min_batch >= 1 and max_staleness >= 0 needed, got {self}")
+
+
+class SandboxesUnreachable(RuntimeError):
+  """`PoolConfig.max_failed_in_a_row` episodes in a row failed every attempt: the sandbox fleet is down
+  or refusing, and retrying more episodes would only grow the failure count."""
 
 
 @dataclasses.dataclass
@@ -191,6 +199,8 @@ class RolloutPool:
     self._error: BaseException | None = None
     self._next: list[tuple[str, int]] | None = None  # the next group, pulled from `jobs` when room frees
     self._n_started = 0
+    self._failed_in_a_row = 0  # episodes that failed every attempt since the last one that finished
+    self._last_loss = ""  # the cause of the latest lost attempt, for SandboxesUnreachable
 
   async def start(self) -> None:
     """Fills the pool to `concurrency` episodes, as tasks of the running event loop."""
@@ -224,6 +234,12 @@ class RolloutPool:
       self._changed.set()
       return
     kept = [e for e in eps if not e.lost]
+    self._failed_in_a_row = 0 if kept else self._failed_in_a_row + len(group)
+    limit = self.pool.max_failed_in_a_row
+    if limit and self._failed_in_a_row >= limit and self._error is None:
+      self._error = SandboxesUnreachable(
+          f"{self._failed_in_a_row} episodes in a row failed all {self.cfg.max_retries + 1} attempts "
+          f"(PoolConfig.max_failed_in_a_row={limit}); last: {self._last_loss}")
     self.ledger.running -= len(group)
     self.ledger.failed += len(group) - len(kept)
     self.ledger.queued += len(kept)
@@ -243,6 +259,7 @@ class RolloutPool:
           raise
         self.ledger.lost_attempts += 1
         self.stats.episodes_lost += 1
+        self._last_loss = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
         logging.warning("episode %s/%d lost (attempt %d): %s: %s", task, seed, attempt, type(e).__name__,
                         getattr(e, "reason", e))
         if attempt < self.cfg.max_retries:

@@ -49,6 +49,7 @@ from ml_collections import config_flags
 
 from experiments.flywheel_parts import config_spec, format_table, forwarded_overrides, pct
 from tars_jax.data import flywheel as fw_lib
+from tars_jax.data import records
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiments/configs/flywheel.py[:arg].",
                                           lock_config=True)
@@ -79,10 +80,11 @@ def generate_stage(config, root: str, t: int, policy_run: str) -> fw_lib.Iterati
   gen = os.path.join(iter_dir(root, t), "generate")
   samples = os.path.join(gen, "samples")
   t0 = time.time()
-  if not fw_lib.committed(samples, "samples"):
+  validator = "orm" if fw.orm_run else "verifier"
+  if not records.prefix_committed(samples, "samples"):
     import jax
     from envs_bridge.launch import env_fleet
-    from tars_jax.data import records
+    from tars_jax.rollout import evaluation
     from tars_jax.train import state as state_lib
     jax.config.update("jax_default_matmul_precision", config.matmul_precision)
     parts = state_lib.build(config)
@@ -97,19 +99,20 @@ def generate_stage(config, root: str, t: int, policy_run: str) -> fw_lib.Iterati
     jobs = fw_lib.sample_jobs(list(config.tasks), fw.seeds_per_task, fw.samples_per_seed, t, fw.seed_offset,
                               config.env.eval_seed_offset)
     with env_fleet(config.env) as (loop, clients):
-      eps = fw_lib.generate(loop, pol.act, clients, jobs, parts.loop_cfg, parts.tokenizer, sessions=n, version=t - 1)
+      eps = evaluation.play(loop, pol.act, clients, jobs, parts.loop_cfg, parts.tokenizer, sessions=n, version=t - 1,
+                            progress="flywheel samples")
     p_yes = None
     if fw.orm_run:
-      from tars_jax.rl import orm  # the ORM validator (issue #28 item 2), only when asked for
+      from tars_jax.rl import orm  # the ORM validator (issue #28 item 4), only when asked for
       scorer = orm.OrmScorer.from_run(fw.orm_run)  # under the ORM run's own config.json (model, prompt)
       v, p_yes = fw_lib.orm_verdicts(eps, scorer, fw.orm_threshold)
     else:
       v = fw_lib.verify(eps)
     meta = records.DatasetMeta.for_model(parts.image_hw, parts.loop_cfg.n_img_tokens, parts.tokenizer)
-    fw_lib.write_samples(samples, eps, v, meta, iteration=t, validator="orm" if fw.orm_run else "verifier",
+    fw_lib.write_samples(samples, eps, v, meta, iteration=t, validator=validator,
                          policy=src, p_yes=p_yes)
   counts = fw_lib.route_records(samples, root, t, skip_corrupt=fw.skip_corrupt)
-  out = dict(counts.as_dict(), validator="orm" if fw.orm_run else "verifier", policy=policy_run,
+  out = dict(counts.as_dict(), validator=validator, policy=policy_run,
              seconds=time.time() - t0)
   with open(os.path.join(gen, "counts.json"), "w") as f:
     json.dump(out, f, indent=1)

@@ -277,8 +277,7 @@ def _record_rollouts(directory: str, iteration: int, episodes, parts) -> None:
   policy version = the episodes' own). An iteration replayed after a resume is identical to the one a
   killed run already committed (resume is deterministic), so a committed prefix is kept, not rewritten."""
   prefix = f"iter_{iteration:06d}"
-  if os.path.exists(os.path.join(directory, records.INDEX_FILE)) and any(
-      sh["file"].startswith(prefix + "-") for sh in records.read_index(directory)["shards"]):
+  if records.prefix_committed(directory, prefix):
     return
   meta = records.DatasetMeta.for_model(parts.image_hw, parts.loop_cfg.n_img_tokens, parts.tokenizer)
   with records.RecordWriter(directory, meta, prefix=prefix) as w:

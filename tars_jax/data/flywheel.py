@@ -3,7 +3,7 @@
 
 In iteration t the current policy (the previous iteration's RL model; iteration 1: the run given as
 `flywheel.init`) samples k trajectories per task through the normal rollout path
-(`rollout.evaluation.play` = `agent_loop.run_episodes`). A validation function V scores each one:
+(`rollout.evaluation.play` = `agent_loop.run_episodes`, called by experiments/flywheel.py). A validation function V scores each one:
 
   verifier  V = 1 when the environment's own check passed: `Episode.success` (done with a positive raw
             reward: MiniWoB++'s reward, a game's verifier, a desktop task's check, a GUI-Browsing
@@ -185,27 +185,11 @@ def sample_jobs(tasks: Sequence[str], seeds_per_task: int, samples_per_seed: int
   return [(task, first + j) for task in tasks for j in range(seeds_per_task) for _ in range(samples_per_seed)]
 
 
-def generate(loop, act, clients, jobs, loop_cfg, tok, *, sessions: int, version: int,
-             progress: str | None = "flywheel samples") -> list[Episode]:
-  """The samples of `jobs` through the training rollout path (`evaluation.play`), in job order, lost
-  ones included (flagged); `version` = the sampling policy's version (recorded in every token)."""
-  from tars_jax.rollout import evaluation  # jax-free import of this module for the routing logic
-  return evaluation.play(loop, act, clients, jobs, loop_cfg, tok, sessions=sessions, version=version,
-                         progress=progress)
-
-
 # ---------------------------------------------------------------------------------------------- records
 
 def prefix(iteration: int) -> str:
   """Shard prefix of iteration t in the accumulated sets: 'iter_0000t'."""
   return f"iter_{iteration:05d}"
-
-
-def committed(directory: str, pfx: str) -> bool:
-  """Whether `directory`'s dataset.json lists shards of prefix `pfx` (a writer of it has closed)."""
-  if not os.path.exists(os.path.join(directory, records.INDEX_FILE)):
-    return False
-  return any(s["file"].startswith(pfx + "-") for s in records.read_index(directory)["shards"])
 
 
 def write_samples(directory: str, episodes: Sequence[Episode], v: Sequence[int], meta: records.DatasetMeta, *,
@@ -262,8 +246,8 @@ def route_records(samples_dir: str, root: str, iteration: int, *, skip_corrupt: 
   meta = records.load_meta(samples_dir)
   pfx = prefix(iteration)
   for name, idx in (("sft", sft), ("ct", ct)):
-    d = os.path.join(root, "data", name)
-    if not idx or committed(d, pfx):
+    d = set_dirs(root)[name]
+    if not idx or records.prefix_committed(d, pfx):
       continue
     with records.RecordWriter(d, meta, prefix=pfx) as w:
       for i in idx:

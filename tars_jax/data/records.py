@@ -251,6 +251,14 @@ def read_index(directory: str) -> dict:
   return index
 
 
+def prefix_committed(directory: str, prefix: str) -> bool:
+  """Whether `directory`'s dataset.json lists shards of writer prefix `prefix` (a `RecordWriter` with
+  that prefix has closed there); False for a directory without a dataset.json."""
+  if not os.path.exists(os.path.join(directory, INDEX_FILE)):
+    return False
+  return any(s["file"].startswith(prefix + "-") for s in read_index(directory)["shards"])
+
+
 def load_meta(dirs: str | Sequence[str]) -> DatasetMeta:
   """The one DatasetMeta of one or several dataset directories.
 

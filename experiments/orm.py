@@ -50,6 +50,7 @@ from tqdm import tqdm
 from tars_jax.data import records
 from tars_jax.rl import orm as orm_lib
 from tars_jax.train import checkpoint as ckpt
+from tars_jax.train.guard import Guard
 from tars_jax.train import sft
 from tars_jax.train import state as state_lib
 from tars_jax.train.metrics import MetricsWriter
@@ -112,11 +113,10 @@ def main(argv):
             "heldout": {"episodes": len(held), "successes": sum(x["label"] for x in held)}}
 
   mngr = ckpt.manager(workdir, config.keep_checkpoints, cleanup_tmp=True)
-  start, spent_min = 0, 0.0
+  start = 0
   if mngr.latest_step() is not None:
     start, state, meta = ckpt.restore(mngr, state)
-    spent_min = float(meta.get("minutes", 0.0))
-    print(f"[orm] resumed from {mngr.directory}/{start} ({spent_min:.1f} min of training spent)")
+    print(f"[orm] resumed from {mngr.directory}/{start}")
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(config.to_json_best_effort(indent=2))
   writer = MetricsWriter(workdir, resume_step=start)
@@ -142,7 +142,7 @@ def main(argv):
     dropped = {k: sum(p.dropped[k] for p in ps) for k in ("screenshots", "turns", "instruction_chars")}
     return batch, dropped
 
-  eval_s = 0.0  # time spent in evaluate(): not counted against `max_minutes`
+  guard = Guard("orm", o.max_minutes, o.steps, "step")  # evaluations not counted against it
 
   def score(params, sample, ds) -> np.ndarray:
     scorer.params = params
@@ -151,7 +151,6 @@ def main(argv):
 
   def evaluate(params, full: bool) -> dict[str, dict]:
     """{row name: classification_metrics}: 'heldout' (and with full: per task, per source, 'train')."""
-    nonlocal eval_s
     t0 = time.time()
     rows = {}
     if held:
@@ -166,7 +165,7 @@ def main(argv):
     if full:
       rows["train (sample)"] = orm_lib.classification_metrics(score(params, train_sample, data),
                                                                [x["label"] for x in train_sample])
-    eval_s += time.time() - t0
+    guard.exclude(time.time() - t0)
     return rows
 
   def flat(m: dict, prefix: str) -> dict[str, float]:
@@ -177,8 +176,8 @@ def main(argv):
   # ----------------------------------------------------------------------------------------------
   t_start, step, last = time.time(), start, {}
 
-  def minutes() -> float:  # training time of the run over its processes, evaluations excluded
-    return spent_min + (time.time() - t_start - eval_s) / 60
+  def minutes() -> float:  # training time of this process, evaluations excluded
+    return guard.minutes()
 
   log_step, t_log = start, time.perf_counter()
   params, opt_state = state["policy"], state["policy_opt"]
@@ -187,11 +186,10 @@ def main(argv):
   try:
     if start == 0 and o.eval_every and held:  # the starting model, for the before / after comparison
       writer.write(0, flat(evaluate(params, full=False)["heldout"], "heldout"))
-    budget_ended = False
+    tripped = False
     while step < o.steps:
-      if minutes() > o.max_minutes:
-        print(f"[orm] training budget of {o.max_minutes} min reached at step {step}")
-        budget_ended = True
+      if guard.tripped():
+        tripped = True
         break
       batch, dropped = make_batch(step)
       params, opt_state, m = step_fn(params, opt_state, batch, None)
@@ -215,7 +213,9 @@ def main(argv):
       bar.update(1)
     if step > start:
       ckpt.save_at_stop(mngr, step, dict(state, policy=params, policy_opt=opt_state),
-                        {"iteration": step, "minutes": minutes()}, budget_ended=budget_ended)
+                        {"iteration": step, "minutes": minutes()})
+    if tripped:
+      raise guard.error(step)
     rows = evaluate(params, full=True)  # the final model, on every held-out episode of the sample
     if "heldout" in rows and step > start:  # (a re-run of a finished run only prints the table again)
       writer.write(step, flat(rows["heldout"], "heldout"))

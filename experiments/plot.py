@@ -157,6 +157,55 @@ def plot_sweep(runs: list[dict], out: str, k: int = 5) -> str:
   return out
 
 
+REPLICATION_PANELS = (("eval/success", "held-out success (mean over tasks)"), ("success_rate", "training success"),
+                      ("explore/entropy_free", "entropy per free decision (nats)"),
+                      ("train/explained_variance", "value explained variance"),
+                      ("train/value_return_corr", "corr(value, return)"), ("think_tokens", "think tokens per turn"))
+
+
+def plot_replication(workdir: str, runs: list[str], out: str) -> str | None:
+  """Curves of the replication suite (experiments/replicate.py): per variant, mean +- std over its
+  seeds at the iterations every seed logged, of each REPLICATION_PANELS metric some run logged;
+  "eval/success" is the mean over tasks of the in-training held-out evaluation. `runs`: names
+  "<variant>/seed_<s>" under `workdir` (those without metrics yet are left out). Returns `out`, or None
+  when no run has metrics."""
+  by_variant: dict[str, list[list[dict]]] = {}
+  for name in runs:
+    rows = read_metrics(os.path.join(workdir, name))
+    for r in rows:
+      ev = [v for k, v in r.items() if k.startswith("eval/") and k.endswith("/success")]
+      if ev:
+        r["eval/success"] = float(np.mean(ev))
+    if rows:
+      by_variant.setdefault(name.split("/")[0], []).append(rows)
+  panels = [(k, t) for k, t in REPLICATION_PANELS
+            if any(k in r for rs in by_variant.values() for rows in rs for r in rows)]
+  if not panels:
+    return None
+  fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.8), squeeze=False)
+  for ax, (key, title) in zip(axes[0], panels):
+    for ci, (variant, rs) in enumerate(sorted(by_variant.items())):
+      per_x: dict[int, list[float]] = {}
+      for rows in rs:
+        for r in rows:
+          if key in r:
+            per_x.setdefault(int(r.get("episodes_total", r["step"])), []).append(float(r[key]))
+      xs = sorted(x for x, v in per_x.items() if len(v) == len(rs))
+      if not xs:
+        continue
+      ys = np.array([per_x[x] for x in xs])
+      mean, std = ys.mean(1), ys.std(1)
+      ax.plot(xs, mean, label=f"{variant} ({len(rs)})", color=f"C{ci}", marker="o" if len(xs) < 8 else None)
+      ax.fill_between(xs, mean - std, mean + std, alpha=0.2, color=f"C{ci}")
+    ax.set(title=title, xlabel="training episodes")
+  axes[0][0].legend(fontsize=8)
+  fig.suptitle("replication suite: mean +- std over training seeds")
+  fig.tight_layout()
+  fig.savefig(out, dpi=100)
+  plt.close(fig)
+  return out
+
+
 def _series(rows: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
   """(steps, values) of the rows that have `key`."""
   xs = [(r["step"], r[key]) for r in rows if key in r]

@@ -15,9 +15,9 @@ state of `state.Parts.init_state` (policy trained, critic untouched), so experim
 read a PPO run. Every `sft.eval_every` steps: held-out loss on `sft.heldout` records (grounding
 accuracy of the policy's own sampled clicks / answers on held-out grounding examples) and the success
 of the policy's own actions on `sft.eval_episodes` held-out seeds of each task in `config.tasks`.
-`sft.max_minutes` bounds the training time (compiles included, evaluations not), so a stage's updates
-do not depend on how long its evaluations take; the time is summed over resumed processes (checkpoint
-metadata), so a re-run of a stage that its budget ended makes no more updates.
+The budget is `sft.steps` updates; `sft.max_minutes` only guards a process against a hung or far too
+slow host (evaluations not counted): it checkpoints and stops the stage with a non-zero exit naming the
+step reached (tars_jax/train/guard.py), and the same command continues from there.
 
 Continual pre-training (report 2.3, the data flywheel's CT set of rejected trajectories):
 `sft.ct_data` names CT record dirs and `sft.ct_ratio` the fraction of batches drawn from them. A CT
@@ -59,6 +59,7 @@ from tars_jax.analysis.image_dependence import image_dependence
 from tars_jax.data import grounding, pipeline, records
 from tars_jax.rollout import evaluation
 from tars_jax.train import checkpoint as ckpt
+from tars_jax.train.guard import Guard
 from tars_jax.train import ct, sft
 from tars_jax.train import state as state_lib
 from tars_jax.train.metrics import MetricsWriter, episode_metrics
@@ -138,12 +139,11 @@ def main(argv):
   data_iter = iter(train_ds)
 
   mngr = ckpt.manager(workdir, config.keep_checkpoints, cleanup_tmp=True)
-  start, spent_min = 0, 0.0
+  start = 0
   if mngr.latest_step() is not None:
     start, state, meta = ckpt.restore(mngr, state)
     data_iter.set_state(meta["data_state"])
-    spent_min = float(meta.get("minutes", 0.0))  # checkpoints written before the field: no time spent
-    print(f"[sft] resumed from {mngr.directory}/{start} ({spent_min:.1f} min of training spent)")
+    print(f"[sft] resumed from {mngr.directory}/{start}")
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(config.to_json_best_effort(indent=2))
   writer = MetricsWriter(workdir, resume_step=start)
@@ -152,10 +152,9 @@ def main(argv):
         f"{', '.join(s.data) or '-'}{ct_note} | held-out: {len(heldout)} episodes | thoughts: {s.thoughts}")
   eval_fn = functools.partial(sft.eval_metrics, graphdef=parts.policy_gd, hp=parts.hparams)
 
-  eval_s = 0.0  # time spent in evaluate(): not counted against the training budget `max_minutes`
+  guard = Guard("sft", s.max_minutes, s.steps, "step")  # evaluations not counted against it
 
   def evaluate(params, step: int) -> dict[str, float]:
-    nonlocal eval_s
     t0 = time.time()
     m: dict[str, float] = {}
     if heldout_batches:
@@ -185,7 +184,7 @@ def main(argv):
       done = [e for e in ev if not e.lost]  # what the policy writes: think length (thoughts variant)
       if done:
         m["eval/think_tokens"] = episode_metrics(done, list(config.tasks), tok, parts.table)["think_tokens"]
-    eval_s += time.time() - t0
+    guard.exclude(time.time() - t0)
     return m
 
   # ----------------------------------------------------------------------------------------------
@@ -193,8 +192,8 @@ def main(argv):
   # ----------------------------------------------------------------------------------------------
   t_start, step, last = time.time(), start, {}
 
-  def minutes() -> float:  # training time of the run over its processes, evaluations excluded
-    return spent_min + (time.time() - t_start - eval_s) / 60
+  def minutes() -> float:  # training time of this process, evaluations excluded
+    return guard.minutes()
 
   log_step, t_log = start, time.perf_counter()
   window: dict[str, dict] = {}  # source -> metrics of its latest step since the last log row
@@ -205,11 +204,10 @@ def main(argv):
       # the starting policy, for the before / after comparison (a policy.init run was measured at the
       # end of the run it comes from)
       writer.write(0, evaluate(params, 0))
-    budget_ended = False
+    tripped = False
     while step < s.steps:
-      if minutes() > s.max_minutes:
-        print(f"[sft] training budget of {s.max_minutes} min reached at step {step}")
-        budget_ended = True
+      if guard.tripped():
+        tripped = True
         break
       source, batch = next(data_iter)
       params, opt_state, window[source] = steps[source](params, opt_state, batch)
@@ -233,8 +231,9 @@ def main(argv):
       bar.update(1)
     if step > start:
       ckpt.save_at_stop(mngr, step, dict(state, policy=params, policy_opt=opt_state),
-                        {"iteration": step, "data_state": data_iter.get_state(), "minutes": minutes()},
-                        budget_ended=budget_ended)
+                        {"iteration": step, "data_state": data_iter.get_state(), "minutes": minutes()})
+    if tripped:
+      raise guard.error(step)
     if s.eval_every and step % s.eval_every and step > start:  # the final policy, measured once more
       last = evaluate(params, step)
       writer.write(step, last)

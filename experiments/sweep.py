@@ -24,7 +24,6 @@ and shapes, so later runs load compiled programs. Exit code 1 if any run failed 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import importlib.util
 import json
 import os
 import subprocess
@@ -32,6 +31,9 @@ import sys
 import time
 
 from absl import app, flags
+
+from experiments.configs import load_config
+from tars_jax.train import checkpoint as ckpt
 
 _CONFIG = flags.DEFINE_string("config", None, "Config file path (variants are its args).")
 _VARIANTS = flags.DEFINE_list("variants", None, "Config args to compare, e.g. ppo,grpo.")
@@ -43,14 +45,6 @@ _PARALLEL = flags.DEFINE_integer("parallel", 1, "Runs at once (each launches its
 _TIMEOUT = flags.DEFINE_float("run_timeout_min", 24 * 60.0, "Kill a run stage after this many minutes.")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def load_config(path: str, arg: str):
-  """`get_config(arg)` of a config file (as ml_collections' config_flags loads it)."""
-  spec = importlib.util.spec_from_file_location("_sweep_cfg", path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod.get_config(arg)
 
 
 def _truthy(v: str) -> bool:
@@ -102,11 +96,9 @@ def plan(config: str, variants: list[str], seeds: list[int], suffix: str, overri
 
 
 def finished(run_dir: str, iterations: int) -> bool:
-  """True when the run dir holds a complete Orbax checkpoint at step >= `iterations` (Orbax renames a
-  step's temporary directory to the bare step number only once the save is complete)."""
-  ckpts = os.path.join(run_dir, "checkpoints")
-  steps = [int(n) for n in os.listdir(ckpts) if n.isdigit()] if os.path.isdir(ckpts) else []
-  return bool(steps) and max(steps) >= iterations
+  """True when the run dir holds a complete Orbax checkpoint at step >= `iterations`."""
+  step = ckpt.latest_complete(run_dir)
+  return step is not None and step >= iterations
 
 
 def _execute(run: dict, timeout_min: float, cache_dir: str | None = None) -> dict:

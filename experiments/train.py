@@ -48,6 +48,7 @@ from tars_jax.rollout import pool as pool_lib
 from tars_jax.rollout.agent_loop import RolloutStats, run_episodes, trainable
 from tars_jax.rollout.jobs import group_ids, rollout_jobs
 from tars_jax.train import checkpoint as ckpt
+from tars_jax.train.guard import Guard
 from tars_jax.train import state as state_lib
 from tars_jax.train import ppo
 from tars_jax.train.metrics import MetricsWriter, episode_metrics
@@ -91,7 +92,7 @@ def main(argv):
   # KL reference = the initial policy (rebuilt from the seed / policy.init on resume: never changes).
   ref_params = jax.tree.map(jnp.copy, state["policy"]) if parts.hparams.kl_coef > 0 else None
   mngr = ckpt.manager(workdir, config.keep_checkpoints, cleanup_tmp=True)
-  start_iter, spent_min = 0, 0.0
+  start_iter = 0
   critic_init = config.critic.init
   if critic_init and mngr.latest_step() is None:  # a resumed run has its own (trained) critic
     state = state_lib.load_critic(state, critic_init, parts.copt)
@@ -99,8 +100,7 @@ def main(argv):
   if mngr.latest_step() is not None:
     step, state, meta = ckpt.restore(mngr, state)
     start_iter = int(meta.get("iteration", step))
-    spent_min = float(meta.get("minutes", 0.0))  # checkpoints written before the field: no time spent
-    print(f"[train] resumed from {mngr.directory}/{step} (iteration {start_iter}, {spent_min:.1f} min spent)")
+    print(f"[train] resumed from {mngr.directory}/{step} (iteration {start_iter})")
   if dist.is_main():  # the run's files have one writer (process 0); Orbax checkpoints run on all
     with open(os.path.join(workdir, "config.json"), "w") as f:
       f.write(config.to_json_best_effort(indent=2))
@@ -143,19 +143,20 @@ def main(argv):
                               stale=r.stale, max_failed_in_a_row=r.max_failed_in_a_row), episodic=episodic)
       loop.run_until_complete(pool.start())
 
-    # Training time over the run's processes (checkpoint metadata): `max_minutes` bounds it, so a re-run
-    # of a run its budget ended makes no more iterations.
+    # The budget is `iterations`; `max_minutes` only guards this process against a hung or far too slow
+    # host (tars_jax/train/guard.py): it checkpoints and stops the run loudly.
+    guard = Guard("train", config.max_minutes, config.iterations, "iteration")
+
     def minutes() -> float:
-      return spent_min + (time.time() - t_start) / 60
+      return guard.minutes()
 
     bar = tqdm(total=config.iterations, initial=start_iter, desc=config.rl.algo, unit="it", dynamic_ncols=True,
                disable=not dist.is_main())
-    budget_ended = False
+    tripped = False
     try:
       for it in range(start_iter, config.iterations):
-        if minutes() > config.max_minutes:
-          print(f"[train] wall-clock budget of {config.max_minutes} min reached at iteration {it}")
-          budget_ended = True
+        if guard.tripped():
+          tripped = True
           break
         t0 = time.perf_counter()
         if pool is not None:
@@ -256,14 +257,15 @@ def main(argv):
       else:
         it = config.iterations
       if it > start_iter:
-        ckpt.save_at_stop(mngr, it, state, {"iteration": it, "episodes": it * n, "minutes": minutes()},
-                          budget_ended=budget_ended)
+        ckpt.save_at_stop(mngr, it, state, {"iteration": it, "episodes": it * n, "minutes": minutes()})
     finally:
       bar.close()
       if pool is not None:  # episodes in flight are not trained: a resumed run starts new ones
         loop.run_until_complete(pool.close())
         service.close()
       writer.close()
+  if tripped:
+    raise guard.error(it)
   if dist.is_main():  # the one-line summary
     print(f"[train] done: {it} iterations in {(time.time() - t_start) / 60:.1f} min | "
           f"checkpoints: {mngr.directory} (latest {mngr.latest_step()}) | "

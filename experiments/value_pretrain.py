@@ -12,8 +12,8 @@ latest checkpoint of the run dir `vpt.policy_run`. Writes <workdir>/critic (Orba
 config.json and value_pretrain.json (why it stopped, final metrics).
 
 Resumable: every `vpt.ckpt_every` iterations the critic, its optimiser state and the stop rule's streak
-go to <workdir>/checkpoints; a re-run continues from the latest one with the budget (`vpt.max_minutes`)
-that was left. Iteration `it` samples with keys and shuffles minibatches with an rng derived from
+go to <workdir>/checkpoints; a re-run continues from the latest one (`vpt.max_minutes` is a guard of one
+process, tars_jax/train/guard.py: tripped, it checkpoints and exits non-zero). Iteration `it` samples with keys and shuffles minibatches with an rng derived from
 (seed, it) alone, so a resumed run makes the updates an uninterrupted one makes.
 """
 
@@ -24,7 +24,6 @@ import logging
 import os
 import signal
 import sys
-import time
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -37,6 +36,7 @@ from tars_jax.agent.trajectory import collate
 from tars_jax.rollout.agent_loop import RolloutStats, run_episodes, trainable
 from tars_jax.rollout.jobs import rollout_jobs
 from tars_jax.train import checkpoint as ckpt
+from tars_jax.train.guard import Guard
 from tars_jax.train import ppo
 from tars_jax.train import state as state_lib
 from tars_jax.train import value_pretrain as vpt
@@ -73,11 +73,11 @@ def main(argv):
   hp = vpt.pretrain_hparams(parts.hparams, v.value_clip if v.value_clip > 0 else None)
   rule = vpt.StopRule(v.stop_value_loss, v.stop_explained_variance, v.patience)
   mngr = ckpt.manager(workdir, cleanup_tmp=True)
-  start, streak, spent_min = 0, 0, 0.0
+  start, streak = 0, 0
   if mngr.latest_step() is not None:
     start, state, meta = ckpt.restore(mngr, state)
-    streak, spent_min = int(meta["streak"]), float(meta["minutes"])
-    print(f"[vpt] resumed at iteration {start} ({spent_min:.1f} min spent) from {mngr.directory}")
+    streak = int(meta["streak"])
+    print(f"[vpt] resumed at iteration {start} from {mngr.directory}")
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(config.to_json_best_effort(indent=2))
   writer = MetricsWriter(workdir, resume_step=start)  # drops rows a killed run wrote after its checkpoint
@@ -86,18 +86,22 @@ def main(argv):
   # ----------------------------------------------------------------------------------------------
   # Rollouts of the fixed policy -> critic updates until the stop rule holds.
   # ----------------------------------------------------------------------------------------------
-  def minutes() -> float:  # training time of this run, over its resumed processes
-    return spent_min + (time.time() - t_start) / 60
+  # The budget is `vpt.max_iterations` (or the stop rule); `vpt.max_minutes` only guards this process
+  # against a hung or far too slow host: it checkpoints and stops loudly (tars_jax/train/guard.py).
+  guard = Guard("vpt", v.max_minutes, v.max_iterations, "iteration")
+
+  def minutes() -> float:
+    return guard.minutes()
 
   def save(done: int) -> None:
     ckpt.save(mngr, done, state, {"iteration": done, "streak": streak, "minutes": minutes()})
 
   with env_fleet(config.env) as (loop, clients):
-    t_start, done, m = time.time(), start, {}
+    done, m = start, {}
     tasks, n = tuple(config.tasks), config.env.num_sessions
     try:
       # the checks come first: a resumed run whose thresholds or budget were already met does nothing more
-      while done < v.max_iterations and streak < rule.patience and minutes() <= v.max_minutes:
+      while done < v.max_iterations and streak < rule.patience and not guard.tripped():
         it = done
         policy.start_iteration(it)
         rng = np.random.default_rng([config.seed, 7, it])
@@ -127,11 +131,10 @@ def main(argv):
           save(done)
     finally:
       writer.close()
-  reason = ("thresholds" if streak >= rule.patience else "max_minutes" if minutes() > v.max_minutes
-            else "max_iterations")
-  if mngr.latest_step() != done or done > start:
-    ckpt.save_at_stop(mngr, done, state, {"iteration": done, "streak": streak, "minutes": minutes()},
-                      budget_ended=reason == "max_minutes")
+  reason = "thresholds" if streak >= rule.patience else "max_iterations" if done >= v.max_iterations else "guard"
+  ckpt.save_at_stop(mngr, done, state, {"iteration": done, "streak": streak, "minutes": minutes()})
+  if reason == "guard":
+    raise guard.error(done)
   path = ckpt.save_tree(os.path.join(workdir, "critic"), state["critic"])
   summary = {"iterations": done, "stopped_by": reason, "critic": path,
              "final": {k: x for k, x in m.items() if k.startswith("train/")}}

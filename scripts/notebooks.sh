@@ -8,9 +8,12 @@
 # Runs (one smoke sweep serves four notebooks):
 #   $NB_RUNS/ablations/{ppo,grpo,ppo_vpt}/seed_0   experiments/sweep.py, miniwob_ablations.py +smoke (1 iteration)
 #   $NB_RUNS/demos                                 experiments/demos.py (the pipeline's smoke grammar), 2 seeds per task
+#   $NB_RUNS/replication                           experiments/replicate.py +smoke, variant ppo, seed 0 (demos, SFT,
+#                                                  value pretraining, PPO, evaluations)
 # Notebooks -> runs: training_dynamics and trajectories read ppo/seed_0 (metrics, rollouts) and the demos;
 # ablations the sweep; merging interpolates ppo/seed_0 and ppo_vpt/seed_0 (same model) and evaluates 3 α;
-# step_budget evaluates ppo/seed_0 at budgets 1,2,4. Every evaluation uses 2 held-out seeds per task.
+# step_budget evaluates ppo/seed_0 at budgets 1,2,4; replication reads its smoke sweep (one seed: intervals
+# refused) and the committed benchmarks/results/replication.json. Every evaluation uses 2 held-out seeds per task.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
@@ -32,6 +35,10 @@ stamp "demonstrations (2 seeds per task)"
   "$PY" -m experiments.demos --config experiments/configs/miniwob_pipeline.py:+smoke --seeds 2 --out "$RUNS/demos"
   touch "$RUNS/demos/done"; }
 
+stamp "replication suite smoke (ppo, seed 0)"
+"$PY" -m experiments.replicate --workdir "$RUNS/replication" --seeds 0 --variants ppo --suffix +smoke \
+  || { tail -n 40 "$RUNS"/replication/logs/*.log; exit 1; }
+
 PPO=$RUNS/ablations/ppo/seed_0
 run_nb() {  # notebook name, then papermill -p NAME VALUE pairs
   local name=$1; shift
@@ -45,4 +52,5 @@ run_nb ablations -p SWEEP "$RUNS/ablations"
 run_nb step_budget -p RUN "$PPO" -p BUDGETS 1,2,4 -p EPISODES 2 -p JSON "$RUNS/eval_budgets.json" -p RERUN True
 run_nb merging -p CKPT_A "$PPO" -p CKPT_B "$RUNS/ablations/ppo_vpt/seed_0" -y "ALPHAS: [0.0, 0.5, 1.0]" \
   -p EPISODES 2 -p OUT "$RUNS/merge_line"
+run_nb replication -p SWEEP "$RUNS/replication" -p REPS 1000
 stamp "all notebooks ran; executed copies in $RUNS/executed"

@@ -14,6 +14,7 @@ from experiments.configs import miniwob_pipeline
 from tars_jax.agent import prompts
 from tars_jax.agent.trajectory import Episode, Turn, collate
 from tars_jax.data import records
+from tars_jax.train import checkpoint as ckpt
 from tars_jax.train import ppo, sft
 from tars_jax.train.metrics import read_metrics
 from tars_jax.train import state as state_lib
@@ -189,10 +190,10 @@ def test_killed_run_resumes_with_the_same_data_order(parts, tmp_path):
 
 @pytest.mark.slow  # ~2 min: compiles, two sandbox evaluations
 @pytest.mark.browser
-def test_training_budget_excludes_evaluations_and_still_ends_the_run(parts, tmp_path):
-  """`sft.max_minutes` bounds training time after a sandbox evaluation too: the evaluation's own time
-  is left out of the budget (once, in seconds), so a 0.2-minute budget ends a 3 000-step run. The budget
-  is the run's, not the process's: a re-run of the ended run resumes at its last step and makes none."""
+def test_wall_clock_guard_excludes_evaluations_stops_loudly_and_the_same_command_continues(parts, tmp_path):
+  """`sft.max_minutes` guards a process's training time after a sandbox evaluation too (the evaluation's
+  own time is left out): a 0.2-minute guard stops a 3 000-step run with a non-zero exit naming the stage
+  and the step reached, after checkpointing it; the same command again resumes there and makes more."""
   import os
   import subprocess
   eps = [sft.prepare(_episode(parts, REPLIES[:1], seed=s), grammar=parts.grammar, tokenizer=parts.tokenizer,
@@ -204,12 +205,14 @@ def test_training_budget_excludes_evaluations_and_still_ends_the_run(parts, tmp_
          f"--config.sft.data=('{tmp_path / 'data'}',)", "--config.sft.steps=3000", "--config.sft.max_minutes=0.2",
          "--config.sft.eval_every=3000", "--config.sft.eval_episodes=2", "--config.sft.ckpt_every=1000"]
   p = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=900)
-  assert p.returncode == 0, p.stderr[-3000:]
-  assert "training budget of 0.2 min reached" in p.stdout, p.stdout[-2000:]
+  assert p.returncode != 0, p.stdout[-2000:]
+  m = re.search(r"\[sft\] wall-clock guard of 0.2 min tripped at step (\d+) of 3000", p.stderr)
+  assert m, p.stderr[-3000:]
+  ended = int(m.group(1))
   rows = read_metrics(str(tmp_path / "run"))
   assert "eval/miniwob/click-test/success" in rows[0]  # the step-0 evaluation ran before training
-  assert 0 < rows[-1]["step"] < 3000
-  ended = int(re.search(r"\[sft\] done: (\d+) steps", p.stdout).group(1))
+  assert 0 < ended < 3000 and ckpt.manager(str(tmp_path / "run")).latest_step() == ended
   again = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=900)
-  assert again.returncode == 0, again.stderr[-3000:]
-  assert "resumed from" in again.stdout and f"[sft] done: {ended} steps" in again.stdout, again.stdout[-2000:]
+  assert f"resumed from {tmp_path / 'run' / 'checkpoints'}/{ended}" in again.stdout, again.stdout[-2000:]
+  later = int(re.search(r"tripped at step (\d+) of 3000", again.stderr).group(1))
+  assert later > ended and ckpt.manager(str(tmp_path / "run")).latest_step() == later

@@ -56,7 +56,7 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.rl.group_size = 1
   c.rl.minibatch_size = 4 if smoke else 8
   c.iterations = 1 if smoke else 150
-  c.max_minutes = 5.0 if smoke else 60.0
+  c.max_minutes = 30.0 if smoke else 180.0  # guard only (tars_jax/train/guard.py): the budget is the count above
   c.length_multiple = 128
   # MiniWoB's screenshot statistics do not describe game canvases: the processor default
   c.model.image_mean = None

@@ -31,7 +31,7 @@ def vpt_section(smoke: bool) -> mlc.ConfigDict:
   v.enabled = False
   v.policy_run = ""  # run dir whose latest checkpoint is the fixed policy; "" = initial policy
   v.max_iterations = 2 if smoke else 30
-  v.max_minutes = 5.0 if smoke else 20.0
+  v.max_minutes = 30.0 if smoke else 60.0  # guard only (tars_jax/train/guard.py): the budget is max_iterations
   # Stop when `patience` consecutive fresh batches have value loss <= .. and explained var >= ..
   v.stop_value_loss = 0.02
   v.stop_explained_variance = 0.6
@@ -59,7 +59,7 @@ def sft_section(smoke: bool) -> mlc.ConfigDict:
   s.ct_ratio = 0.0
   s.heldout = ()  # record dirs of held-out examples: their loss every `eval_every` steps
   s.steps = 4 if smoke else 1500
-  s.max_minutes = 3.0 if smoke else 15.0  # stop (and checkpoint) after this much training (evaluations not counted)
+  s.max_minutes = 30.0 if smoke else 60.0  # guard only (tars_jax/train/guard.py; evaluations not counted): the budget is `steps`
   s.batch_size = 4 if smoke else 16
   s.lr = 1e-3
   s.warmup_steps = 2 if smoke else 50
@@ -105,8 +105,8 @@ def orm_section(smoke: bool) -> mlc.ConfigDict:
   # the records' thoughts (True) or emptied ones (False: demonstrations have templated thoughts and
   # the policy writes none, which the ORM would otherwise learn instead of the outcome)
   o.thoughts = False
-  o.steps = 6 if smoke else 600
-  o.max_minutes = 3.0 if smoke else 15.0  # training time (evaluations not counted)
+  o.steps = 6 if smoke else 240
+  o.max_minutes = 30.0 if smoke else 60.0  # guard only (evaluations not counted): the budget is `steps`
   o.batch_size = 4 if smoke else 16  # half successes, half failures (classes balanced by sampling)
   o.lr = 1e-3
   o.warmup_steps = 2 if smoke else 30
@@ -156,7 +156,7 @@ def flywheel_section(smoke: bool) -> mlc.ConfigDict:
   # iteration t from (t - 1) * rl_seed_stride (none repeats across iterations); value pretraining of the
   # critic under the SFT policy first (rl.algo 'ppo' only)
   f.rl_iterations = 1 if smoke else 15
-  f.rl_minutes = 2.0 if smoke else 3.0
+  f.rl_minutes = 30.0  # the RL stage's guard (its budget is rl_iterations)
   f.rl_seed_stride = 100_000
   f.value_pretrain = not smoke
   # --- held-out evaluation of each iteration's policy (experiments/eval.py): episodes per task of
@@ -370,8 +370,8 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.distributed.cpu_collectives = "gloo"  # cross-process collectives of CPU runs: "gloo" | "mpi"
 
   # --- Run -----------------------------------------------------------------------------------------
-  c.iterations = 400
-  c.max_minutes = 25.0  # stop training (and checkpoint) after this wall-clock budget
+  c.iterations = 125  # ~4 000 episodes
+  c.max_minutes = 60.0  # guard only (tars_jax/train/guard.py): stops loudly, the budget is `iterations`
   c.ckpt_every = 10
   c.keep_checkpoints = 3
   # every trained episode as a trajectory record in <workdir>/rollouts (tars_jax/data/records.py:
@@ -383,6 +383,8 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   # (env.eval_seed_offset + k), logged as eval/<task>/success; experiments/eval.py does the full one.
   c.eval_every = 25
   c.eval_episodes = 16
+  # Held-out seeds per task of a driver's final evaluation of each run (experiments/replicate.py).
+  c.final_eval_episodes = 200
   # Image dependence of the policy's decisions (tars_jax/analysis/image_dependence.py), measured on
   # the iteration's rollout batch before its update, every this many iterations (iteration 1 = the
   # initial policy; 0 = off): logged as image_dependence/{layer<i>,final,tv,max_dlogit}.
@@ -411,6 +413,7 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
     c.save_trajectories_every = 1
     c.eval_every = 0
     c.eval_episodes = 2
+    c.final_eval_episodes = 2
     c.image_dependence_every = 1
   elif arg not in ("", "ppo"):
     raise ValueError(f"unknown config arg {arg!r}; expected one of {ARGS}")

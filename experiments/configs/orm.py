@@ -61,7 +61,7 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
     c.critic.init = ""
     # the same number of updates in both arms (the ORM's forward pass costs the ORM arm time)
     c.iterations = 2 if smoke else 30
-    c.max_minutes = 3.0 if smoke else 30.0
+    c.max_minutes = 30.0 if smoke else 60.0  # guard only
     c.eval_every = 0 if smoke else 10
     c.eval_episodes = 2 if smoke else 32
     c.rl.orm_run = ("runs/orm_smoke/orm" if smoke else "runs/orm/orm") if stage == "ppo_orm" else ""

@@ -92,14 +92,14 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.sft.steps = 4 if smoke else 1200
   c.sft.batch_size = 4  # episodes of up to 14 turns (14 screenshots each): 16 of them took 19 GB
   c.sft.decay_steps = 0
-  c.sft.max_minutes = 3.0 if smoke else 10.0
+  c.sft.max_minutes = 30.0 if smoke else 60.0  # guard only (tars_jax/train/guard.py): the budget is the count above
   c.sft.lr = 1e-3
   c.sft.eval_every = 0  # measured by experiments/merge_eval.py
   c.sft.heldout = ()
 
   # --- PPO of one vertical from the shared SFT checkpoint --------------------------------------------
-  c.iterations = 2 if smoke else 100
-  c.max_minutes = 2.0 if smoke else 5.0
+  c.iterations = 2 if smoke else 3  # ~1.5 min per iteration of long browsing episodes
+  c.max_minutes = 30.0 if smoke else 60.0  # guard only (tars_jax/train/guard.py): the budget is the count above
   c.rl.minibatch_size = 4  # long episodes, as in SFT
   c.eval_every = 0  # measured by experiments/merge_eval.py
   return c

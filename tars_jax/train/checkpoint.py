@@ -34,16 +34,11 @@ def save(mngr: ocp.CheckpointManager, step: int, state: Any, meta: dict | None =
   mngr.wait_until_finished()
 
 
-def save_at_stop(mngr: ocp.CheckpointManager, step: int, state: Any, meta: dict, *, budget_ended: bool) -> None:
-  """The checkpoint a run that made steps writes when its loop stops at `step`: a new one when the
-  latest is older; when the time budget ended the run and the latest is already `step` (saved on the
-  periodic schedule just before the budget ran out), that one again, so its meta records the time
-  spent at the stop and a re-run of the same command stops at once instead of making one more step."""
-  if mngr.latest_step() == step:
-    if not budget_ended:
-      return
-    mngr.delete(step)
-  save(mngr, step, state, meta)
+def save_at_stop(mngr: ocp.CheckpointManager, step: int, state: Any, meta: dict) -> None:
+  """The checkpoint a run that made steps writes when its loop stops at `step` (its count budget, or
+  its wall-clock guard: tars_jax/train/guard.py): a new one unless the latest is already `step`."""
+  if mngr.latest_step() != step:
+    save(mngr, step, state, meta)
 
 
 def restore(mngr: ocp.CheckpointManager, target: Any, step: int | None = None) -> tuple[int, Any, dict]:
@@ -84,3 +79,12 @@ def restore_tree(path: str, target: Any) -> Any:
     raise FileNotFoundError(f"no checkpoint directory {path}")
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
   return ocp.StandardCheckpointer().restore(path, abstract)
+
+
+def latest_complete(run_dir: str) -> int | None:
+  """The highest complete checkpoint step of a run dir without opening a manager (a driver's "is this
+  stage done" test; Orbax renames a step's temporary directory to the bare step number only once the
+  save is complete), or None without one."""
+  ckpts = os.path.join(run_dir, "checkpoints")
+  steps = [int(n) for n in os.listdir(ckpts) if n.isdigit()] if os.path.isdir(ckpts) else []
+  return max(steps) if steps else None

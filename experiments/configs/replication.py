@@ -1,0 +1,77 @@
+r"""The replication suite (issue #37, docs/replication.md rows 1-5): the report's RL findings tested
+where RL has headroom. SFT from a deliberately limited demonstration budget, then RL variants from the
+same SFT checkpoint of each training seed, every budget a count.
+
+  bash scripts/replicate.sh                                   # runs/replication, 3 seeds, every variant
+  SEEDS=0,1,2,3,4 VARIANTS=ppo,grpo bash scripts/replicate.sh  # more seeds, two variants
+  MOD=smoke RUN=/tmp/rep bash scripts/replicate.sh            # tiny model and budgets (CI)
+
+Stages per training seed `s` (experiments/replicate.py runs them, resumable, skipping finished ones):
+  demos (shared by all seeds) -> sft/seed_s -> vpt/seed_s (variants with value pretraining)
+  -> <variant>/seed_s (RL) -> eval of sft/seed_s and of every <variant>/seed_s on the held-out seeds.
+
+Args: "sft" = the SFT stage (and the demonstration budget); a variant of `VARIANTS` = its RL stage:
+  ppo           critic PPO, decoupled GAE (lam_policy 0.95, lam_critic 1.0), value pretraining first
+  grpo          GRPO, no critic (4 episodes per seed, the same episodes per iteration)
+  ppo_novpt     ppo without value pretraining (the critic starts from its random init)
+  ppo_coupled   ppo with coupled lambda (lam_policy = lam_critic = 0.95)
+  ppo_lenadapt  ppo with length-adaptive lam_policy (VAPO alpha = 0.05)
+  ppo_thoughts  ppo on the SFT stage that kept the templated thoughts (think length logged)
+"+smoke" appended = tiny model and budgets.
+
+Tasks: MiniWoB++ tasks with a scripted expert (tars_jax/data/experts.py); three of them take >= 3 turns
+(enter-text 3, login-user 5, enter-password 5), where credit assignment and the critic matter.
+"""
+
+import ml_collections as mlc
+
+from experiments.configs import miniwob_pipeline
+
+VARIANTS = ("ppo", "grpo", "ppo_novpt", "ppo_coupled", "ppo_lenadapt", "ppo_thoughts")
+STAGES = ("sft", "sft_thoughts", *VARIANTS)
+ARGS = (*STAGES, *(s + "+smoke" for s in STAGES))
+
+TASKS = ("miniwob/click-button", "miniwob/click-link", "miniwob/click-tab", "miniwob/enter-text",
+         "miniwob/login-user", "miniwob/enter-password", "miniwob/click-checkboxes")
+
+
+def get_config(arg: str | None = None) -> mlc.ConfigDict:
+  stage, smoke = miniwob_pipeline.stage_arg(arg or "ppo", STAGES)
+  thoughts = stage in ("sft_thoughts", "ppo_thoughts")
+  c = miniwob_pipeline.get_config(("thoughts" if thoughts else "") + ("+smoke" if smoke else ""))
+  c.tasks = TASKS[:2] if smoke else TASKS
+  c.env.max_turns = 6  # login-user and enter-password take 5 steps
+  c.env.num_sessions = 4 if smoke else 32
+
+  # --- Demonstrations: a limited budget per task (the demonstrations-then-RL setting) ---------------
+  c.final_eval_episodes = 2 if smoke else 100  # held-out seeds per task for every SFT and RL evaluation
+  c.data.demo_tasks = c.tasks
+  c.data.demo_seeds = c.data.demo_seeds_rl_tasks = 2 if smoke else 40  # expert episodes per task (successes kept)
+  c.data.demo_seeds_by_task = ()
+  c.data.demo_max_turns = 7
+
+  # --- SFT on them: an update count, not minutes (max_minutes only guards a hung host) ---------------
+  c.sft.data = ()  # experiments/replicate.py passes the demonstrations' directory
+  c.sft.heldout = ()
+  c.sft.steps = 4 if smoke else 800
+  c.sft.decay_steps = 0
+  c.sft.lr = 3e-3
+  c.sft.eval_every = 0
+  c.sft.eval_episodes = 0
+  c.sft.ckpt_every = 2 if smoke else 200
+  c.sft.max_minutes = 30.0 if smoke else 60.0
+
+  # --- RL from the SFT checkpoint ---------------------------------------------------------------------
+  c.rl.algo, c.rl.group_size = "ppo", 1
+  c.vpt.enabled = stage in ("ppo", "ppo_coupled", "ppo_lenadapt", "ppo_thoughts")
+  c.vpt.max_iterations = 2 if smoke else 10
+  c.iterations = 2 if smoke else 60
+  c.max_minutes = 30.0 if smoke else 60.0
+  c.eval_every = 0
+  if stage == "grpo":
+    c.rl.algo, c.rl.group_size = "grpo", 2 if smoke else 4
+  elif stage == "ppo_coupled":
+    c.rl.lam_policy = c.rl.lam_critic = 0.95
+  elif stage == "ppo_lenadapt":
+    c.rl.length_adaptive_alpha = 0.05
+  return c

@@ -1,0 +1,251 @@
+r"""The replication suite's driver (issue #37): demonstrations -> SFT per training seed -> value
+pretraining -> RL variants from that seed's SFT checkpoint -> held-out evaluation of every checkpoint ->
+result rows, intervals (rliable) and curves. `scripts/replicate.sh` runs it; the config is
+experiments/configs/replication.py.
+
+  python -m experiments.replicate --workdir runs/replication --seeds 0,1,2 \
+      --variants ppo,grpo,ppo_novpt,ppo_coupled,ppo_lenadapt,ppo_thoughts
+  python -m experiments.replicate --workdir /tmp/rep --seeds 0,1,2 --variants ppo,grpo --suffix +smoke
+  python -m experiments.replicate --workdir runs/replication --report   # tables again, nothing run
+
+Layout of the work dir (every stage a normal run dir of its trainer, resumable):
+  replicate.json           the plan: config file, suffix, each stage arg's resolved config (a re-run
+                           with another config is refused, naming the differing fields)
+  demos/                   expert demonstrations (shared by every seed and variant)
+  sft/seed_<s>/            SFT from the demonstrations (sft_thoughts/ for the thoughts variant)
+  vpt/seed_<s>/            value pretraining under that SFT policy (vpt_thoughts/ likewise)
+  <variant>/seed_<s>/      the RL run from sft/seed_<s> (critic from vpt/seed_<s> where the variant
+                           pretrains it)
+  <run>/eval.json          held-out evaluation (final_eval_episodes seeds per task)
+  logs/<stage>.log         stdout + stderr of each stage's process
+  replication.json         result rows {variant, seed, task, episodes, successes} (variant "sft" = the
+                           SFT start; "sft_thoughts" that of ppo_thoughts)
+  summary.md, curves.png   intervals per variant and comparison, curves per variant
+
+Order: the SFT and `ppo` runs of every seed first (the suite's bar), then each further variant on every
+seed. A stage is done when its output exists (sft.json, value_pretrain.json, a complete checkpoint at
+the RL iteration budget, eval.json); a re-run skips done stages and resumes an interrupted one from its
+checkpoint, so no run is counted twice. A failed stage is reported, its dependants skipped, the others
+still run; the exit code is 1 if any failed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from absl import app, flags
+
+from experiments.configs import load_config, load_module
+from tars_jax.train import checkpoint as ckpt
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+THOUGHTS = "ppo_thoughts"
+
+
+class ConfigMismatch(ValueError):
+  """The work dir holds runs of another config."""
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(_flat(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+def resolved(config: str, args: list[str]) -> dict[str, dict]:
+  """{arg: flat dict of its resolved config} (JSON round trip: tuples as lists)."""
+  return {a: _flat(json.loads(load_config(config, a).to_json_best_effort())) for a in args}
+
+
+def check_same(old: dict, new: dict) -> None:
+  """Raises ConfigMismatch naming the differing fields of the stage args both plans hold."""
+  diffs = []
+  for arg in sorted(set(old) & set(new)):
+    for k in sorted(set(old[arg]) | set(new[arg])):
+      if old[arg].get(k, "<absent>") != new[arg].get(k, "<absent>"):
+        diffs.append(f"{arg}: {k} = {old[arg].get(k, '<absent>')!r} there, {new[arg].get(k, '<absent>')!r} now")
+  if diffs:
+    raise ConfigMismatch("the work dir holds runs of another config; use another --workdir. Differing fields: "
+                         + "; ".join(diffs[:12]) + (f" (and {len(diffs) - 12} more)" if len(diffs) > 12 else ""))
+
+
+def sft_name(variant: str) -> str:
+  """The SFT stage (and its row variant) a variant starts from."""
+  return "sft_thoughts" if variant == THOUGHTS else "sft"
+
+
+def plan(config: str, workdir: str, seeds: list[int], variants: list[str], suffix: str) -> list[dict]:
+  """The stages in run order: [{name, argv, done (path that exists once done, or (dir, step)), after
+  (names of the stages it needs), dir}]. Pure: reads the config files, runs nothing."""
+  py, cfg = sys.executable, lambda a: f"{config}:{a}{suffix}"
+  W = lambda *p: os.path.join(workdir, *p)  # noqa: E731
+  stages, have = [], set()
+
+  def add(name, argv, done, after=(), run_dir=None):
+    if name not in have:
+      have.add(name)
+      stages.append({"name": name, "argv": argv, "done": done, "after": list(after), "dir": run_dir})
+
+  def evaluate(run_name, run_dir, arg, after):
+    episodes = load_config(config, arg + suffix).final_eval_episodes
+    add(f"eval/{run_name}", [py, "-m", "experiments.eval", "--run", run_dir, "--episodes", str(episodes),
+                             "--json", os.path.join(run_dir, "eval.json")],
+        os.path.join(run_dir, "eval.json"), [after])
+
+  add("demos", [py, "-m", "experiments.demos", "--config", cfg("sft"), "--out", W("demos")],
+      W("demos", "experts.json"))
+  order = ["ppo"] + [v for v in variants if v != "ppo"] if "ppo" in variants else list(variants)
+  for variant in order:
+    for s in seeds:
+      sft = sft_name(variant)
+      sdir = W(sft, f"seed_{s}")
+      seed = f"--config.seed={s}"
+      add(f"{sft}/seed_{s}", [py, "-m", "experiments.sft", "--config", cfg(sft), seed, "--workdir", sdir,
+                              f"--config.sft.data=('{W('demos')}',)"], os.path.join(sdir, "sft.json"), ["demos"], sdir)
+      evaluate(f"{sft}/seed_{s}", sdir, sft, f"{sft}/seed_{s}")
+      c = load_config(config, variant + suffix)
+      rdir = W(variant, f"seed_{s}")
+      train = [py, "-m", "experiments.train", "--config", cfg(variant), seed, "--workdir", rdir,
+               f"--config.policy.init={sdir}"]
+      after = [f"{sft}/seed_{s}"]
+      if c.vpt.enabled:
+        vname = ("vpt_thoughts" if variant == THOUGHTS else "vpt") + f"/seed_{s}"
+        vdir = W(vname)
+        # value pretraining is the same for every variant of a seed (lam_critic = 1, the SFT policy)
+        add(vname, [py, "-m", "experiments.value_pretrain", "--config", cfg(variant), seed, "--workdir", vdir,
+                    f"--config.vpt.policy_run={sdir}"], os.path.join(vdir, "value_pretrain.json"), after, vdir)
+        train.append(f"--config.critic.init={os.path.join(vdir, 'critic')}")
+        after = after + [vname]
+      add(f"{variant}/seed_{s}", train, (rdir, int(c.iterations)), after, rdir)
+      evaluate(f"{variant}/seed_{s}", rdir, variant, f"{variant}/seed_{s}")
+  return stages
+
+
+def is_done(done) -> bool:
+  if isinstance(done, (tuple, list)):
+    step = ckpt.latest_complete(done[0])
+    return step is not None and step >= done[1]
+  return os.path.exists(done)
+
+
+def execute(stages: list[dict], workdir: str, timeout_min: float) -> dict[str, str]:
+  """Runs the stages not done, in order; {name: "done" | "ran" | "failed (rc N)" | "skipped: needs X"}."""
+  os.makedirs(os.path.join(workdir, "logs"), exist_ok=True)
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(workdir, "jax_cache"))  # same shapes in every run
+  status: dict[str, str] = {}
+  todo = [s for s in stages if not is_done(s["done"])]
+  for st in stages:
+    if is_done(st["done"]):
+      status[st["name"]] = "done"
+  for i, st in enumerate(todo):
+    bad = [a for a in st["after"] if status.get(a, "done") not in ("done", "ran")]
+    if bad:
+      status[st["name"]] = f"skipped: needs {bad[0]}"
+      continue
+    log = os.path.join(workdir, "logs", st["name"].replace("/", "_") + ".log")
+    t0 = time.time()
+    print(f"[replicate] {i + 1}/{len(todo)} {st['name']} (log: {log})", flush=True)
+    with open(log, "a") as f:
+      f.write(f"[replicate] $ {' '.join(st['argv'])}\n")
+      f.flush()
+      try:
+        rc = subprocess.run(st["argv"], cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
+                            timeout=timeout_min * 60).returncode
+      except subprocess.TimeoutExpired:
+        rc = 124
+    ok = rc == 0 and is_done(st["done"])
+    status[st["name"]] = "ran" if ok else f"failed (rc {rc})"
+    print(f"[replicate]   {status[st['name']]} in {(time.time() - t0) / 60:.1f} min", flush=True)
+  return status
+
+
+def collect(stages: list[dict]) -> list[dict]:
+  """Result rows of every finished evaluation: one per (run, task), variant = the run dir's parent name."""
+  rows = []
+  for st in stages:
+    if not st["name"].startswith("eval/") or not is_done(st["done"]):
+      continue
+    variant, seed = st["name"][len("eval/"):].split("/seed_")
+    with open(st["done"]) as f:
+      res = json.load(f)["results"]
+    for task, r in sorted(res.items()):
+      if r["episodes"]:
+        rows.append({"variant": variant, "seed": int(seed), "task": task, "episodes": int(r["episodes"]),
+                     "successes": int(round(r["success"] * r["episodes"]))})
+  return rows
+
+
+def main(argv):
+  del argv
+  from tars_jax.analysis import replication as rep
+  F = flags.FLAGS
+  workdir, config = os.path.abspath(F.workdir), os.path.abspath(F.config)
+  cfg_mod = load_module(config)
+  variants = list(F.variants or cfg_mod.VARIANTS)
+  unknown = [v for v in variants if v not in cfg_mod.VARIANTS]
+  if unknown:
+    raise app.UsageError(f"unknown variants {unknown}; the config has {list(cfg_mod.VARIANTS)}")
+  seeds = [int(s) for s in F.seeds]
+  os.makedirs(workdir, exist_ok=True)
+  stages = plan(config, workdir, seeds, variants, F.suffix)
+  args = sorted({"sft", *(sft_name(v) for v in variants), *variants})
+  conf = resolved(config, [a + F.suffix for a in args])
+  manifest_path = os.path.join(workdir, "replicate.json")
+  old = {}
+  if os.path.exists(manifest_path):
+    with open(manifest_path) as f:
+      old = json.load(f)
+    check_same(old.get("configs", {}), conf)
+  manifest = {"config": config, "suffix": F.suffix, "configs": {**old.get("configs", {}), **conf},
+              "seeds": sorted(set(old.get("seeds", [])) | set(seeds)),
+              "variants": sorted(set(old.get("variants", [])) | set(variants))}
+  with open(manifest_path, "w") as f:
+    json.dump(manifest, f, indent=1)
+
+  status = {} if F.report else execute(stages, workdir, F.stage_timeout_min)
+  rows = collect(stages)
+  with open(os.path.join(workdir, "replication.json"), "w") as f:
+    json.dump(rows, f, indent=1)
+  finished = rep.runs_per_variant(rows)
+  summary = [f"# Replication suite: {workdir}", "",
+             "Finished runs per variant (seeds with a held-out evaluation): "
+             + ", ".join(f"{v} {n}" for v, n in finished.items()), "", rep.report(rows)]
+  with open(os.path.join(workdir, "summary.md"), "w") as f:
+    f.write("\n".join(summary) + "\n")
+  from experiments import plot
+  curves = plot.plot_replication(workdir, [f"{v}/seed_{s}" for v in variants for s in seeds],
+                                 os.path.join(workdir, "curves.png"))
+  print("\n".join(summary))
+  failed = {k: v for k, v in status.items() if v.startswith(("failed", "skipped"))}
+  for k, v in failed.items():
+    print(f"[replicate] {k}: {v}", file=sys.stderr)
+  print(f"[replicate] done: {len(rows)} rows in {workdir}/replication.json | summary.md | "
+        f"{curves or 'no curves yet'} | {len(failed)} stage(s) failed or skipped")
+  if failed:
+    sys.exit(1)
+
+
+def define_flags() -> None:
+  """The command line, defined only when run as a script: importing this module (tests, notebooks)
+  defines no flags that could clash with another script's."""
+  flags.DEFINE_string("config", "experiments/configs/replication.py", "The suite's config file.")
+  flags.DEFINE_string("workdir", None, "Work dir of the suite (created; resumed).", required=True)
+  flags.DEFINE_list("seeds", ["0", "1", "2"], "Training seeds (config.seed of SFT and RL).")
+  flags.DEFINE_list("variants", None, "RL variants (default: the config's VARIANTS).")
+  flags.DEFINE_string("suffix", "", "Appended to every config arg: '+smoke' for tiny budgets.")
+  flags.DEFINE_bool("report", False, "Only collect the rows and write the tables and curves.")
+  flags.DEFINE_float("stage_timeout_min", 180.0, "Kill a stage's process after this many minutes.")
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)

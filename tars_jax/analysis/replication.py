@@ -1,0 +1,177 @@
+"""Statistics of the replication suite (issue #37; docs/replication.md rows 1-5).
+
+Input: result rows `{"variant": "ppo", "seed": 0, "task": "miniwob/...", "episodes": 100, "successes": 57}`
+(variant "sft" = the shared SFT start of that training seed), as written by experiments/replicate.py to
+`<workdir>/replication.json` and committed as benchmarks/results/replication.json.
+
+A run's score on a task is its held-out success rate (successes / episodes). Aggregates follow Agarwal
+et al. 2021 ("Deep RL at the edge of the statistical precipice") through `rliable`: IQM and mean over
+the [training seeds x tasks] score matrix, 95 % stratified bootstrap confidence intervals (runs
+resampled with replacement within each task), and the probability of improvement P(X > Y). The gain
+of an RL variant over its SFT start is the mean of the paired differences (same training seed, same
+task), with its own stratified bootstrap interval. Fewer than `MIN_SEEDS` training seeds: refused.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Iterable, Sequence
+
+import numpy as np
+
+MIN_SEEDS = 3
+FIELDS = ("variant", "seed", "task", "episodes", "successes")
+
+
+class TooFewSeeds(ValueError):
+  """An interval was asked of fewer than MIN_SEEDS training seeds."""
+
+
+class BadRows(ValueError):
+  """Result rows that are malformed, duplicated or do not cover every (seed, task) of a variant."""
+
+
+def load_rows(path: str) -> list[dict]:
+  """Rows of a results JSON (a list of dicts with FIELDS). Raises BadRows (see `check_rows`)."""
+  with open(path) as f:
+    rows = json.load(f)
+  check_rows(rows)
+  return rows
+
+
+def check_rows(rows: Sequence[dict]) -> None:
+  """Raises BadRows for a row without FIELDS, successes outside [0, episodes], or a (variant, seed,
+  task) that occurs twice (a run counted twice)."""
+  seen = set()
+  for r in rows:
+    missing = [k for k in FIELDS if k not in r]
+    if missing:
+      raise BadRows(f"replication row {r} lacks {missing}")
+    if not 0 <= int(r["successes"]) <= int(r["episodes"]) or int(r["episodes"]) <= 0:
+      raise BadRows(f"replication row {r}: successes must lie in [0, episodes] and episodes > 0")
+    key = (r["variant"], int(r["seed"]), r["task"])
+    if key in seen:
+      raise BadRows(f"replication rows hold {key} twice")
+    seen.add(key)
+
+
+def score_matrix(rows: Iterable[dict], variant: str, seeds: Sequence[int] | None = None,
+                 tasks: Sequence[str] | None = None) -> tuple[np.ndarray, list[int], list[str]]:
+  """Success rates of `variant`: ([n_seeds, n_tasks] float64, seeds, tasks), seeds and tasks sorted
+  (or as given). Raises BadRows when a (seed, task) cell has no row, or the variant has no rows."""
+  by = {(int(r["seed"]), r["task"]): r["successes"] / r["episodes"] for r in rows if r["variant"] == variant}
+  if not by:
+    raise BadRows(f"no rows of variant {variant!r}")
+  seeds = sorted({s for s, _ in by}) if seeds is None else list(seeds)
+  tasks = sorted({t for _, t in by}) if tasks is None else list(tasks)
+  missing = [(s, t) for s in seeds for t in tasks if (s, t) not in by]
+  if missing:
+    raise BadRows(f"variant {variant!r} has no result for (seed, task) {missing[:4]}"
+                  + (f" and {len(missing) - 4} more" if len(missing) > 4 else ""))
+  return np.array([[by[(s, t)] for t in tasks] for s in seeds], np.float64), seeds, tasks
+
+
+def _need_seeds(n: int, what: str) -> None:
+  if n < MIN_SEEDS:
+    raise TooFewSeeds(f"{what}: {n} training seed(s); an interval needs at least {MIN_SEEDS} "
+                      f"(run more seeds: experiments/replicate.py --seeds)")
+
+
+def aggregate(scores: np.ndarray, reps: int = 10_000, seed: int = 0) -> dict[str, float]:
+  """IQM and mean of a [n_seeds, n_tasks] score matrix with 95 % stratified bootstrap CIs (rliable).
+
+  Returns {iqm, iqm_lo, iqm_hi, mean, mean_lo, mean_hi, seeds}. Raises TooFewSeeds below MIN_SEEDS.
+  """
+  from rliable import library as rly
+  from rliable import metrics
+  _need_seeds(scores.shape[0], "aggregate")
+  np.random.seed(seed)  # rliable draws its bootstrap from numpy's global generator
+  point, ci = rly.get_interval_estimates(
+      {"x": scores}, lambda x: np.array([metrics.aggregate_iqm(x), metrics.aggregate_mean(x)]), reps=reps)
+  (iqm, mean), ((iqm_lo, mean_lo), (iqm_hi, mean_hi)) = point["x"], ci["x"]
+  return {"iqm": float(iqm), "iqm_lo": float(iqm_lo), "iqm_hi": float(iqm_hi), "mean": float(mean),
+          "mean_lo": float(mean_lo), "mean_hi": float(mean_hi), "seeds": int(scores.shape[0])}
+
+
+def compare(rows: Sequence[dict], x: str, y: str, reps: int = 10_000, seed: int = 0) -> dict[str, float]:
+  """Variant `x` against `y` on the training seeds and tasks both have.
+
+  Returns {diff, diff_lo, diff_hi}: mean over seeds and tasks of the paired difference x - y with its
+  95 % stratified bootstrap CI; {poi, poi_lo, poi_hi}: probability of improvement P(x > y) (rliable,
+  per task, averaged) with its CI; `verdict`: "x better" / "y better" when the difference's CI excludes
+  0, else "inconclusive"; `seeds`, `tasks`. Raises TooFewSeeds, BadRows.
+  """
+  from rliable import library as rly
+  from rliable import metrics
+  sx = {int(r["seed"]) for r in rows if r["variant"] == x}
+  sy = {int(r["seed"]) for r in rows if r["variant"] == y}
+  seeds = sorted(sx & sy)
+  _need_seeds(len(seeds), f"{x} vs {y}")
+  tx = {r["task"] for r in rows if r["variant"] == x}
+  tasks = sorted(tx & {r["task"] for r in rows if r["variant"] == y})
+  a, _, _ = score_matrix(rows, x, seeds, tasks)
+  b, _, _ = score_matrix(rows, y, seeds, tasks)
+  np.random.seed(seed)
+  point, ci = rly.get_interval_estimates({"d": a - b}, lambda d: np.array([metrics.aggregate_mean(d)]), reps=reps)
+  diff, lo, hi = float(point["d"][0]), float(ci["d"][0, 0]), float(ci["d"][1, 0])
+  np.random.seed(seed)
+  ppoint, pci = rly.get_interval_estimates({"p": (a, b)}, metrics.probability_of_improvement, reps=reps)
+  verdict = f"{x} better" if lo > 0 else f"{y} better" if hi < 0 else "inconclusive"
+  poi_lo, poi_hi = np.ravel(pci["p"])
+  return {"diff": diff, "diff_lo": lo, "diff_hi": hi, "poi": float(ppoint["p"]), "poi_lo": float(poi_lo),
+          "poi_hi": float(poi_hi), "verdict": verdict, "seeds": len(seeds), "tasks": len(tasks)}
+
+
+def runs_per_variant(rows: Sequence[dict]) -> dict[str, int]:
+  """{variant: number of training seeds with at least one row}."""
+  out: dict[str, set] = {}
+  for r in rows:
+    out.setdefault(r["variant"], set()).add(int(r["seed"]))
+  return {v: len(s) for v, s in sorted(out.items())}
+
+
+def per_task(rows: Sequence[dict], variant: str) -> dict[str, tuple[float, float, int]]:
+  """{task: (mean success over seeds, std over seeds, seeds)} of `variant` (no interval: any seed count)."""
+  out = {}
+  for task in sorted({r["task"] for r in rows if r["variant"] == variant}):
+    v = [r["successes"] / r["episodes"] for r in rows if r["variant"] == variant and r["task"] == task]
+    out[task] = (float(np.mean(v)), float(np.std(v)), len(v))
+  return out
+
+
+# The comparisons docs/replication.md reports: (row, x, y, what the report claims).
+COMPARISONS = (
+    (1, "ppo", "sft", "RL (critic PPO, decoupled GAE, value pretraining) improves on its SFT start"),
+    (2, "ppo", "grpo", "PPO beats GRPO"),
+    (3, "ppo", "ppo_novpt", "value pretraining helps PPO"),
+    (4, "ppo", "ppo_coupled", "decoupled GAE (lam_critic 1, lam_policy 0.95) beats coupled lam 0.95"),
+    (4, "ppo_lenadapt", "ppo", "length-adaptive GAE helps"),
+)
+
+
+def report(rows: Sequence[dict], reps: int = 10_000) -> str:
+  """Markdown: per-variant IQM / mean with CIs, then each comparison of COMPARISONS whose variants have
+  >= MIN_SEEDS shared seeds (the others are listed as not run, never given an interval)."""
+  lines = ["| variant | runs (seeds) | IQM [95% CI] | mean [95% CI] |", "|---|---|---|---|"]
+  counts = runs_per_variant(rows)
+  for v, n in counts.items():
+    if n < MIN_SEEDS:
+      lines.append(f"| {v} | {n} | refused: < {MIN_SEEDS} seeds | refused: < {MIN_SEEDS} seeds |")
+      continue
+    a = aggregate(score_matrix(rows, v)[0], reps)
+    lines.append(f"| {v} | {n} | {a['iqm']:.3f} [{a['iqm_lo']:.3f}, {a['iqm_hi']:.3f}] | "
+                 f"{a['mean']:.3f} [{a['mean_lo']:.3f}, {a['mean_hi']:.3f}] |")
+  lines += ["", "| row | comparison | seeds | mean difference [95% CI] | P(improvement) [95% CI] | verdict |",
+            "|---|---|---|---|---|---|"]
+  for row, x, y, claim in COMPARISONS:
+    if x not in counts or y not in counts:
+      lines.append(f"| {row} | {x} vs {y} ({claim}) | - | not run | - | not measured |")
+      continue
+    try:
+      c = compare(rows, x, y, reps)
+    except TooFewSeeds as e:
+      lines.append(f"| {row} | {x} vs {y} ({claim}) | - | refused: {e} | - | not measured |")
+      continue
+    lines.append(f"| {row} | {x} vs {y} ({claim}) | {c['seeds']} | {c['diff']:+.3f} [{c['diff_lo']:+.3f}, "
+                 f"{c['diff_hi']:+.3f}] | {c['poi']:.2f} [{c['poi_lo']:.2f}, {c['poi_hi']:.2f}] | {c['verdict']} |")
+  return "\n".join(lines)

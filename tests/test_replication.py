@@ -1,0 +1,154 @@
+"""The replication suite's statistics (tars_jax/analysis/replication.py, against numpy / scipy
+references), its driver's plan, config check and result rows (experiments/replicate.py; no subprocess:
+scripts/notebooks.sh runs the driver end to end on a smoke sweep), its config, and the wall-clock guard."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from experiments import replicate
+from experiments.configs import replication as cfg_mod
+from tars_jax.analysis import replication as R
+from tars_jax.train.guard import Guard, GuardTripped
+
+CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments/configs/replication.py")
+
+
+def _rows(variant, p, seeds=(0, 1, 2), tasks=("a", "b", "c", "d"), episodes=100):
+  rows = []
+  for s in seeds:
+    for i, t in enumerate(tasks):
+      rows.append({"variant": variant, "seed": s, "task": t, "episodes": episodes,
+                   "successes": int(round(episodes * p[s % len(p)][i % len(p[0])]))})
+  return rows
+
+
+P_SFT = [[0.2, 0.3, 0.5, 0.4], [0.25, 0.35, 0.45, 0.3], [0.3, 0.2, 0.55, 0.35]]
+
+
+def test_aggregate_matches_numpy_mean_and_scipy_iqm():
+  x, seeds, tasks = R.score_matrix(_rows("sft", P_SFT), "sft")
+  assert seeds == [0, 1, 2] and tasks == ["a", "b", "c", "d"]
+  np.testing.assert_allclose(x, np.array(P_SFT))
+  a = R.aggregate(x, reps=500)
+  assert a["mean"] == pytest.approx(np.mean(P_SFT))
+  assert a["iqm"] == pytest.approx(stats.trim_mean(np.ravel(P_SFT), 0.25))
+  assert a["mean_lo"] <= a["mean"] <= a["mean_hi"] and a["iqm_lo"] <= a["iqm"] <= a["iqm_hi"]
+  # the bootstrap interval lies within the range of the per-task resampled means
+  assert np.min(np.mean(P_SFT, 0)) - 1e-9 <= a["mean_lo"] and a["mean_hi"] <= np.max(P_SFT)
+  const = R.aggregate(np.full((3, 4), 0.5), reps=200)
+  assert const["mean_lo"] == pytest.approx(0.5) and const["mean_hi"] == pytest.approx(0.5)
+
+
+def test_compare_is_paired_and_decides_only_outside_the_interval():
+  sft = _rows("sft", P_SFT)
+  better = _rows("ppo", [[p + 0.2 for p in row] for row in P_SFT])
+  c = R.compare(sft + better, "ppo", "sft", reps=500)
+  # every paired difference is +0.2: the interval is degenerate at it despite the seeds' spread
+  assert c["diff"] == pytest.approx(0.2) and c["diff_lo"] == pytest.approx(0.2) and c["diff_hi"] == pytest.approx(0.2)
+  assert c["verdict"] == "ppo better" and c["seeds"] == 3 and c["tasks"] == 4
+  assert 0.5 < c["poi"] <= 1.0
+  shuffled = _rows("grpo", [P_SFT[1], P_SFT[2], P_SFT[0]])  # same values, other seeds: no paired effect
+  c2 = R.compare(sft + shuffled, "grpo", "sft", reps=500)
+  assert c2["diff"] == pytest.approx(0.0, abs=1e-12) and c2["verdict"] == "inconclusive"
+  assert c2["diff_lo"] < 0 < c2["diff_hi"]
+
+
+def test_fewer_than_three_seeds_is_refused():
+  rows = _rows("sft", P_SFT, seeds=(0, 1)) + _rows("ppo", P_SFT, seeds=(0, 1))
+  with pytest.raises(R.TooFewSeeds, match="at least 3"):
+    R.aggregate(R.score_matrix(rows, "ppo")[0])
+  with pytest.raises(R.TooFewSeeds):
+    R.compare(rows, "ppo", "sft")
+  text = R.report(rows, reps=100)
+  assert "refused" in text and "[" not in text.split("\n")[2]  # no interval printed for either variant
+
+
+def test_bad_rows_are_named():
+  rows = _rows("sft", P_SFT)
+  with pytest.raises(R.BadRows, match="twice"):
+    R.check_rows(rows + rows[:1])
+  with pytest.raises(R.BadRows, match="lacks"):
+    R.check_rows([{"variant": "sft", "seed": 0}])
+  with pytest.raises(R.BadRows, match="no result for"):
+    R.score_matrix(rows[:-1], "sft")
+  with pytest.raises(R.BadRows, match="successes"):
+    R.check_rows([dict(rows[0], successes=101)])
+
+
+def test_committed_results_file_is_well_formed():
+  path = os.path.join(os.path.dirname(CONFIG), "..", "..", "benchmarks", "results", "replication.json")
+  if not os.path.exists(path):
+    pytest.skip("benchmarks/results/replication.json not committed yet")
+  rows = R.load_rows(path)
+  assert {"sft", "ppo"} <= {r["variant"] for r in rows}
+
+
+def test_plan_runs_the_bar_first_and_shares_sft_and_vpt(tmp_path):
+  st = replicate.plan(CONFIG, str(tmp_path), [0, 1, 2], ["grpo", "ppo", "ppo_coupled"], "+smoke")
+  names = [s["name"] for s in st]
+  assert names[0] == "demos"
+  assert len(names) == len(set(names))  # SFT and value pretraining once per seed, shared by variants
+  first_grpo = names.index("grpo/seed_0")
+  assert all(names.index(f"{x}/seed_{s}") < first_grpo for x in ("sft", "ppo", "eval/ppo") for s in (0, 1, 2))
+  assert names.count("vpt/seed_0") == 1 and "vpt/seed_0" in next(s for s in st if s["name"] == "ppo_coupled/seed_0")["after"]
+  grpo = next(s for s in st if s["name"] == "grpo/seed_1")
+  assert grpo["after"] == ["sft/seed_1"] and not any("critic.init" in a for a in grpo["argv"])
+  ppo = next(s for s in st if s["name"] == "ppo/seed_2")
+  assert f"--config.policy.init={tmp_path}/sft/seed_2" in ppo["argv"]
+  assert f"--config.critic.init={tmp_path}/vpt/seed_2/critic" in ppo["argv"] and "--config.seed=2" in ppo["argv"]
+  thoughts = replicate.plan(CONFIG, str(tmp_path), [0], ["ppo_thoughts"], "+smoke")
+  assert [s["name"] for s in thoughts][1:4] == ["sft_thoughts/seed_0", "eval/sft_thoughts/seed_0", "vpt_thoughts/seed_0"]
+
+
+def test_a_workdir_of_another_config_is_refused_naming_the_fields():
+  old = replicate.resolved(CONFIG, ["sft+smoke", "ppo+smoke"])
+  new = json.loads(json.dumps(old))
+  replicate.check_same(old, new)
+  new["ppo+smoke"]["rl.lr"] = 1.0
+  with pytest.raises(replicate.ConfigMismatch, match=r"ppo\+smoke: rl.lr"):
+    replicate.check_same(old, new)
+
+
+def test_collect_reads_finished_evaluations_once(tmp_path):
+  st = replicate.plan(CONFIG, str(tmp_path), [0], ["ppo"], "+smoke")
+  for name, succ in (("sft/seed_0", 0.5), ("ppo/seed_0", 1.0)):
+    os.makedirs(tmp_path / name)
+    res = {"miniwob/click-button": {"success": succ, "episodes": 2}, "miniwob/click-link": {"success": 0.0, "episodes": 2}}
+    (tmp_path / name / "eval.json").write_text(json.dumps({"results": res}))
+  rows = replicate.collect(st)
+  R.check_rows(rows)
+  assert {(r["variant"], r["task"], r["successes"]) for r in rows} == {
+      ("sft", "miniwob/click-button", 1), ("sft", "miniwob/click-link", 0),
+      ("ppo", "miniwob/click-button", 2), ("ppo", "miniwob/click-link", 0)}
+
+
+def test_replication_config_variants_differ_in_one_knob():
+  base = cfg_mod.get_config("ppo")
+  sft = cfg_mod.get_config("sft")
+  assert len([t for t in cfg_mod.TASKS]) >= 3 and base.final_eval_episodes >= 100
+  for v in cfg_mod.VARIANTS:
+    c = cfg_mod.get_config(v)
+    assert (c.tasks, c.iterations, c.env.num_sessions, c.model, c.seed) == (
+        base.tasks, base.iterations, base.env.num_sessions, base.model, base.seed)
+  assert cfg_mod.get_config("grpo").rl.algo == "grpo" and not cfg_mod.get_config("grpo").vpt.enabled
+  assert base.vpt.enabled and not cfg_mod.get_config("ppo_novpt").vpt.enabled
+  assert (base.rl.lam_policy, base.rl.lam_critic) == (0.95, 1.0)
+  c = cfg_mod.get_config("ppo_coupled").rl
+  assert c.lam_policy == c.lam_critic == 0.95
+  assert cfg_mod.get_config("ppo_thoughts").sft.thoughts and not sft.sft.thoughts
+  assert sft.sft.steps == base.sft.steps and sft.data.demo_seeds == base.data.demo_seeds
+
+
+def test_guard_trips_with_the_stage_and_count():
+  g = Guard("sft", 0.0, 800, "step")
+  assert g.tripped()
+  e = g.error(123)
+  assert isinstance(e, GuardTripped) and (e.stage, e.count, e.total) == ("sft", 123, 800)
+  assert "[sft]" in str(e) and "step 123 of 800" in str(e)
+  g2 = Guard("train", 10.0, 5, "iteration")
+  g2.exclude(-1e9)  # excluded time is subtracted: a negative exclusion adds guarded time
+  assert g2.tripped() and not Guard("vpt", 10.0, 5, "iteration").tripped()

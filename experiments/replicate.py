@@ -31,6 +31,7 @@ still run; the exit code is 1 if any failed.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import os
 import subprocess
@@ -136,35 +137,52 @@ def is_done(done) -> bool:
   return os.path.exists(done)
 
 
-def execute(stages: list[dict], workdir: str, timeout_min: float) -> dict[str, str]:
-  """Runs the stages not done, in order; {name: "done" | "ran" | "failed (rc N)" | "skipped: needs X"}."""
+def _run_stage(st: dict, workdir: str, env: dict, timeout_min: float) -> int:
+  log = os.path.join(workdir, "logs", st["name"].replace("/", "_") + ".log")
+  with open(log, "a") as f:
+    f.write(f"[replicate] $ {' '.join(st['argv'])}\n")
+    f.flush()
+    try:
+      return subprocess.run(st["argv"], cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
+                            timeout=timeout_min * 60).returncode
+    except subprocess.TimeoutExpired:  # subprocess.run kills the child; its sandbox dies with it
+      return 124
+
+
+def execute(stages: list[dict], workdir: str, timeout_min: float, jobs: int = 1) -> dict[str, str]:
+  """Runs the stages not done, up to `jobs` at once, each as soon as the stages it needs have run, in
+  plan order otherwise; {name: "done" | "ran" | "failed (rc N)" | "skipped: needs X"}."""
   os.makedirs(os.path.join(workdir, "logs"), exist_ok=True)
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(workdir, "jax_cache"))  # same shapes in every run
-  status: dict[str, str] = {}
-  todo = [s for s in stages if not is_done(s["done"])]
-  for st in stages:
-    if is_done(st["done"]):
-      status[st["name"]] = "done"
-  for i, st in enumerate(todo):
-    bad = [a for a in st["after"] if status.get(a, "done") not in ("done", "ran")]
-    if bad:
-      status[st["name"]] = f"skipped: needs {bad[0]}"
-      continue
-    log = os.path.join(workdir, "logs", st["name"].replace("/", "_") + ".log")
-    t0 = time.time()
-    print(f"[replicate] {i + 1}/{len(todo)} {st['name']} (log: {log})", flush=True)
-    with open(log, "a") as f:
-      f.write(f"[replicate] $ {' '.join(st['argv'])}\n")
-      f.flush()
-      try:
-        rc = subprocess.run(st["argv"], cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
-                            timeout=timeout_min * 60).returncode
-      except subprocess.TimeoutExpired:
-        rc = 124
-    ok = rc == 0 and is_done(st["done"])
-    status[st["name"]] = "ran" if ok else f"failed (rc {rc})"
-    print(f"[replicate]   {status[st['name']]} in {(time.time() - t0) / 60:.1f} min", flush=True)
+  status = {st["name"]: "done" for st in stages if is_done(st["done"])}
+  todo = [st for st in stages if st["name"] not in status]
+  t0, running = {}, {}
+  with cf.ThreadPoolExecutor(max(1, jobs)) as pool:
+    while todo or running:
+      for st in list(todo):
+        if len(running) >= max(1, jobs):
+          break
+        failed = [a for a in st["after"] if status.get(a, "").startswith(("failed", "skipped"))]
+        if failed:
+          todo.remove(st)
+          status[st["name"]] = f"skipped: needs {failed[0]}"
+        elif all(status.get(a) in ("done", "ran") for a in st["after"]):
+          todo.remove(st)
+          t0[st["name"]] = time.time()
+          print(f"[replicate] start {st['name']} ({len(todo)} stages after it)", flush=True)
+          running[st["name"]] = (st, pool.submit(_run_stage, st, workdir, env, timeout_min))
+      if not running:  # nothing runs and nothing can start: what is left needs a stage outside the plan
+        for st in todo:
+          status[st["name"]] = "skipped: needs a stage that cannot run"
+        break
+      finished, _ = cf.wait([f for _, f in running.values()], return_when=cf.FIRST_COMPLETED)
+      for name, (st, fut) in list(running.items()):
+        if fut in finished:
+          rc = fut.result()
+          status[name] = "ran" if rc == 0 and is_done(st["done"]) else f"failed (rc {rc})"
+          del running[name]
+          print(f"[replicate] {name}: {status[name]} in {(time.time() - t0[name]) / 60:.1f} min", flush=True)
   return status
 
 
@@ -211,7 +229,7 @@ def main(argv):
   with open(manifest_path, "w") as f:
     json.dump(manifest, f, indent=1)
 
-  status = {} if F.report else execute(stages, workdir, F.stage_timeout_min)
+  status = {} if F.report else execute(stages, workdir, F.stage_timeout_min, F.jobs)
   rows = collect(stages)
   with open(os.path.join(workdir, "replication.json"), "w") as f:
     json.dump(rows, f, indent=1)
@@ -244,6 +262,7 @@ def define_flags() -> None:
   flags.DEFINE_string("suffix", "", "Appended to every config arg: '+smoke' for tiny budgets.")
   flags.DEFINE_bool("report", False, "Only collect the rows and write the tables and curves.")
   flags.DEFINE_float("stage_timeout_min", 180.0, "Kill a stage's process after this many minutes.")
+  flags.DEFINE_integer("jobs", 1, "Stages run at once (each its own process and sandbox).")
 
 
 if __name__ == "__main__":

@@ -90,11 +90,11 @@ def plan(config: str, workdir: str, seeds: list[int], variants: list[str], suffi
   W = lambda *p: os.path.join(workdir, *p)  # noqa: E731
   stages, have = [], set()
 
-  def add(name, argv, done, after=(), run_dir=None, alone=False):
+  def add(name, argv, done, after=(), run_dir=None, heavy=False):
     if name not in have:
       have.add(name)
       stages.append({"name": name, "argv": argv, "done": done, "after": list(after), "dir": run_dir,
-                     "alone": alone})
+                     "heavy": heavy})
 
   def evaluate(run_name, run_dir, arg, after):
     episodes = load_config(config, arg + suffix).final_eval_episodes
@@ -112,7 +112,7 @@ def plan(config: str, workdir: str, seeds: list[int], variants: list[str], suffi
       seed = f"--config.seed={s}"
       add(f"{sft}/seed_{s}", [py, "-m", "experiments.sft", "--config", cfg(sft), seed, "--workdir", sdir,
                               f"--config.sft.data=('{W('demos')}',)"], os.path.join(sdir, "sft.json"), ["demos"], sdir,
-          alone=True)  # ~12 GB at batch 16 of multi-turn episodes: two at once run out of 24 GB
+          heavy=True)  # ~12 GB at batch 16 of multi-turn episodes: two at once run out of 24 GB
       evaluate(f"{sft}/seed_{s}", sdir, sft, f"{sft}/seed_{s}")
       c = load_config(config, variant + suffix)
       rdir = W(variant, f"seed_{s}")
@@ -152,7 +152,7 @@ def _run_stage(st: dict, workdir: str, env: dict, timeout_min: float) -> int:
 
 
 def execute(stages: list[dict], workdir: str, timeout_min: float, jobs: int = 1) -> dict[str, str]:
-  """Runs the stages not done, up to `jobs` at once (a stage with `alone` by itself), each as soon as
+  """Runs the stages not done, up to `jobs` at once (one `heavy` stage at a time), each as soon as
   the stages it needs have run, in plan order otherwise; {name: "done" | "ran" | "failed (rc N)" |
   "skipped: needs X"}."""
   os.makedirs(os.path.join(workdir, "logs"), exist_ok=True)
@@ -164,13 +164,14 @@ def execute(stages: list[dict], workdir: str, timeout_min: float, jobs: int = 1)
   with cf.ThreadPoolExecutor(max(1, jobs)) as pool:
     while todo or running:
       for st in list(todo):
-        if len(running) >= max(1, jobs) or any(r["alone"] for r, _ in running.values()):
+        if len(running) >= max(1, jobs):
           break
         failed = [a for a in st["after"] if status.get(a, "").startswith(("failed", "skipped"))]
         if failed:
           todo.remove(st)
           status[st["name"]] = f"skipped: needs {failed[0]}"
-        elif all(status.get(a) in ("done", "ran") for a in st["after"]) and not (st["alone"] and running):
+        elif all(status.get(a) in ("done", "ran") for a in st["after"]) and not (
+            st["heavy"] and any(r["heavy"] for r, _ in running.values())):
           todo.remove(st)
           t0[st["name"]] = time.time()
           print(f"[replicate] start {st['name']} ({len(todo)} stages after it)", flush=True)

@@ -152,3 +152,41 @@ def test_guard_trips_with_the_stage_and_count():
   g2 = Guard("train", 10.0, 5, "iteration")
   g2.exclude(-1e9)  # excluded time is subtracted: a negative exclusion adds guarded time
   assert g2.tripped() and not Guard("vpt", 10.0, 5, "iteration").tripped()
+
+
+def test_execute_runs_what_is_ready_two_at_a_time_one_heavy_and_skips_dependants_of_a_failure(tmp_path):
+  """Stages are real subprocesses (python -c) that log their start and end: at most 2 run at once,
+  never two heavy ones, none before what it needs, and a failed stage's dependants are skipped."""
+  import sys
+  log = tmp_path / "events"
+
+  def stage(name, after=(), heavy=False, rc=0):
+    code = (f"import time; f=open({str(log)!r},'a'); f.write('+{name}\\n'); f.flush(); time.sleep(0.4); "
+            f"f.write('-{name}\\n'); raise SystemExit({rc})")
+    done = tmp_path / f"{name}.done"
+    if rc == 0:
+      code = code.replace("raise SystemExit", f"open({str(done)!r},'w'); raise SystemExit")
+    return {"name": name, "argv": [sys.executable, "-c", code], "done": str(done), "after": list(after),
+            "dir": None, "heavy": heavy}
+
+  stages = [stage("a", heavy=True), stage("b", heavy=True), stage("c", ["a"]), stage("d", ["a"]),
+            stage("bad", ["b"], rc=3), stage("e", ["bad"])]
+  status = replicate.execute(stages, str(tmp_path), timeout_min=1, jobs=2)
+  assert status == {"a": "ran", "b": "ran", "c": "ran", "d": "ran", "bad": "failed (rc 3)",
+                    "e": "skipped: needs bad"}
+  running, ended, most, started = set(), set(), 0, []
+  needs = {"c": "a", "d": "a", "bad": "b"}
+  for line in log.read_text().split():
+    name = line[1:]
+    if line[0] == "+":
+      assert not (name in ("a", "b") and running & {"a", "b"}), "two heavy stages at once"
+      assert name not in needs or needs[name] in ended, f"{name} started before {needs[name]} ended"
+      running.add(name)
+      started.append(name)
+      most = max(most, len(running))
+    else:
+      running.discard(name)
+      ended.add(name)
+  assert most == 2 and started[0] == "a" and "e" not in started
+  again = replicate.execute(stages[:4], str(tmp_path), timeout_min=1, jobs=2)  # a re-run: all done
+  assert set(again.values()) == {"done"}

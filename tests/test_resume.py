@@ -95,7 +95,9 @@ def test_run_killed_after_a_checkpoint_resumes_as_if_never_stopped(straight, tmp
 @pytest.mark.browser
 def test_budgets_are_counts_a_run_on_one_core_ends_where_and_as_a_run_on_all(straight, tmp_path):
   """The budget is a count: the same command in a process pinned to one core (half this machine's
-  speed or less) ends at the same iteration with the same metrics and the same checkpoint values."""
+  speed or less) ends at the same iteration with the same episodes and the same checkpoint values.
+  Values agree to float rounding, not bit for bit: XLA:CPU splits its reductions over the cores it
+  has, so one core sums in another order (~1e-7 relative in the losses)."""
   one = tmp_path / "one_core"
   p = subprocess.run(["taskset", "-c", "0", *_cmd(one)], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
                      capture_output=True, text=True, timeout=1200)
@@ -104,11 +106,17 @@ def test_budgets_are_counts_a_run_on_one_core_ends_where_and_as_a_run_on_all(str
   want, got = _rows(straight), _rows(one)
   assert [r["step"] for r in got] == [r["step"] for r in want]
   for w, g in zip(want, got):
-    assert g == w, {k: (w.get(k), g.get(k)) for k in set(w) | set(g) if w.get(k) != g.get(k)}
+    assert g.keys() == w.keys()
+    # what the episodes were (actions sampled, rewards) is exact; the losses agree to rounding
+    for k in ("success_rate", "reward", "episodes_total"):
+      assert g[k] == w[k], (k, w[k], g[k])
+    for k in w:
+      np.testing.assert_allclose(g[k], w[k], rtol=1e-4, atol=1e-6, err_msg=k)
   a, b = _params(straight), _params(one)
   assert a.keys() == b.keys()
   for k in a:
-    np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    scale = float(np.max(np.abs(a[k]))) if a[k].size else 0.0
+    np.testing.assert_allclose(b[k], a[k], rtol=1e-4, atol=1e-5 * scale, err_msg=k)
 
 
 @pytest.mark.slow  # ~3 min: two runs of the trainer against real Chromium

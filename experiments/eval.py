@@ -44,6 +44,7 @@ from tars_jax.rollout.step_budget import (budget_loop_cfgs, budgets_json, format
                                           play_budgets, plot_budgets)
 from tars_jax.train import checkpoint as ckpt
 from tars_jax.train import state as state_lib
+from tars_jax.train.metrics import write_json
 
 _RUN = flags.DEFINE_string("run", None, "Run directory (has config.json and checkpoints/).")
 _CKPT = flags.DEFINE_integer("checkpoint", None, "Checkpoint step (default: latest); 0 without a step-0 "
@@ -153,8 +154,7 @@ def main(argv):
     out = {"checkpoint": step, "results": summary, **summary}
     if games:
       out.update(games=games, game_episodes=game_episode_records(eps))
-    with open(_JSON.value, "w") as f:
-      json.dump(out, f, indent=2)
+    write_json(_JSON.value, out)  # atomic: experiments/replicate.py counts an existing eval.json as done
     print(f"[eval] wrote {_JSON.value}")
 
 

@@ -39,7 +39,6 @@ Layout of the run dir: config.json, metrics.jsonl, tensorboard/, checkpoints/, s
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import signal
@@ -62,7 +61,7 @@ from tars_jax.train import checkpoint as ckpt
 from tars_jax.train.guard import Guard
 from tars_jax.train import ct, sft
 from tars_jax.train import state as state_lib
-from tars_jax.train.metrics import MetricsWriter, episode_metrics
+from tars_jax.train.metrics import MetricsWriter, episode_metrics, write_json
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (get_config(arg)).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (created; resumed if it has checkpoints).")
@@ -242,8 +241,7 @@ def main(argv):
     writer.close()
   summary = {"steps": step, "minutes": (time.time() - t_start) / 60, "final": last,
              "checkpoint": f"{mngr.directory}/{mngr.latest_step()}"}
-  with open(os.path.join(workdir, "sft.json"), "w") as f:
-    json.dump(summary, f, indent=2)
+  write_json(os.path.join(workdir, "sft.json"), summary)
   print(f"[sft] done: {step} steps in {summary['minutes']:.1f} min | checkpoints: {mngr.directory} "
         f"(latest {mngr.latest_step()}) | metrics: {writer.path} | tensorboard --logdir {writer.tb_dir} | "
         f"use --config.policy.init={workdir}")

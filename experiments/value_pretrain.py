@@ -19,7 +19,6 @@ process, tars_jax/train/guard.py: tripped, it checkpoints and exits non-zero). I
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -40,7 +39,7 @@ from tars_jax.train.guard import Guard
 from tars_jax.train import ppo
 from tars_jax.train import state as state_lib
 from tars_jax.train import value_pretrain as vpt
-from tars_jax.train.metrics import MetricsWriter, episode_metrics
+from tars_jax.train.metrics import MetricsWriter, episode_metrics, write_json
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file with a `vpt` section.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (critic checkpoint in <workdir>/critic).")
@@ -138,8 +137,7 @@ def main(argv):
   path = ckpt.save_tree(os.path.join(workdir, "critic"), state["critic"])
   summary = {"iterations": done, "stopped_by": reason, "critic": path,
              "final": {k: x for k, x in m.items() if k.startswith("train/")}}
-  with open(os.path.join(workdir, "value_pretrain.json"), "w") as f:
-    json.dump(summary, f, indent=2)
+  write_json(os.path.join(workdir, "value_pretrain.json"), summary)
   print(f"[vpt] stopped by {reason} after {done} iterations | critic: {path} | "
         f"use --config.critic.init={path}")
 

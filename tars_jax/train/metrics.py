@@ -44,6 +44,17 @@ class MetricsWriter:
     self._tb.close()
 
 
+def write_json(path: str, obj) -> str:
+  """Writes `obj` as JSON at `path` atomically (a temporary file renamed into place): a process killed
+  while writing leaves the old file or none, never a partial one (drivers take a stage's summary JSON
+  as its "done" mark). Returns `path`."""
+  tmp = f"{path}.tmp{os.getpid()}"
+  with open(tmp, "w") as f:
+    json.dump(obj, f, indent=2)
+  os.replace(tmp, path)
+  return path
+
+
 def read_metrics(workdir: str) -> list[dict]:
   """All rows of `<workdir>/metrics.jsonl` (empty list if absent)."""
   path = os.path.join(workdir, "metrics.jsonl")

@@ -112,7 +112,7 @@ def plan(config: str, workdir: str, seeds: list[int], variants: list[str], suffi
       seed = f"--config.seed={s}"
       add(f"{sft}/seed_{s}", [py, "-m", "experiments.sft", "--config", cfg(sft), seed, "--workdir", sdir,
                               f"--config.sft.data=('{W('demos')}',)"], os.path.join(sdir, "sft.json"), ["demos"], sdir,
-          heavy=True)  # ~12 GB at batch 16 of multi-turn episodes: two at once run out of 24 GB
+          heavy=True)  # ~15 GB at batch 16 of multi-turn episodes: beside an RL run it exhausts 24 GB
       evaluate(f"{sft}/seed_{s}", sdir, sft, f"{sft}/seed_{s}")
       c = load_config(config, variant + suffix)
       rdir = W(variant, f"seed_{s}")
@@ -127,7 +127,7 @@ def plan(config: str, workdir: str, seeds: list[int], variants: list[str], suffi
                     f"--config.vpt.policy_run={sdir}"], os.path.join(vdir, "value_pretrain.json"), after, vdir)
         train.append(f"--config.critic.init={os.path.join(vdir, 'critic')}")
         after = after + [vname]
-      add(f"{variant}/seed_{s}", train, (rdir, int(c.iterations)), after, rdir)
+      add(f"{variant}/seed_{s}", train, (rdir, int(c.iterations)), after, rdir, heavy=True)  # ~7 GB
       evaluate(f"{variant}/seed_{s}", rdir, variant, f"{variant}/seed_{s}")
   return stages
 

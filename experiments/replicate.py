@@ -51,6 +51,24 @@ class ConfigMismatch(ValueError):
   """The work dir holds runs of another config."""
 
 
+class WorkdirBusy(RuntimeError):
+  """Another driver process is running on the work dir."""
+
+
+def lock_workdir(workdir: str):
+  """An exclusive lock on `<workdir>/replicate.lock` held while the returned file stays open (released
+  when the process ends, however it ends). Raises WorkdirBusy if another driver holds it: two drivers
+  would run the same stage twice into one run dir."""
+  import fcntl
+  f = open(os.path.join(workdir, "replicate.lock"), "w")
+  try:
+    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except BlockingIOError:
+    f.close()
+    raise WorkdirBusy(f"another experiments/replicate.py runs on {workdir}; wait for it or stop it first") from None
+  return f
+
+
 def _flat(d: dict, prefix: str = "") -> dict:
   out = {}
   for k, v in d.items():
@@ -218,6 +236,7 @@ def main(argv):
     raise app.UsageError(f"unknown variants {unknown}; the config has {list(cfg_mod.VARIANTS)}")
   seeds = [int(s) for s in F.seeds]
   os.makedirs(workdir, exist_ok=True)
+  lock = lock_workdir(workdir)  # held until the end of main (or of the process)
   stages = plan(config, workdir, seeds, variants, F.suffix)
   args = sorted({"sft", *(sft_name(v) for v in variants), *variants})
   conf = resolved(config, [a + F.suffix for a in args])
@@ -247,6 +266,7 @@ def main(argv):
   curves = plot.plot_replication(workdir, [f"{v}/seed_{s}" for v in variants for s in seeds],
                                  os.path.join(workdir, "curves.png"))
   print("\n".join(summary))
+  lock.close()
   failed = {k: v for k, v in status.items() if v.startswith(("failed", "skipped"))}
   for k, v in failed.items():
     print(f"[replicate] {k}: {v}", file=sys.stderr)

@@ -190,3 +190,11 @@ def test_execute_runs_what_is_ready_two_at_a_time_one_heavy_and_skips_dependants
   assert most == 2 and started[0] == "a" and "e" not in started
   again = replicate.execute(stages[:4], str(tmp_path), timeout_min=1, jobs=2)  # a re-run: all done
   assert set(again.values()) == {"done"}
+
+
+def test_a_second_driver_on_the_same_workdir_is_refused(tmp_path):
+  held = replicate.lock_workdir(str(tmp_path))
+  with pytest.raises(replicate.WorkdirBusy, match="another experiments/replicate.py"):
+    replicate.lock_workdir(str(tmp_path))
+  held.close()
+  replicate.lock_workdir(str(tmp_path)).close()  # free again once the first one is gone

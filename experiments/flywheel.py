@@ -50,6 +50,7 @@ from ml_collections import config_flags
 from experiments.flywheel_parts import config_spec, format_table, forwarded_overrides, pct
 from tars_jax.data import flywheel as fw_lib
 from tars_jax.data import records
+from tars_jax.train.metrics import write_json
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiments/configs/flywheel.py[:arg].",
                                           lock_config=True)
@@ -334,10 +335,7 @@ def _heldout(d: str) -> dict:
 
 
 def _write(root: str, rows: list[dict], tasks: list[str], spec: str) -> None:
-  tmp = os.path.join(root, "flywheel.json.tmp")
-  with open(tmp, "w") as f:
-    json.dump({"config": spec, "tasks": tasks, "rows": rows}, f, indent=1)
-  os.replace(tmp, os.path.join(root, "flywheel.json"))
+  write_json(os.path.join(root, "flywheel.json"), {"config": spec, "tasks": tasks, "rows": rows})
 
 
 if __name__ == "__main__":

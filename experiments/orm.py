@@ -176,8 +176,6 @@ def main(argv):
   # ----------------------------------------------------------------------------------------------
   t_start, step, last = time.time(), start, {}
 
-  def minutes() -> float:  # training time of this process, evaluations excluded
-    return guard.minutes()
 
   log_step, t_log = start, time.perf_counter()
   params, opt_state = state["policy"], state["policy_opt"]
@@ -209,11 +207,11 @@ def main(argv):
         bar.set_postfix(ce=f"{m['train/ce']:.3f}", f1=f"{m.get('heldout/f1', float('nan')):.2f}")
       if step % o.ckpt_every == 0:
         ckpt.save(mngr, step, dict(state, policy=params, policy_opt=opt_state),
-                  {"iteration": step, "minutes": minutes()})
+                  {"iteration": step, "minutes": guard.minutes()})
       bar.update(1)
     if step > start:
       ckpt.save_at_stop(mngr, step, dict(state, policy=params, policy_opt=opt_state),
-                        {"iteration": step, "minutes": minutes()})
+                        {"iteration": step, "minutes": guard.minutes()})
     if tripped:
       raise guard.error(step)
     rows = evaluate(params, full=True)  # the final model, on every held-out episode of the sample

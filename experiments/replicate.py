@@ -42,6 +42,7 @@ from absl import app, flags
 
 from experiments.configs import load_config, load_module
 from tars_jax.train import checkpoint as ckpt
+from tars_jax.train.metrics import write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 THOUGHTS = "ppo_thoughts"
@@ -107,6 +108,7 @@ def plan(config: str, workdir: str, seeds: list[int], variants: list[str], suffi
   py, cfg = sys.executable, lambda a: f"{config}:{a}{suffix}"
   W = lambda *p: os.path.join(workdir, *p)  # noqa: E731
   stages, have = [], set()
+  loaded = {a: load_config(config, a + suffix) for a in {*variants, *(sft_name(v) for v in variants)}}
 
   def add(name, argv, done, after=(), run_dir=None, heavy=False):
     if name not in have:
@@ -115,7 +117,7 @@ def plan(config: str, workdir: str, seeds: list[int], variants: list[str], suffi
                      "heavy": heavy})
 
   def evaluate(run_name, run_dir, arg, after):
-    episodes = load_config(config, arg + suffix).final_eval_episodes
+    episodes = loaded[arg].final_eval_episodes
     add(f"eval/{run_name}", [py, "-m", "experiments.eval", "--run", run_dir, "--episodes", str(episodes),
                              "--json", os.path.join(run_dir, "eval.json")],
         os.path.join(run_dir, "eval.json"), [after])
@@ -132,7 +134,7 @@ def plan(config: str, workdir: str, seeds: list[int], variants: list[str], suffi
                               f"--config.sft.data=('{W('demos')}',)"], os.path.join(sdir, "sft.json"), ["demos"], sdir,
           heavy=True)  # ~15 GB at batch 16 of multi-turn episodes: beside an RL run it exhausts 24 GB
       evaluate(f"{sft}/seed_{s}", sdir, sft, f"{sft}/seed_{s}")
-      c = load_config(config, variant + suffix)
+      c = loaded[variant]
       rdir = W(variant, f"seed_{s}")
       train = [py, "-m", "experiments.train", "--config", cfg(variant), seed, "--workdir", rdir,
                f"--config.policy.init={sdir}"]
@@ -151,10 +153,8 @@ def plan(config: str, workdir: str, seeds: list[int], variants: list[str], suffi
 
 
 def is_done(done) -> bool:
-  if isinstance(done, (tuple, list)):
-    step = ckpt.latest_complete(done[0])
-    return step is not None and step >= done[1]
-  return os.path.exists(done)
+  """`done` is a path that exists once the stage is done, or (run dir, step): a complete checkpoint there."""
+  return ckpt.reached(*done) if isinstance(done, (tuple, list)) else os.path.exists(done)
 
 
 def _run_stage(st: dict, workdir: str, env: dict, timeout_min: float) -> int:
@@ -249,13 +249,11 @@ def main(argv):
   manifest = {"config": config, "suffix": F.suffix, "configs": {**old.get("configs", {}), **conf},
               "seeds": sorted(set(old.get("seeds", [])) | set(seeds)),
               "variants": sorted(set(old.get("variants", [])) | set(variants))}
-  with open(manifest_path, "w") as f:
-    json.dump(manifest, f, indent=1)
+  write_json(manifest_path, manifest)
 
   status = {} if F.report else execute(stages, workdir, F.stage_timeout_min, F.jobs)
   rows = collect(stages)
-  with open(os.path.join(workdir, "replication.json"), "w") as f:
-    json.dump(rows, f, indent=1)
+  write_json(os.path.join(workdir, "replication.json"), rows)
   finished = rep.runs_per_variant(rows)
   summary = [f"# Replication suite: {workdir}", "",
              "Finished runs per variant (seeds with a held-out evaluation): "

@@ -191,9 +191,6 @@ def main(argv):
   # ----------------------------------------------------------------------------------------------
   t_start, step, last = time.time(), start, {}
 
-  def minutes() -> float:  # training time of this process, evaluations excluded
-    return guard.minutes()
-
   log_step, t_log = start, time.perf_counter()
   window: dict[str, dict] = {}  # source -> metrics of its latest step since the last log row
   params, opt_state = state["policy"], state["policy_opt"]
@@ -226,11 +223,11 @@ def main(argv):
         bar.set_postfix({k: f"{m['train/' + k]:.3f}" for k in ("ce", "acc_free", "ct_ce") if "train/" + k in m})
       if step % s.ckpt_every == 0:
         ckpt.save(mngr, step, dict(state, policy=params, policy_opt=opt_state),
-                  {"iteration": step, "data_state": data_iter.get_state(), "minutes": minutes()})
+                  {"iteration": step, "data_state": data_iter.get_state(), "minutes": guard.minutes()})
       bar.update(1)
     if step > start:
       ckpt.save_at_stop(mngr, step, dict(state, policy=params, policy_opt=opt_state),
-                        {"iteration": step, "data_state": data_iter.get_state(), "minutes": minutes()})
+                        {"iteration": step, "data_state": data_iter.get_state(), "minutes": guard.minutes()})
     if tripped:
       raise guard.error(step)
     if s.eval_every and step % s.eval_every and step > start:  # the final policy, measured once more

@@ -97,8 +97,7 @@ def plan(config: str, variants: list[str], seeds: list[int], suffix: str, overri
 
 def finished(run_dir: str, iterations: int) -> bool:
   """True when the run dir holds a complete Orbax checkpoint at step >= `iterations`."""
-  step = ckpt.latest_complete(run_dir)
-  return step is not None and step >= iterations
+  return ckpt.reached(run_dir, iterations)
 
 
 def _execute(run: dict, timeout_min: float, cache_dir: str | None = None) -> dict:

@@ -147,9 +147,6 @@ def main(argv):
     # host (tars_jax/train/guard.py): it checkpoints and stops the run loudly.
     guard = Guard("train", config.max_minutes, config.iterations, "iteration")
 
-    def minutes() -> float:
-      return guard.minutes()
-
     bar = tqdm(total=config.iterations, initial=start_iter, desc=config.rl.algo, unit="it", dynamic_ncols=True,
                disable=not dist.is_main())
     tripped = False
@@ -249,7 +246,7 @@ def main(argv):
                         episodes[: config.log_trajectories])
         if (it + 1) % config.ckpt_every == 0 or it + 1 == config.iterations:
           ckpt.save(mngr, it + 1, state,
-                    {"iteration": it + 1, "episodes": (it + 1) * n, "minutes": minutes()})
+                    {"iteration": it + 1, "episodes": (it + 1) * n, "minutes": guard.minutes()})
         bar.update(1)
         bar.set_postfix(success=f"{m['success_rate']:.2f}", reward=f"{m['reward']:.2f}",
                         kl=f"{train_m.get('approx_kl', 0.0):.3f}",
@@ -257,7 +254,7 @@ def main(argv):
       else:
         it = config.iterations
       if it > start_iter:
-        ckpt.save_at_stop(mngr, it, state, {"iteration": it, "episodes": it * n, "minutes": minutes()})
+        ckpt.save_at_stop(mngr, it, state, {"iteration": it, "episodes": it * n, "minutes": guard.minutes()})
     finally:
       bar.close()
       if pool is not None:  # episodes in flight are not trained: a resumed run starts new ones

@@ -13,8 +13,9 @@ config.json and value_pretrain.json (why it stopped, final metrics).
 
 Resumable: every `vpt.ckpt_every` iterations the critic, its optimiser state and the stop rule's streak
 go to <workdir>/checkpoints; a re-run continues from the latest one (`vpt.max_minutes` is a guard of one
-process, tars_jax/train/guard.py: tripped, it checkpoints and exits non-zero). Iteration `it` samples with keys and shuffles minibatches with an rng derived from
-(seed, it) alone, so a resumed run makes the updates an uninterrupted one makes.
+process, tars_jax/train/guard.py: tripped, it checkpoints and exits non-zero). Iteration `it` samples
+with keys and shuffles minibatches with an rng derived from (seed, it) alone, so a resumed run makes the
+updates an uninterrupted one makes.
 """
 
 from __future__ import annotations
@@ -89,11 +90,8 @@ def main(argv):
   # against a hung or far too slow host: it checkpoints and stops loudly (tars_jax/train/guard.py).
   guard = Guard("vpt", v.max_minutes, v.max_iterations, "iteration")
 
-  def minutes() -> float:
-    return guard.minutes()
-
   def save(done: int) -> None:
-    ckpt.save(mngr, done, state, {"iteration": done, "streak": streak, "minutes": minutes()})
+    ckpt.save(mngr, done, state, {"iteration": done, "streak": streak, "minutes": guard.minutes()})
 
   with env_fleet(config.env) as (loop, clients):
     done, m = start, {}
@@ -118,7 +116,7 @@ def main(argv):
           m = episode_metrics(episodes, tasks, parts.tokenizer, parts.table)
           m.update({f"train/{k}": x for k, x in train_m.items()})
           m.update({f"reward_terms/{k}": x / max(1, len(episodes)) for k, x in stats.reward_terms.items()})
-          m["perf/wall_min"] = minutes()
+          m["perf/wall_min"] = guard.minutes()
           writer.write(it + 1, m)
           streak = rule.streak(streak, train_m["fresh_value_loss"], train_m["explained_variance"])
           print(f"[vpt] it {it + 1}: value loss (fresh) {train_m['fresh_value_loss']:.4f}, "
@@ -131,7 +129,7 @@ def main(argv):
     finally:
       writer.close()
   reason = "thresholds" if streak >= rule.patience else "max_iterations" if done >= v.max_iterations else "guard"
-  ckpt.save_at_stop(mngr, done, state, {"iteration": done, "streak": streak, "minutes": minutes()})
+  ckpt.save_at_stop(mngr, done, state, {"iteration": done, "streak": streak, "minutes": guard.minutes()})
   if reason == "guard":
     raise guard.error(done)
   path = ckpt.save_tree(os.path.join(workdir, "critic"), state["critic"])

@@ -88,3 +88,9 @@ def latest_complete(run_dir: str) -> int | None:
   ckpts = os.path.join(run_dir, "checkpoints")
   steps = [int(n) for n in os.listdir(ckpts) if n.isdigit()] if os.path.isdir(ckpts) else []
   return max(steps) if steps else None
+
+
+def reached(run_dir: str, step: int) -> bool:
+  """True when the run dir holds a complete checkpoint at `step` or later (a finished stage)."""
+  latest = latest_complete(run_dir)
+  return latest is not None and latest >= step

@@ -44,7 +44,7 @@ def test_smoke_run_checkpoints_and_resumes(tmp_path):
   # Second run with a larger budget resumes at iteration 2 and appends steps 3..4.
   p2 = _train(run, "--config.iterations=4")
   assert p2.returncode == 0, p2.stdout[-3000:] + p2.stderr[-3000:]
-  assert "resumed from" in p2.stdout and "(iteration 2," in p2.stdout
+  assert "resumed from" in p2.stdout and "(iteration 2)" in p2.stdout
   rows = [json.loads(l) for l in open(run / "metrics.jsonl")]
   assert [r["step"] for r in rows] == [1, 2, 3, 4]
   assert "4" in os.listdir(run / "checkpoints")

@@ -57,18 +57,22 @@ _SESSIONS = flags.DEFINE_integer("sessions", None, "Concurrent episodes (default
 _MAX_TURNS = flags.DEFINE_list("max_turns", None, "Step budgets (turns per episode), comma-separated positive "
                                "ints; several = one evaluation per budget on the same seeds (default: the "
                                "run's config.env.max_turns).")
+_TEMPERATURE = flags.DEFINE_float("temperature", None, "Sampling temperature (default: the run's "
+                                   "config.sampling.temperature); 0 = greedy decoding.")
 _PLOT = flags.DEFINE_string("plot", None, "With several --max_turns: write success against budget here (PNG).")
 
 
 def evaluate(run: str, tasks: list[str] | None, episodes: int, step: int | None = None,
              servers: list[str] | None = None, sessions: int | None = None,
-             episodes_out: list | None = None, max_turns: int | None = None) -> tuple[int, dict]:
+             episodes_out: list | None = None, max_turns: int | None = None,
+             temperature: float | None = None) -> tuple[int, dict]:
   """Returns (checkpoint step, {task: {success, episodes, ...}}) for the run's policy; game tasks
   also get normalized_score, mean_score and reference_score (`game_scores`). `episodes_out`, if
   given, receives every evaluated Episode. `step = 0` with no checkpoint 0 evaluates the policy the
   run started from (`init_state(config.seed)`, what iteration 1 sampled with): the untrained
   baseline the trained checkpoints are compared with. `max_turns`: the step budget (turns per
-  episode; default the run's config.env.max_turns).
+  episode; default the run's config.env.max_turns). `temperature`: the sampler's (default the run's
+  config.sampling.temperature; 0 = greedy, how much of a policy's failure is sampling noise).
 
   Episodes lost on every attempt (the sandbox went away: `rollout.agent_loop.run_episodes`) are not
   scored: each task's `lost` counts them and `episodes` counts only the scored ones.
@@ -81,7 +85,7 @@ def evaluate(run: str, tasks: list[str] | None, episodes: int, step: int | None 
   """
   out = {} if episodes_out is not None else None
   step, summaries = evaluate_budgets(run, tasks, episodes, None if max_turns is None else [max_turns], step,
-                                     servers, sessions, episodes_out=out)
+                                     servers, sessions, episodes_out=out, temperature=temperature)
   (summary,) = summaries.values()
   if episodes_out is not None:
     (eps,) = out.values()
@@ -91,7 +95,8 @@ def evaluate(run: str, tasks: list[str] | None, episodes: int, step: int | None 
 
 def evaluate_budgets(run: str, tasks: list[str] | None, episodes: int, budgets: Sequence[int] | None,
                      step: int | None = None, servers: list[str] | None = None, sessions: int | None = None,
-                     episodes_out: dict | None = None) -> tuple[int, dict[int, dict]]:
+                     episodes_out: dict | None = None, temperature: float | None = None
+                     ) -> tuple[int, dict[int, dict]]:
   """`evaluate` once per step budget (turns per episode; report section 3, step-budget scaling), the
   same held-out seeds at every budget: returns (checkpoint step, {budget: {task: summary}}), budgets
   in the given order (None: the run's config.env.max_turns alone). The policy's sampler starts from
@@ -100,6 +105,8 @@ def evaluate_budgets(run: str, tasks: list[str] | None, episodes: int, budgets: 
   run = resolve_run(run)
   with open(os.path.join(run, "config.json")) as f:
     config = mlc.ConfigDict(json.load(f))
+  if temperature is not None:
+    config.sampling.temperature = float(temperature)
   parts = state_lib.build(config)
   budgets = list(budgets) if budgets else [parts.eval_loop_cfg.max_turns]
   budget_loop_cfgs(parts.eval_loop_cfg, budgets)  # a bad budget fails before the checkpoint and the browser
@@ -139,7 +146,8 @@ def main(argv):
     raise app.UsageError("--plot needs several --max_turns (success against step budget)")
   eps: list = []
   step, summary = evaluate(_RUN.value, tasks, _EPISODES.value, _CKPT.value, _SERVERS.value,
-                           _SESSIONS.value, episodes_out=eps, max_turns=budgets[0] if budgets else None)
+                           _SESSIONS.value, episodes_out=eps, max_turns=budgets[0] if budgets else None,
+                           temperature=_TEMPERATURE.value)
   print(f"checkpoint {step} of {resolve_run(_RUN.value)}, {_EPISODES.value} held-out seeds per task"
         + (f", step budget {budgets[0]} turns" if budgets else ""))
   print(format_table(summary))
@@ -162,7 +170,7 @@ def main_budgets(tasks: list[str] | None, budgets: list[int]) -> None:
   """`main` with several step budgets: the table of `format_budget_table`, `--json` as
   `budgets_json`, `--plot` as `plot_budgets`."""
   step, summaries = evaluate_budgets(_RUN.value, tasks, _EPISODES.value, budgets, _CKPT.value, _SERVERS.value,
-                                     _SESSIONS.value)
+                                     _SESSIONS.value, temperature=_TEMPERATURE.value)
   run = resolve_run(_RUN.value)
   print(f"checkpoint {step} of {run}, {_EPISODES.value} held-out seeds per task (the same at every budget)")
   print(format_budget_table(summaries))

@@ -197,7 +197,8 @@ def main(argv):
                                   epochs=config.rl.epochs, minibatch_size=config.rl.minibatch_size,
                                   rng=np.random.default_rng([config.seed, it]), n_real=len(episodes),
                                   scores=np.array([e.shaped_return for e in episodes], np.float32),
-                                  group_ids=group_ids(episodes), ref_params=ref_params)
+                                  group_ids=group_ids(episodes), ref_params=ref_params,
+                                  minibatch_by_length=config.rl.minibatch_by_length)
 
         if pool is not None:  # the update runs in a thread while the loop keeps the pool's episodes going
           state, train_m = loop.run_until_complete(asyncio.to_thread(update))

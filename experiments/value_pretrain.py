@@ -112,7 +112,8 @@ def main(argv):
                           image_hw=parts.image_hw, length_multiple=config.length_multiple, batch_size=n).as_dict()
           state, train_m = vpt.value_update(state, batch, critic_gd=parts.critic_gd, copt=copt, hp=hp,
                                             epochs=v.epochs, minibatch_size=v.minibatch_size, rng=rng,
-                                            n_real=len(episodes))
+                                            n_real=len(episodes),
+                                            minibatch_by_length=config.rl.minibatch_by_length)
           m = episode_metrics(episodes, tasks, parts.tokenizer, parts.table)
           m.update({f"train/{k}": x for k, x in train_m.items()})
           m.update({f"reward_terms/{k}": x / max(1, len(episodes)) for k, x in stats.reward_terms.items()})

@@ -50,6 +50,18 @@ def test_first_minibatch_of_a_real_rollout_is_on_policy():
   np.testing.assert_allclose(np.asarray(losses.kl_penalty(logp[mask], batch["old_logp"][mask], "k3")), 0.0,
                              atol=TOL)
 
+  # Padding changes no log-prob: the same episodes collated to 512 tokens and twice the screenshot
+  # slots, as given and as `ppo.trim_padding` cuts them for a minibatch, against the sampler's.
+  wide = collate(episodes, pad_id=parts.tokenizer.pad_id, max_images=2 * cfg.env.max_turns,
+                 image_hw=parts.image_hw, length_multiple=512, batch_size=n).as_dict()
+  cut = ppo.trim_padding(wide, wide["attn_mask"].sum(-1), wide["image_mask"].sum(-1))
+  assert cut["tokens"].shape[1] < 512 and cut["pixel_values"].shape[1] < 2 * cfg.env.max_turns
+  t = batch["tokens"].shape[1] - 1
+  for b in (wide, cut):
+    lp = np.asarray(ppo.reference_logp(state["policy"], b, parts.table, policy_gd=parts.policy_gd,
+                                       hp=parts.hparams))
+    assert np.abs(lp[:, :t][mask] - batch["old_logp"][mask]).max() <= TOL
+
   # The trainer's own first minibatch step reports the same (its metrics are of that minibatch:
   # one epoch, one minibatch of all n rows).
   assert cfg.rl.minibatch_size == n

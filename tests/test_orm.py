@@ -251,6 +251,11 @@ def test_apply_orm_rewards_replaces_only_the_outcome_term():
   assert m["orm/accuracy"] == pytest.approx(1.0) and m["orm/false_positive_rate"] == 0.0
   assert m["orm/turns_dropped"] == 3 and m["orm/episodes_cut"] == 1
   assert orm.orm_outcome(0.25, (0.0, 1.0)) == 0.25
+  # with the success outcome the verifier's term removed is 1 / 0, not the raw reward
+  e = ep(0.8, 0.0, False)
+  e.turns[1].reward = 1.0
+  orm.apply_orm_rewards([e], Fixed(), RewardConfig(outcome="success"), (0.0, 1.0))
+  assert e.turns[1].reward == pytest.approx(0.75)
 
 
 # ------------------------------------------------------------------------------- training and PPO (slow)

@@ -185,3 +185,14 @@ def test_turn_reward_terms_all_terms():
     turn_reward_terms(float("nan"), False, False, cfg)
   with pytest.raises(ValueError, match="overlong_buffer"):
     RewardConfig(overlong_max_tokens=4, overlong_buffer=5)
+
+
+def test_success_outcome_scores_every_failure_alike():
+  # MiniWoB: success +0.8 (time-discounted), a wrong click -1, the agent's own `finished` 0, time-out
+  raw, succ = RewardConfig(), RewardConfig(outcome="success", outcome_weight=2.0, truncation_reward=0.0)
+  assert [turn_reward_terms(r, False, False, raw)["total"] for r in (0.8, -1.0, 0.0)] == [0.8, -1.0, 0.0]
+  assert [turn_reward_terms(r, False, False, succ)["total"] for r in (0.8, -1.0, 0.0)] == [2.0, 0.0, 0.0]
+  assert turn_reward_terms(0.0, False, True, succ)["total"] == 0.0  # a time-out: also 0
+  assert turn_reward_terms(0.0, True, False, succ)["format"] == -0.1  # the format penalty stays
+  with pytest.raises(ValueError, match="outcome"):
+    RewardConfig(outcome="binary")

@@ -326,6 +326,11 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.rl.decoupled = False
   c.rl.epochs = 2
   c.rl.minibatch_size = 16
+  # Minibatches of rows of similar length (tars_jax/train/ppo.py `minibatch_rows`): each is cut to its
+  # own longest row instead of the batch's longest episode. False: the plain random permutation.
+  c.rl.minibatch_by_length = True
+  # "raw": MiniWoB's page reward (-1..1); "success": 1 for a success, 0 otherwise (tars_jax/rl/rewards.py)
+  c.rl.outcome = "raw"
   c.rl.outcome_weight = 1.0
   c.rl.format_penalty = -0.1
   c.rl.truncation_reward = -1.0

@@ -166,6 +166,18 @@ def bucket(n: int, multiple: int) -> int:
   return int(-(-n // multiple) * multiple)
 
 
+def pow2_bucket(n: int, floor: int, cap: int) -> int:
+  """The smallest `floor * 2**k` >= n, at most `cap` (a handful of jit shapes for a size that varies
+  from call to call: rows still playing, screenshots per row, sequence length). Raises ValueError if
+  n > cap."""
+  if n > cap:
+    raise ValueError(f"size {n} exceeds its cap {cap}")
+  b = max(1, floor)
+  while b < n:
+    b *= 2
+  return min(b, cap)
+
+
 def episode_arrays(ep: Episode) -> dict[str, np.ndarray]:
   """Token view of one episode, unpadded, in *input* alignment ([L] arrays).
 

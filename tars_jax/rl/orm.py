@@ -56,6 +56,7 @@ from flax import nnx
 from tars_jax.agent import prompts
 from tars_jax.agent.memory import shrink_oldest, strip_vision, turns_length
 from tars_jax.agent.trajectory import Context, Episode, bucket
+from tars_jax.rl import rewards as reward_lib
 from tars_jax.rl.rewards import RewardConfig
 from tars_jax.train import ppo
 from tars_jax.train.sft import reply_text
@@ -448,7 +449,7 @@ def apply_orm_rewards(episodes: Sequence[Episode], scorer: OrmScorer, rewards: R
                       reward_range: tuple[float, float]) -> dict[str, float]:
   """Replaces, in place, the verifier's outcome term of each episode's shaped rewards by the ORM's.
 
-  For every turn, `Turn.reward -= rewards.outcome_weight * Turn.env_reward` (the outcome term
+  For every turn, `Turn.reward -= rewards.outcome_term(Turn.env_reward)` (the outcome term
   `rewards.turn_reward_terms` added); then the last turn gets `outcome_weight * orm_outcome(P(yes),
   reward_range)`. Format, truncation, step and overlong terms are kept; `env_reward` (the verifier's)
   is not changed, so success metrics and records still carry the verifier's outcome.
@@ -461,7 +462,7 @@ def apply_orm_rewards(episodes: Sequence[Episode], scorer: OrmScorer, rewards: R
   outcomes = []
   for ep, pi in zip(episodes, p):
     for t in ep.turns:
-      t.reward = float(t.reward - rewards.outcome_weight * t.env_reward)
+      t.reward = float(t.reward - reward_lib.outcome_term(t.env_reward, rewards))
     if ep.turns:
       new = rewards.outcome_weight * orm_outcome(float(pi), reward_range)
       ep.turns[-1].reward = float(ep.turns[-1].reward + new)

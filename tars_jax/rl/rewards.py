@@ -14,13 +14,19 @@ import math
 from tars_jax.agent.grammar import DELIMITER
 
 TERMS = ("outcome", "format", "overlong", "step", "truncation")
+OUTCOMES = ("raw", "success")
 
 
 @dataclasses.dataclass(frozen=True)
 class RewardConfig:
   """Weights of the shaping terms (the defaults reproduce outcome + format + truncation only).
 
-  outcome_weight: multiplies the environment's reward (MiniWoB: raw page reward, -1..1).
+  outcome: "raw" = the environment's reward (MiniWoB: raw page reward, -1..1, time-discounted;
+    a wrong click or a time-out scores -1, below an episode the agent ends itself with `finished`,
+    0); "success" = 1 on a step whose reward is positive, else 0 (MiniWoB rewards only the last
+    step, so the episode scores 1 exactly when `Episode.success`, and giving up scores as any
+    other failure). Either is multiplied by outcome_weight.
+  outcome_weight: multiplies the outcome.
   format_penalty: added (typically negative) when a reply does not parse as an action.
   truncation_reward: added on the last turn of an episode cut by the step budget (max_turns),
     -1 mirrors MiniWoB's own time-out reward.
@@ -32,6 +38,7 @@ class RewardConfig:
   Raises: ValueError for a buffer outside [0, overlong_max_tokens] or a non-finite weight.
   """
 
+  outcome: str = "raw"
   outcome_weight: float = 1.0
   format_penalty: float = -0.1
   truncation_reward: float = -1.0
@@ -41,7 +48,11 @@ class RewardConfig:
   overlong_buffer: int = 0
 
   def __post_init__(self):
+    if self.outcome not in OUTCOMES:
+      raise ValueError(f"RewardConfig.outcome {self.outcome!r}; expected one of {OUTCOMES}")
     for f in dataclasses.fields(self):
+      if f.name == "outcome":
+        continue
       v = getattr(self, f.name)
       if not math.isfinite(float(v)):
         raise ValueError(f"RewardConfig.{f.name} must be finite, got {v}")
@@ -77,6 +88,11 @@ def thought_of(reply: str) -> str:
   return head[len("Thought:"):].strip() if head.startswith("Thought:") else head
 
 
+def outcome_term(env_reward: float, cfg: RewardConfig) -> float:
+  """The outcome term of a step with environment reward `env_reward` (`RewardConfig.outcome`)."""
+  return cfg.outcome_weight * (float(env_reward) if cfg.outcome == "raw" else float(env_reward > 0))
+
+
 def turn_reward_terms(env_reward: float, invalid: bool, truncated: bool, cfg: RewardConfig,
                       thought_tokens: int = 0) -> dict[str, float]:
   """Shaping terms of one turn, in reward units.
@@ -93,7 +109,7 @@ def turn_reward_terms(env_reward: float, invalid: bool, truncated: bool, cfg: Re
   if not math.isfinite(float(env_reward)):
     raise ValueError(f"environment reward is not finite: {env_reward}")
   terms = {
-      "outcome": cfg.outcome_weight * float(env_reward),
+      "outcome": outcome_term(env_reward, cfg),
       "format": cfg.format_penalty if invalid else 0.0,
       "overlong": cfg.overlong_weight * overlong_penalty(thought_tokens, cfg.overlong_max_tokens,
                                                          cfg.overlong_buffer),

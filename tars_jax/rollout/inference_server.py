@@ -28,7 +28,7 @@ from flax import nnx
 
 from tars_jax.agent.grammar import Grammar
 from tars_jax.agent.tokenizer import ByteTokenizer
-from tars_jax.agent.trajectory import bucket
+from tars_jax.agent.trajectory import bucket, pow2_bucket
 from tars_jax.models import quant, sampler, slot_decode
 
 
@@ -68,7 +68,8 @@ class BatchedPolicy:
   Attributes:
     graphdef, params: the NNX policy split (`nnx.split`); replace `params` after each update.
     grammar: constrained-decoding automaton, or None for free text.
-    max_images: image slots per row (= max turns of an episode).
+    max_images: image slots per row at most (= max turns of an episode); a call uses the fewest
+      (powers of two) its prompts need.
     seed: sampling keys derive from (seed, iteration, call): `start_iteration(it)` sets the key to
       fold_in(PRNGKey(seed), it) and each batch of `act` splits it, so an iteration's samples depend
       only on the seed, the iteration and the calls made in it, never on when the process started
@@ -122,13 +123,17 @@ class BatchedPolicy:
     return self._served
 
   def _act_chunk(self, prompts, images):
-    n, b = len(prompts), self.batch_size
+    # Rows and image slots shrink to the chunk's needs (powers of two): after the first turns of a
+    # lockstep round most episodes have ended, and a turn-k prompt holds k screenshots, not max_images.
+    n = len(prompts)
+    b = pow2_bucket(n, min(8, self.batch_size), self.batch_size)
+    slots = pow2_bucket(max(1, max(len(x) for x in images)), 1, self.max_images)
     p = bucket(max(len(x) for x in prompts), self.length_multiple)
     h, w = self.image_hw
     tokens = np.full((b, p), self.tokenizer.pad_id, np.int32)
     mask = np.zeros((b, p), bool)
-    pix = np.zeros((b, self.max_images, h, w, 3), np.float32)
-    img_mask = np.zeros((b, self.max_images), bool)
+    pix = np.zeros((b, slots, h, w, 3), np.float32)
+    img_mask = np.zeros((b, slots), bool)
     for i in range(b):
       ids = prompts[i] if i < n else [self.tokenizer.bos_id]  # filler rows: one BOS token
       tokens[i, p - len(ids):], mask[i, p - len(ids):] = ids, True  # left padding

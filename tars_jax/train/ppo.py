@@ -44,6 +44,7 @@ from tars_jax.rl import advantages as adv_lib
 from tars_jax.rl import losses
 from tars_jax.rl import metrics as rl_metrics
 from tars_jax.rl.checks import check_finite
+from tars_jax.agent.trajectory import pow2_bucket
 from tars_jax.distributed import to_host
 
 
@@ -322,10 +323,67 @@ def prepare(critic_params, batch: dict, table=None, *, critic_gd, hp: PPOHparams
   return values * mask, adv, ret, diag
 
 
+def minibatch_rows(rows: np.ndarray, lengths: np.ndarray, images: np.ndarray, size: int,
+                   rng: np.random.Generator, by_length: bool) -> list[np.ndarray]:
+  """One epoch's minibatches: index arrays [size] int of `rows`, each row once (the last minibatch
+  topped up with random rows of the set, so every step has one jit shape).
+
+  lengths, images: [B] real tokens and screenshots per batch row. by_length=False: a random
+  permutation cut in order (the draws of the plain PPO epoch). True: rows sorted by the jit shape
+  they need (`trim_padding`'s sequence and image buckets), ties in random order, and the minibatches
+  in random order, so a minibatch of one-screen episodes is not padded to the longest episode of the
+  batch (verl's sequence balancing does the same for token budgets).
+  """
+  perm = rng.permutation(rows)
+  if by_length:
+    need = np.array([_trimmed_shape(lengths[r], images[r], 1 << 30, 1 << 30) for r in perm])
+    perm = perm[np.lexsort((need[:, 1], need[:, 0]))] if len(perm) else perm
+  out = []
+  for s in range(0, len(perm), size):
+    idx = perm[s:s + size]
+    if len(idx) < size:
+      idx = np.concatenate([idx, rng.choice(rows, size - len(idx))])
+    out.append(idx)
+  if by_length:
+    out = [out[i] for i in rng.permutation(len(out))]
+  return out
+
+
+_TRIM_FLOOR = 64  # smallest sequence bucket of a trimmed minibatch (tokens)
+
+
+def _trimmed_shape(length: int, images: int, t: int, m: int) -> tuple[int, int]:
+  return (pow2_bucket(int(length), _TRIM_FLOOR, max(t, _TRIM_FLOOR)) if t >= _TRIM_FLOOR else t,
+          pow2_bucket(max(1, int(images)), 1, m))
+
+
+def trim_padding(mb: dict, lengths: np.ndarray, images: np.ndarray) -> dict:
+  """A minibatch cut to its content: tokens [b, T] -> [b, t] (t = 64 * 2**k >= its longest row, at
+  most T), target-aligned fields [b, T-1] -> [b, t-1], screenshots [b, M, ...] -> [b, m] (m = 2**k >=
+  its most screenshots, at most M). Rows are right-padded and the model is causal, so the real
+  tokens' log-probs and values are those of the padded batch (to float rounding); a few bucketed
+  shapes keep the number of compilations small. lengths, images: [b] per row."""
+  t_full, m_full = mb["tokens"].shape[1], mb["image_mask"].shape[1]
+  t, m = _trimmed_shape(lengths.max(), images.max(), t_full, m_full)
+  if (t, m) == (t_full, m_full):
+    return mb
+  out = {}
+  for k, v in mb.items():
+    if k in ("pixel_values", "image_mask"):
+      out[k] = v[:, :m]
+    elif getattr(v, "ndim", 0) >= 2 and v.shape[1] == t_full:
+      out[k] = v[:, :t]
+    elif getattr(v, "ndim", 0) >= 2 and v.shape[1] == t_full - 1:
+      out[k] = v[:, :t - 1]
+    else:
+      out[k] = v
+  return out
+
+
 def ppo_update(state: dict, batch: dict[str, np.ndarray], table, *, policy_gd, critic_gd, popt, copt,
                hp: PPOHparams, epochs: int, minibatch_size: int, rng: np.random.Generator,
                n_real: int, scores: np.ndarray | None = None, group_ids: np.ndarray | None = None,
-               ref_params=None) -> tuple[dict, dict[str, float]]:
+               ref_params=None, minibatch_by_length: bool = False) -> tuple[dict, dict[str, float]]:
   """Full update on one rollout batch; returns (state, mean metrics over minibatch steps, plus
   `tokens_trained`, the real tokens that went through a training step).
 
@@ -342,6 +400,8 @@ def ppo_update(state: dict, batch: dict[str, np.ndarray], table, *, policy_gd, c
   `rl.metrics.PPO_INFORMATIVE_EPS` (`prepare`). Per-token means (entropy, clip fractions, KL)
   are over free decisions (`free_decisions`).
   `hp.kl_coef > 0` needs `ref_params` (the reference policy's nnx.State, e.g. the initial policy).
+  Each minibatch is cut to its own content (`trim_padding`); `minibatch_by_length` (config
+  `rl.minibatch_by_length`) groups rows of similar length into minibatches (`minibatch_rows`).
   Raises: ValueError if a group-relative algo gets no scores/group_ids or a KL penalty gets no
     reference; NonFiniteError (a ValueError) naming the positions of NaN/inf in rewards,
     behaviour log-probs, critic values or scores.
@@ -354,6 +414,9 @@ def ppo_update(state: dict, batch: dict[str, np.ndarray], table, *, policy_gd, c
     batch["ref_logp"] = reference_logp(ref_params, batch, table, policy_gd=policy_gd, hp=hp)
   if hp.decoupled:  # the proximal policy: this update's starting point (one extra forward pass)
     batch["prox_logp"] = reference_logp(state["policy"], batch, table, policy_gd=policy_gd, hp=hp)
+  attn = to_host(batch["attn_mask"])  # also a batch of global arrays over several processes
+  lengths, images = attn.sum(-1), to_host(batch["image_mask"]).sum(-1)
+  batch = trim_padding(batch, lengths, images)  # screenshot slots no episode of the batch used
   row_ep = to_host(batch["row_episode"]) if "row_episode" in batch else None
   real = np.nonzero(row_ep >= 0)[0] if row_ep is not None else np.arange(n_real)
   if hp.algo == "ppo":
@@ -388,14 +451,10 @@ def ppo_update(state: dict, batch: dict[str, np.ndarray], table, *, policy_gd, c
     step = functools.partial(policy_step, policy_gd=policy_gd, popt=popt, hp=hp)
   collected: list[dict] = []
   tokens = 0.0
-  attn = to_host(batch["attn_mask"])  # also a batch of global arrays over several processes
   for _ in range(epochs if len(rows) else 0):
-    perm = rng.permutation(rows)
-    for s in range(0, len(perm), minibatch_size):
-      idx = perm[s:s + minibatch_size]
-      if len(idx) < minibatch_size:  # keep one jit shape: top up with random rows of the set
-        idx = np.concatenate([idx, rng.choice(rows, minibatch_size - len(idx))])
-      state, m = step(state, {k: v[idx] for k, v in batch.items()}, table)
+    for idx in minibatch_rows(rows, lengths, images, minibatch_size, rng, minibatch_by_length):
+      state, m = step(state, trim_padding({k: v[idx] for k, v in batch.items()}, lengths[idx], images[idx]),
+                      table)
       collected.append(m)
       tokens += float(attn[idx].sum())
   out = {k: float(np.mean([float(m[k]) for m in collected])) for k in collected[0]} if collected else {}

@@ -71,18 +71,20 @@ def critic_step(state: dict, mb: dict, *, critic_gd, copt, hp: ppo.PPOHparams):
 
 
 def value_update(state: dict, batch: dict[str, np.ndarray], *, critic_gd, copt, hp: ppo.PPOHparams,
-                 epochs: int, minibatch_size: int, rng: np.random.Generator, n_real: int
-                 ) -> tuple[dict, dict[str, float]]:
+                 epochs: int, minibatch_size: int, rng: np.random.Generator, n_real: int,
+                 minibatch_by_length: bool = False) -> tuple[dict, dict[str, float]]:
   """Critic update on one rollout batch of the fixed policy; returns (state, metrics).
 
   Metrics: `fresh_value_loss`, `explained_variance`, `value_return_corr` of the critic on this batch
   *before* training on it (the batch is new rollouts, so these are held-out numbers that
   `StopRule` uses), `return_mean`, and the means over minibatch steps of `value_loss`,
-  `vf_clipfrac`, `critic_grad_norm`. Use `hp = pretrain_hparams(...)` for lambda = 1.
+  `vf_clipfrac`, `critic_grad_norm`. Use `hp = pretrain_hparams(...)` for lambda = 1. Minibatches as
+  `ppo.ppo_update`'s (`ppo.minibatch_rows`, `ppo.trim_padding`; `minibatch_by_length`).
   Raises: NonFiniteError naming NaN/inf positions in rewards or critic values.
   """
   check_finite(rewards=batch["rewards"])
-  batch = {k: jnp.asarray(v) for k, v in batch.items()}
+  lengths, images = np.asarray(batch["attn_mask"]).sum(-1), np.asarray(batch["image_mask"]).sum(-1)
+  batch = ppo.trim_padding({k: jnp.asarray(v) for k, v in batch.items()}, lengths, images)
   values, _, ret, diag = ppo.prepare(state["critic"], batch, critic_gd=critic_gd, hp=hp)
   check_finite(values=values)
   mask = batch["loss_mask"]
@@ -92,13 +94,9 @@ def value_update(state: dict, batch: dict[str, np.ndarray], *, critic_gd, copt, 
   rows = (np.nonzero(np.asarray(batch["row_episode"]) >= 0)[0] if "row_episode" in batch else np.arange(n_real))
   collected = []
   for _ in range(epochs if n_real else 0):
-    perm = rng.permutation(rows)
-    for s in range(0, len(perm), minibatch_size):
-      idx = perm[s:s + minibatch_size]
-      if len(idx) < minibatch_size:  # one jit shape: top up with random real rows
-        idx = np.concatenate([idx, rng.choice(rows, minibatch_size - len(idx))])
-      state, m = critic_step(state, {k: v[idx] for k, v in batch.items()}, critic_gd=critic_gd,
-                             copt=copt, hp=hp)
+    for idx in ppo.minibatch_rows(rows, lengths, images, minibatch_size, rng, minibatch_by_length):
+      mb = ppo.trim_padding({k: v[idx] for k, v in batch.items()}, lengths[idx], images[idx])
+      state, m = critic_step(state, mb, critic_gd=critic_gd, copt=copt, hp=hp)
       collected.append(m)
   out = {k: float(np.mean([float(m[k]) for m in collected])) for k in collected[0]} if collected else {}
   out.update(fresh_value_loss=float(fresh), explained_variance=float(diag["explained_variance"]),

@@ -1,0 +1,101 @@
+r"""The RL stage's iteration, two checkouts side by side in one run (issue #37 item 1): where an
+iteration's time goes and episodes per second, before and after a change, on the same seeds.
+
+  .venv/bin/python -m benchmarks.rl_iteration --trees /work/base,. --init runs/replication/sft/seed_0 \
+      --critic runs/replication/vpt/seed_0/critic [--config experiments/configs/replication.py:ppo] [--iterations 5] [--repeats 2]
+
+Each checkout (a git worktree of another commit, or this one) runs the RL trainer as a user would
+(`python -m experiments.train`, its own code on PYTHONPATH) from the same SFT checkpoint, for
+`--iterations` iterations of the config's episodes against its own real sandbox server; the checkouts
+alternate `--repeats` times (A B A B), so a busy host slows both alike. Per iteration after the first
+(compilations) the trainer's `metrics.jsonl` gives: rollout (sampling, waiting for the sandboxes),
+the update, and the rest of the iteration (collating, metrics, checkpoint, logging: the wall time
+between rows minus both). Prints one table of medians per checkout, episodes per second (episodes of an
+iteration / its wall time) and the ratio to the first checkout, plus the training success of each
+iteration (the same seeds: equal within sampling noise).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from absl import app, flags
+
+from benchmarks.command import command_line
+
+_TREES = flags.DEFINE_list("trees", None, "Checkouts to compare (the first is the baseline).", required=True)
+_INIT = flags.DEFINE_string("init", None, "Run dir of the SFT checkpoint to start from.", required=True)
+_CRITIC = flags.DEFINE_string("critic", None, "Pretrained critic (value pretraining's <run>/critic), for "
+                               "configs with vpt.enabled.")
+_CONFIG = flags.DEFINE_string("config", "experiments/configs/replication.py:ppo", "Config, relative to a tree.")
+_ITERS = flags.DEFINE_integer("iterations", 5, "RL iterations per run (the first is not timed).")
+_REPEATS = flags.DEFINE_integer("repeats", 2, "Runs per checkout, alternating.")
+_JSON = flags.DEFINE_string("json", None, "Write the per-run rows here.")
+
+
+def run_once(tree: str, workdir: str, cache: str) -> dict:
+  """One trainer process in `tree`; returns its per-iteration rows and wall time (seconds)."""
+  env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), JAX_COMPILATION_CACHE_DIR=cache)
+  argv = [sys.executable, "-m", "experiments.train", "--config", _CONFIG.value, "--workdir", workdir,
+          f"--config.policy.init={os.path.abspath(_INIT.value)}", f"--config.iterations={_ITERS.value}",
+          "--config.eval_every=0", "--config.seed=0", f"--config.ckpt_every={_ITERS.value}",
+          "--config.log_trajectories=0"] + (
+              [f"--config.critic.init={os.path.abspath(_CRITIC.value)}"] if _CRITIC.value else [])
+  t0 = time.time()
+  p = subprocess.run(argv, cwd=tree, env=env, capture_output=True, text=True)
+  wall = time.time() - t0
+  if p.returncode:
+    raise RuntimeError(f"trainer in {tree} failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
+  rows = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
+  return {"tree": tree, "rows": rows, "wall_s": wall}
+
+
+def summarize(run: dict) -> dict:
+  rows = run["rows"][1:]  # the first iteration compiles
+  wall = [r["perf/wall_min"] * 60 for r in run["rows"]]
+  iter_s = [b - a for a, b in zip(wall, wall[1:])]
+  med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
+  out = {"rollout_s": med("perf/rollout_s"), "policy_s": med("perf/policy_s"), "env_wait_s": med("perf/env_wait_s"),
+         "update_s": med("perf/train_s"), "iteration_s": statistics.median(iter_s)}
+  out["rest_s"] = out["iteration_s"] - out["rollout_s"] - out["update_s"]
+  episodes = run["rows"][1]["episodes_total"] - run["rows"][0]["episodes_total"]
+  out["episodes_per_s"] = episodes / out["iteration_s"]
+  out["success"] = [round(r["success_rate"], 3) for r in run["rows"]]
+  return out
+
+
+def main(_):
+  cache = os.path.abspath(os.path.join("runs", "bench_rl_iteration_cache"))
+  runs = []
+  with tempfile.TemporaryDirectory(dir=os.path.abspath("runs") if os.path.isdir("runs") else None) as tmp:
+    for r in range(_REPEATS.value):
+      for i, tree in enumerate(_TREES.value):
+        run = run_once(tree, os.path.join(tmp, f"r{r}_t{i}"), cache)
+        run.update(summarize(run), repeat=r)
+        runs.append(run)
+        print(f"[rl_iteration] {tree} repeat {r}: {run['episodes_per_s']:.2f} episodes/s "
+              f"(iteration {run['iteration_s']:.1f} s)", flush=True)
+  print(command_line("benchmarks.rl_iteration", " ".join(sys.argv[1:])))
+  keys = ("rollout_s", "policy_s", "env_wait_s", "update_s", "rest_s", "iteration_s", "episodes_per_s")
+  print("| checkout | " + " | ".join(keys) + " | x baseline | training success per iteration |")
+  print("|---" * (len(keys) + 3) + "|")
+  base = None
+  for tree in _TREES.value:
+    mine = [r for r in runs if r["tree"] == tree]
+    m = {k: statistics.median(r[k] for r in mine) for k in keys}
+    base = base or m["episodes_per_s"]
+    succ = " / ".join(",".join(f"{s:.2f}" for s in r["success"]) for r in mine)
+    print(f"| {tree} | " + " | ".join(f"{m[k]:.2f}" for k in keys) + f" | {m['episodes_per_s'] / base:.2f} | {succ} |")
+  if _JSON.value:
+    with open(_JSON.value, "w") as f:
+      json.dump([{k: v for k, v in r.items() if k != "rows"} | {"rows": r["rows"]} for r in runs], f, indent=1)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -61,7 +61,7 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (created; resumed
 def main(argv):
   del argv
   config, workdir = _CONFIG.value, _WORKDIR.value
-  # Multi-process run (tars_jax/distributed.py, README "Multi-process runs"): jax.distributed before any
+  # Multi-process run (tars_jax/distributed.py, docs/running.md, "Multi-process runs"): jax.distributed before any
   # computation; one process (distributed.num_processes = 1, the default) changes nothing below.
   dist.initialize(config.distributed)
   dist.default_mesh(config)

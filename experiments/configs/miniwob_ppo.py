@@ -360,7 +360,7 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   # "(2,1,2,2)"); rules re-map logical axes to mesh axes, e.g. {"mlp": "fsdp"} (sharding.DEFAULT_RULES).
   c.mesh = mlc.ConfigDict({"shape": (), "rules": {}})
 
-  # --- Processes (tars_jax/distributed.py; README "Multi-process runs") ------------------------------
+  # --- Processes (tars_jax/distributed.py; docs/running.md, "Multi-process runs") ------------------------------
   # num_processes: 1 = one process (nothing started); N > 1 = N processes (one per host or device
   # group) through jax.distributed, the mesh spanning all of them and each driving its share of
   # env.servers; 0 = count, id and coordinator auto-detected from the cluster (SLURM, Open MPI).

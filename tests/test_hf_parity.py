@@ -10,7 +10,7 @@ sampler equal to transformers `generate`."""
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+import torch  # installed by scripts/setup.sh: a missing torch fails, never skips
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

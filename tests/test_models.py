@@ -36,7 +36,7 @@ def test_rope_positions_by_hand():
 
 
 def test_rope_positions_match_transformers_get_rope_index():
-  torch = pytest.importorskip("torch")
+  import torch  # installed by scripts/setup.sh: a missing torch fails, never skips
   from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel
   from types import SimpleNamespace
   gh, gw = 3, 2

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from experiments.configs import miniwob_ppo
+from experiments.configs import miniwob_ppo, replication
 from tars_jax.agent.tokenizer import ByteTokenizer
 from tars_jax.models import ModelConfig
 from tars_jax.train import ppo
@@ -95,6 +95,14 @@ def test_missing_rl_field_is_an_error(field):
   del c.rl[field]
   with pytest.raises(AttributeError, match=field):
     _hparams(c)
+
+
+def test_a_run_config_without_outcome_keeps_the_raw_reward():
+  # config.json of a run made before rl.outcome existed: evaluation and resume read it as trained
+  r = miniwob_ppo.get_config("smoke").rl
+  del r["outcome"]
+  assert state_lib.reward_config(r).outcome == "raw"
+  assert state_lib.reward_config(replication.get_config("ppo+smoke").rl).outcome == "success"
 
 
 @pytest.mark.parametrize("field", ["step_penalty", "overlong_weight", "overlong_max_tokens", "overlong_buffer"])

@@ -207,8 +207,10 @@ def hparams(config, image_token_id: int, grid_hw: tuple[int, int]) -> ppo.PPOHpa
 
 
 def reward_config(r) -> RewardConfig:
-  """`RewardConfig` from `config.rl`; every field must be set (AttributeError names a missing one)."""
-  return RewardConfig(outcome=r.outcome, outcome_weight=r.outcome_weight, format_penalty=r.format_penalty,
+  """`RewardConfig` from `config.rl`; every field must be set (AttributeError names a missing one),
+  except `outcome` ("raw" when absent: the config of a run made before the field)."""
+  # config.json of runs made before `rl.outcome` existed: they trained on the raw reward
+  return RewardConfig(outcome=r.get("outcome", "raw"), outcome_weight=r.outcome_weight, format_penalty=r.format_penalty,
                       truncation_reward=r.truncation_reward, step_penalty=r.step_penalty,
                       overlong_weight=r.overlong_weight, overlong_max_tokens=r.overlong_max_tokens,
                       overlong_buffer=r.overlong_buffer)

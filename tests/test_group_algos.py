@@ -131,3 +131,27 @@ def test_group_update_drops_and_counts_singleton_groups(epochs):
   assert out["informative_fraction"] == pytest.approx(2 / 3)
   # only group 0's two rows are trained: one minibatch of 2 per epoch (three rows would make two)
   assert int(state["step"]) == epochs
+
+
+@pytest.mark.slow  # ~40 s: two tiny policies, a few compiled update steps each
+@pytest.mark.parametrize("algo", ["ppo", "grpo"])
+def test_an_update_raises_the_rewarded_reply_and_lowers_the_other(algo):
+  # Two episodes of one group on the same screen; episode 0 wrote bytes "B" and scored 1, episode 1
+  # wrote "C" and scored 0. After an on-policy update the rewarded reply is more likely and the
+  # other less (the direction of the policy gradient, whatever the advantage estimator).
+  parts, cfg = _tiny_parts(algo)
+  batch = _fake_batch(parts, cfg, b=2)
+  batch["pixel_values"][1] = batch["pixel_values"][0]
+  batch["tokens"][0, 81:91], batch["tokens"][1, 81:91] = ord("B"), ord("C")
+  batch["rewards"][0, 89], batch["rewards"][1, 89] = 1.0, 0.0
+  state = parts.init_state(0)
+  logp0 = np.asarray(ppo.reference_logp(state["policy"], batch, None, policy_gd=parts.policy_gd, hp=parts.hparams))
+  batch["old_logp"] = logp0 * batch["loss_mask"]  # on-policy
+  state, _ = ppo.ppo_update(state, batch, None, policy_gd=parts.policy_gd, critic_gd=parts.critic_gd,
+                            popt=parts.popt, copt=parts.copt, hp=parts.hparams, epochs=4, minibatch_size=2,
+                            rng=np.random.default_rng(0), n_real=2, scores=np.array([1.0, 0.0], np.float32),
+                            group_ids=np.array([0, 0]))
+  logp1 = np.asarray(ppo.reference_logp(state["policy"], batch, None, policy_gd=parts.policy_gd, hp=parts.hparams))
+  m = batch["loss_mask"] > 0
+  gain = [(logp1[i][m[i]] - logp0[i][m[i]]).sum() for i in range(2)]
+  assert gain[0] > 0 > gain[1], gain

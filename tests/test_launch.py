@@ -98,8 +98,7 @@ def test_sandbox_server_runs_with_the_system_malloc():
   """A trainer under `scripts/env.sh` (tcmalloc preloaded) starts its sandbox server, and so its
   Chromium, without tcmalloc: read from the processes' memory maps."""
   lib = _tcmalloc()
-  if lib is None:
-    pytest.skip("libtcmalloc_minimal.so.4 not installed (scripts/setup.sh installs it)")
+  assert lib is not None, "libtcmalloc_minimal.so.4 not installed: run scripts/setup.sh, which installs it"
   parent = subprocess.Popen([sys.executable, "-c", _PARENT], cwd=ROOT, stdout=subprocess.PIPE, text=True,
                             env=dict(os.environ, PYTHONPATH=ROOT, LD_PRELOAD=lib))
   server_pid = None

@@ -349,6 +349,15 @@ def minibatch_rows(rows: np.ndarray, lengths: np.ndarray, images: np.ndarray, si
   return out
 
 
+def minibatches(batch: dict, rows: np.ndarray, lengths: np.ndarray, images: np.ndarray, size: int,
+                rng: np.random.Generator, by_length: bool):
+  """One epoch of (row indices [size], minibatch dict cut to its content) of `batch`: the rows of
+  `minibatch_rows`, the fields `trim_padding` cuts. Shared by the PPO and the value-pretraining
+  updates."""
+  for idx in minibatch_rows(rows, lengths, images, size, rng, by_length):
+    yield idx, trim_padding({k: v[idx] for k, v in batch.items()}, lengths[idx], images[idx])
+
+
 _TRIM_FLOOR = 64  # smallest sequence bucket of a trimmed minibatch (tokens)
 
 
@@ -401,7 +410,7 @@ def ppo_update(state: dict, batch: dict[str, np.ndarray], table, *, policy_gd, c
   are over free decisions (`free_decisions`).
   `hp.kl_coef > 0` needs `ref_params` (the reference policy's nnx.State, e.g. the initial policy).
   Each minibatch is cut to its own content (`trim_padding`); `minibatch_by_length` (config
-  `rl.minibatch_by_length`) groups rows of similar length into minibatches (`minibatch_rows`).
+  `rl.minibatch_by_length`) groups rows of similar length into minibatches (`minibatches`).
   Raises: ValueError if a group-relative algo gets no scores/group_ids or a KL penalty gets no
     reference; NonFiniteError (a ValueError) naming the positions of NaN/inf in rewards,
     behaviour log-probs, critic values or scores.
@@ -452,9 +461,8 @@ def ppo_update(state: dict, batch: dict[str, np.ndarray], table, *, policy_gd, c
   collected: list[dict] = []
   tokens = 0.0
   for _ in range(epochs if len(rows) else 0):
-    for idx in minibatch_rows(rows, lengths, images, minibatch_size, rng, minibatch_by_length):
-      state, m = step(state, trim_padding({k: v[idx] for k, v in batch.items()}, lengths[idx], images[idx]),
-                      table)
+    for idx, mb in minibatches(batch, rows, lengths, images, minibatch_size, rng, minibatch_by_length):
+      state, m = step(state, mb, table)
       collected.append(m)
       tokens += float(attn[idx].sum())
   out = {k: float(np.mean([float(m[k]) for m in collected])) for k in collected[0]} if collected else {}

@@ -79,7 +79,7 @@ def value_update(state: dict, batch: dict[str, np.ndarray], *, critic_gd, copt, 
   *before* training on it (the batch is new rollouts, so these are held-out numbers that
   `StopRule` uses), `return_mean`, and the means over minibatch steps of `value_loss`,
   `vf_clipfrac`, `critic_grad_norm`. Use `hp = pretrain_hparams(...)` for lambda = 1. Minibatches as
-  `ppo.ppo_update`'s (`ppo.minibatch_rows`, `ppo.trim_padding`; `minibatch_by_length`).
+  `ppo.ppo_update`'s (`ppo.minibatches`; `minibatch_by_length`).
   Raises: NonFiniteError naming NaN/inf positions in rewards or critic values.
   """
   check_finite(rewards=batch["rewards"])
@@ -94,8 +94,7 @@ def value_update(state: dict, batch: dict[str, np.ndarray], *, critic_gd, copt, 
   rows = (np.nonzero(np.asarray(batch["row_episode"]) >= 0)[0] if "row_episode" in batch else np.arange(n_real))
   collected = []
   for _ in range(epochs if n_real else 0):
-    for idx in ppo.minibatch_rows(rows, lengths, images, minibatch_size, rng, minibatch_by_length):
-      mb = ppo.trim_padding({k: v[idx] for k, v in batch.items()}, lengths[idx], images[idx])
+    for _, mb in ppo.minibatches(batch, rows, lengths, images, minibatch_size, rng, minibatch_by_length):
       state, m = critic_step(state, mb, critic_gd=critic_gd, copt=copt, hp=hp)
       collected.append(m)
   out = {k: float(np.mean([float(m[k]) for m in collected])) for k in collected[0]} if collected else {}

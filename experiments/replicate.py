@@ -118,8 +118,9 @@ def plan(config: str, workdir: str, seeds: list[int], variants: list[str], suffi
 
   def evaluate(run_name, run_dir, arg, after):
     episodes = loaded[arg].final_eval_episodes
+    # the suite's tasks, named: an SFT run's own config may list others (its training ignores them)
     add(f"eval/{run_name}", [py, "-m", "experiments.eval", "--run", run_dir, "--episodes", str(episodes),
-                             "--json", os.path.join(run_dir, "eval.json")],
+                             "--tasks", ",".join(loaded[arg].tasks), "--json", os.path.join(run_dir, "eval.json")],
         os.path.join(run_dir, "eval.json"), [after])
 
   add("demos", [py, "-m", "experiments.demos", "--config", cfg("sft"), "--out", W("demos")],

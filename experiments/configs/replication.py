@@ -19,9 +19,11 @@ Args: "sft" = the SFT stage (and the demonstration budget); a variant of `VARIAN
   ppo_thoughts  ppo on the SFT stage that kept the templated thoughts (think length logged)
 "+smoke" appended = tiny model and budgets.
 
-Tasks: MiniWoB++ tasks with a scripted expert (tars_jax/data/experts.py) where the SFT start leaves
-room for RL; two are multi-step (enter-text 3 turns, click-checkboxes 1-7), where credit assignment and
-the critic matter. SFT: 800 updates on 40 demonstrations per task (240 per typing task).
+Tasks: RL and evaluation on MiniWoB++ tasks where the SFT start is partial and above chance
+(benchmarks/RESULTS.md, "Replication suite: a task set with headroom"): click-test, focus-text,
+click-test-2, focus-text-2 (one step, no demonstrations: the skill transfers from the demonstration
+tasks) and enter-text (3 steps, 240 demonstrations). SFT: 800 updates on 40 demonstrations of each of
+7 tasks (240 of each typing task).
 """
 
 import ml_collections as mlc
@@ -32,12 +34,14 @@ VARIANTS = ("ppo", "grpo", "ppo_novpt", "ppo_coupled", "ppo_lenadapt", "ppo_thou
 STAGES = ("sft", "sft_thoughts", *VARIANTS)
 ARGS = (*STAGES, *(s + "+smoke" for s in STAGES))
 
-# RL and evaluation: tasks whose SFT start leaves room (benchmarks/RESULTS.md, "Replication suite: choosing
-# the tasks"); enter-text (3 turns) and click-checkboxes (1-7 turns) are multi-step.
-TASKS = ("miniwob/click-button", "miniwob/click-link", "miniwob/click-checkboxes", "miniwob/enter-text")
-# Demonstrations: those and three more (click-tab, learnt from 40; login-user and enter-password, whose
-# random passwords the SFT policy does not yet copy), 40 each, 240 of each typing task (copying the text of
-# the instruction starts between 400 and 800 updates with them).
+# RL and evaluation: tasks on which the SFT policy succeeds partly and above chance (benchmarks/RESULTS.md,
+# "Replication suite: a task set with headroom"); the suite's earlier tasks (click-button, click-link,
+# click-checkboxes) left RL nothing to reinforce: the SFT policy's failures there were systematic.
+TASKS = ("miniwob/click-test", "miniwob/focus-text", "miniwob/click-test-2", "miniwob/focus-text-2",
+         "miniwob/enter-text")
+# Demonstrations: 40 of each of 7 tasks, 240 of each typing task (copying the instruction's text into
+# type() starts between 400 and 800 updates with them). Only enter-text is also an RL task: click-tab is
+# solved from them, login-user's and enter-password's random passwords are not copied (0.0).
 DEMO_TASKS = ("miniwob/click-button", "miniwob/click-link", "miniwob/click-tab", "miniwob/enter-text",
               "miniwob/login-user", "miniwob/enter-password", "miniwob/click-checkboxes")
 TYPING = ("miniwob/enter-text", "miniwob/login-user", "miniwob/enter-password")
@@ -73,11 +77,11 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.rl.algo, c.rl.group_size = "ppo", 1
   c.vpt.enabled = stage in ("ppo", "ppo_coupled", "ppo_lenadapt", "ppo_thoughts")
   c.vpt.max_iterations = 2 if smoke else 10
-  c.iterations = 2 if smoke else 20  # x 32 episodes
+  c.iterations = 2 if smoke else 30  # x 32 episodes (~190 per task)
   c.max_minutes = 30.0 if smoke else 60.0  # guard only (tars_jax/train/guard.py)
-  # lr 1e-4 without an entropy bonus: at 3e-4 with ent_coef 0.01 PPO moved the SFT policy ~0.05-0.1 nats
-  # per iteration and undid it (benchmarks/RESULTS.md, "Replication suite")
-  c.rl.lr = 1e-4
+  # lr 3e-4 without an entropy bonus: on tasks with a partial skill it raised success by ~0.15 in 20
+  # iterations; with ent_coef 0.01 it undid the SFT policy (benchmarks/RESULTS.md, "Replication suite")
+  c.rl.lr = 3e-4
   # The suite's metric is success: with MiniWoB's raw reward and the -1 time-out, a policy that
   # succeeds less than half the time scores more by ending its episodes with `finished` (0) than by
   # trying (-1 per miss), and RL learnt exactly that (benchmarks/RESULTS.md, "Replication suite: the

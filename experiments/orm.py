@@ -32,11 +32,7 @@ Layout of the run dir: config.json, metrics.jsonl, tensorboard/, checkpoints/, o
 from __future__ import annotations
 
 import functools
-import json
-import logging
 import os
-import signal
-import sys
 import time
 import zlib
 
@@ -50,10 +46,9 @@ from tqdm import tqdm
 from tars_jax.data import records
 from tars_jax.rl import orm as orm_lib
 from tars_jax.train import checkpoint as ckpt
-from tars_jax.train.guard import Guard
+from tars_jax.train import run as run_lib
 from tars_jax.train import sft
 from tars_jax.train import state as state_lib
-from tars_jax.train.metrics import MetricsWriter
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (get_config(arg)).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (created; resumed if it has checkpoints).")
@@ -62,14 +57,13 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (created; resumed
 def main(argv):
   del argv
   config, workdir = _CONFIG.value, _WORKDIR.value
-  jax.config.update("jax_default_matmul_precision", config.matmul_precision)  # before any compute
   o = config.orm
   if not o.data:
     raise app.UsageError("config.orm.data is empty: name the record dirs of labelled trajectories, e.g. "
                          "--config.orm.data=\"('runs/x/ppo/rollouts','runs/x/demos')\"")
-  os.makedirs(workdir, exist_ok=True)
-  logging.getLogger().setLevel(logging.WARNING)
-  signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+  run = run_lib.start("orm", config, workdir, budget=o.steps, unit="step", max_minutes=o.max_minutes,
+                      keep_checkpoints=config.keep_checkpoints)
+  guard = run.guard  # evaluations not counted against it
 
   # ----------------------------------------------------------------------------------------------
   # Model, optimiser, labelled data (checked against the model before any step), resume.
@@ -112,14 +106,9 @@ def main(argv):
   counts = {"train": {"episodes": len(train), "successes": int(len(pos))},
             "heldout": {"episodes": len(held), "successes": sum(x["label"] for x in held)}}
 
-  mngr = ckpt.manager(workdir, config.keep_checkpoints, cleanup_tmp=True)
-  start = 0
-  if mngr.latest_step() is not None:
-    start, state, meta = ckpt.restore(mngr, state)
-    print(f"[orm] resumed from {mngr.directory}/{start}")
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(config.to_json_best_effort(indent=2))
-  writer = MetricsWriter(workdir, resume_step=start)
+  state, start, _ = run.resume(state)
+  mngr = run.mngr
+  writer = run.writer(config, start)
   print(f"[orm] data: {', '.join(o.data)} | train: {counts['train']['episodes']} episodes "
         f"({counts['train']['successes']} successes, balanced by sampling) | held-out: "
         f"{counts['heldout']['episodes']} ({counts['heldout']['successes']} successes) | "
@@ -141,8 +130,6 @@ def main(argv):
                                length_multiple=config.length_multiple, batch_size=o.batch_size)
     dropped = {k: sum(p.dropped[k] for p in ps) for k in ("screenshots", "turns", "instruction_chars")}
     return batch, dropped
-
-  guard = Guard("orm", o.max_minutes, o.steps, "step")  # evaluations not counted against it
 
   def score(params, sample, ds) -> np.ndarray:
     scorer.params = params
@@ -227,8 +214,7 @@ def main(argv):
                           "question": settings.question, "answers": list(settings.answers),
                           "thoughts": settings.thoughts},
              "metrics": rows, "final_train": last, "checkpoint": f"{mngr.directory}/{mngr.latest_step()}"}
-  with open(os.path.join(workdir, "orm.json"), "w") as f:
-    json.dump(summary, f, indent=2)
+  run.finish(summary)  # orm.json, done.json
   h = rows.get("heldout", {})
   print(f"[orm] done: {step} steps in {summary['minutes']:.1f} min | held-out F1 {100 * h.get('f1', 0):.1f} "
         f"FPR {100 * h.get('false_positive_rate', 0):.1f} | checkpoints: {mngr.directory} (latest "

@@ -23,8 +23,8 @@ Layout of the work dir (every stage a normal run dir of its trainer, resumable):
   summary.md, curves.png   intervals per variant and comparison, curves per variant
 
 Order: the SFT and `ppo` runs of every seed first (the suite's bar), then each further variant on every
-seed. A stage is done when its output exists (sft.json, value_pretrain.json, a complete checkpoint at
-the RL iteration budget, eval.json); a re-run skips done stages and resumes an interrupted one from its
+seed. A training stage is done when its run dir says so (`tars_jax.train.run.is_done`: done.json naming a
+complete checkpoint), the demonstrations and an evaluation when their output exists; a re-run skips done stages and resumes an interrupted one from its
 checkpoint, so no run is counted twice. A failed stage is reported, its dependants skipped, the others
 still run; the exit code is 1 if any failed.
 """
@@ -41,7 +41,7 @@ import time
 from absl import app, flags
 
 from experiments.configs import load_config, load_module
-from tars_jax.train import checkpoint as ckpt
+from tars_jax.train import run as run_lib
 from tars_jax.train.metrics import write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -103,8 +103,8 @@ def sft_name(variant: str) -> str:
 
 
 def plan(config: str, workdir: str, seeds: list[int], variants: list[str], suffix: str) -> list[dict]:
-  """The stages in run order: [{name, argv, done (path that exists once done, or (dir, step)), after
-  (names of the stages it needs), dir}]. Pure: reads the config files, runs nothing."""
+  """The stages in run order: [{name, argv, done (path that exists once done, or {"run": dir} of a
+  training stage), after (names of the stages it needs), dir}]. Pure: reads the config files, runs nothing."""
   py, cfg = sys.executable, lambda a: f"{config}:{a}{suffix}"
   W = lambda *p: os.path.join(workdir, *p)  # noqa: E731
   stages, have = [], set()
@@ -132,7 +132,7 @@ def plan(config: str, workdir: str, seeds: list[int], variants: list[str], suffi
       sdir = W(sft, f"seed_{s}")
       seed = f"--config.seed={s}"
       add(f"{sft}/seed_{s}", [py, "-m", "experiments.sft", "--config", cfg(sft), seed, "--workdir", sdir,
-                              f"--config.sft.data=('{W('demos')}',)"], os.path.join(sdir, "sft.json"), ["demos"], sdir,
+                              f"--config.sft.data=('{W('demos')}',)"], {"run": sdir}, ["demos"], sdir,
           heavy=True)  # ~15 GB at batch 16 of multi-turn episodes: beside an RL run it exhausts 24 GB
       evaluate(f"{sft}/seed_{s}", sdir, sft, f"{sft}/seed_{s}")
       c = loaded[variant]
@@ -145,17 +145,17 @@ def plan(config: str, workdir: str, seeds: list[int], variants: list[str], suffi
         vdir = W(vname)
         # value pretraining is the same for every variant of a seed (lam_critic = 1, the SFT policy)
         add(vname, [py, "-m", "experiments.value_pretrain", "--config", cfg(variant), seed, "--workdir", vdir,
-                    f"--config.vpt.policy_run={sdir}"], os.path.join(vdir, "value_pretrain.json"), after, vdir)
+                    f"--config.vpt.policy_run={sdir}"], {"run": vdir}, after, vdir)
         train.append(f"--config.critic.init={os.path.join(vdir, 'critic')}")
         after = after + [vname]
-      add(f"{variant}/seed_{s}", train, (rdir, int(c.iterations)), after, rdir, heavy=True)  # ~7 GB
+      add(f"{variant}/seed_{s}", train, {"run": rdir}, after, rdir, heavy=True)  # ~7 GB
       evaluate(f"{variant}/seed_{s}", rdir, variant, f"{variant}/seed_{s}")
   return stages
 
 
 def is_done(done) -> bool:
-  """`done` is a path that exists once the stage is done, or (run dir, step): a complete checkpoint there."""
-  return ckpt.reached(*done) if isinstance(done, (tuple, list)) else os.path.exists(done)
+  """`done` is a path that exists once the stage is done, or {"run": dir} of a training stage."""
+  return run_lib.is_done(done["run"]) if isinstance(done, dict) else os.path.exists(done)
 
 
 def _run_stage(st: dict, workdir: str, env: dict, timeout_min: float) -> int:

@@ -39,10 +39,6 @@ Layout of the run dir: config.json, metrics.jsonl, tensorboard/, checkpoints/, s
 from __future__ import annotations
 
 import functools
-import logging
-import os
-import signal
-import sys
 import time
 
 from absl import app, flags
@@ -58,10 +54,10 @@ from tars_jax.analysis.image_dependence import image_dependence
 from tars_jax.data import grounding, pipeline, records
 from tars_jax.rollout import evaluation
 from tars_jax.train import checkpoint as ckpt
-from tars_jax.train.guard import Guard
 from tars_jax.train import ct, sft
+from tars_jax.train import run as run_lib
 from tars_jax.train import state as state_lib
-from tars_jax.train.metrics import MetricsWriter, episode_metrics, write_json
+from tars_jax.train.metrics import episode_metrics
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (get_config(arg)).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (created; resumed if it has checkpoints).")
@@ -70,7 +66,6 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (created; resumed
 def main(argv):
   del argv
   config, workdir = _CONFIG.value, _WORKDIR.value
-  jax.config.update("jax_default_matmul_precision", config.matmul_precision)  # before any compute
   s = config.sft
   if not 0.0 <= s.ct_ratio <= 1.0:
     raise app.UsageError(f"config.sft.ct_ratio={s.ct_ratio}: the fraction of batches from ct_data, in [0, 1]")
@@ -86,9 +81,9 @@ def main(argv):
   if s.ct_ratio < 1 and not s.data:
     raise app.UsageError("config.sft.data is empty: name the record dirs to train on, e.g. "
                          "--config.sft.data=\"('runs/x/demos',)\" (or set ct_ratio=1.0 for a CT-only run)")
-  os.makedirs(workdir, exist_ok=True)
-  logging.getLogger().setLevel(logging.WARNING)
-  signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+  run = run_lib.start("sft", config, workdir, budget=s.steps, unit="step", max_minutes=s.max_minutes,
+                      keep_checkpoints=config.keep_checkpoints)
+  guard = run.guard  # evaluations not counted against it
 
   # ----------------------------------------------------------------------------------------------
   # Model, optimiser, data (checked against the model before any step), resume.
@@ -137,21 +132,15 @@ def main(argv):
   heldout_batches = [coll(heldout[i:i + s.batch_size]) for i in range(0, len(heldout), s.batch_size)]
   data_iter = iter(train_ds)
 
-  mngr = ckpt.manager(workdir, config.keep_checkpoints, cleanup_tmp=True)
-  start = 0
-  if mngr.latest_step() is not None:
-    start, state, meta = ckpt.restore(mngr, state)
+  state, start, meta = run.resume(state)
+  mngr = run.mngr
+  if start:
     data_iter.set_state(meta["data_state"])
-    print(f"[sft] resumed from {mngr.directory}/{start}")
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(config.to_json_best_effort(indent=2))
-  writer = MetricsWriter(workdir, resume_step=start)
+  writer = run.writer(config, start)
   ct_note = f" | CT ({s.ct_ratio:.0%} of batches): {', '.join(s.ct_data)}" if s.ct_data else ""
   print(f"[sft] MoE: {nnx.merge(parts.policy_gd, state['policy']).moe_strategy_summary()} | data: "
         f"{', '.join(s.data) or '-'}{ct_note} | held-out: {len(heldout)} episodes | thoughts: {s.thoughts}")
   eval_fn = functools.partial(sft.eval_metrics, graphdef=parts.policy_gd, hp=parts.hparams)
-
-  guard = Guard("sft", s.max_minutes, s.steps, "step")  # evaluations not counted against it
 
   def evaluate(params, step: int) -> dict[str, float]:
     t0 = time.time()
@@ -238,7 +227,7 @@ def main(argv):
     writer.close()
   summary = {"steps": step, "minutes": (time.time() - t_start) / 60, "final": last,
              "checkpoint": f"{mngr.directory}/{mngr.latest_step()}"}
-  write_json(os.path.join(workdir, "sft.json"), summary)
+  run.finish(summary)  # sft.json, done.json
   print(f"[sft] done: {step} steps in {summary['minutes']:.1f} min | checkpoints: {mngr.directory} "
         f"(latest {mngr.latest_step()}) | metrics: {writer.path} | tensorboard --logdir {writer.tb_dir} | "
         f"use --config.policy.init={workdir}")

@@ -33,7 +33,7 @@ import time
 from absl import app, flags
 
 from experiments.configs import load_config
-from tars_jax.train import checkpoint as ckpt
+from tars_jax.train import run as run_lib
 
 _CONFIG = flags.DEFINE_string("config", None, "Config file path (variants are its args).")
 _VARIANTS = flags.DEFINE_list("variants", None, "Config args to compare, e.g. ppo,grpo.")
@@ -95,11 +95,6 @@ def plan(config: str, variants: list[str], seeds: list[int], suffix: str, overri
   return runs
 
 
-def finished(run_dir: str, iterations: int) -> bool:
-  """True when the run dir holds a complete Orbax checkpoint at step >= `iterations`."""
-  return ckpt.reached(run_dir, iterations)
-
-
 def _execute(run: dict, timeout_min: float, cache_dir: str | None = None) -> dict:
   os.makedirs(run["dir"], exist_ok=True)
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -108,9 +103,7 @@ def _execute(run: dict, timeout_min: float, cache_dir: str | None = None) -> dic
   t0, rc = time.time(), 0
   with open(run["log"], "a") as log:
     for argv in run["stages"]:
-      done = (os.path.isdir(os.path.join(argv[-1], "critic")) if "experiments.value_pretrain" in argv
-              else "experiments.train" in argv and finished(run["dir"], run.get("iterations", 0) or 1 << 62))
-      if done:  # a re-run skips finished stages instead of paying each one's start-up again
+      if run_lib.is_done(argv[argv.index("--workdir") + 1]):  # a re-run skips finished stages instead of paying each one's start-up again
         log.write(f"[sweep] skip finished stage: {' '.join(argv)}\n")
         continue
       log.write(f"[sweep] $ {' '.join(argv)}\n")

@@ -20,11 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import json
-import logging
 import os
-import signal
-import sys
 import time
 
 from absl import app, flags
@@ -48,10 +44,10 @@ from tars_jax.rollout import pool as pool_lib
 from tars_jax.rollout.agent_loop import RolloutStats, run_episodes, trainable
 from tars_jax.rollout.jobs import group_ids, rollout_jobs
 from tars_jax.train import checkpoint as ckpt
-from tars_jax.train.guard import Guard
 from tars_jax.train import state as state_lib
 from tars_jax.train import ppo
-from tars_jax.train.metrics import MetricsWriter, episode_metrics
+from tars_jax.train import run as run_lib
+from tars_jax.train.metrics import episode_metrics
 from tars_jax.train.trajectories import save_episodes
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (get_config(arg)).", lock_config=True)
@@ -67,18 +63,16 @@ def main(argv):
   dist.default_mesh(config)
   if dist.is_multi() and config.rollout.streaming:
     raise app.UsageError("rollout.streaming is not yet supported with distributed.num_processes > 1")
-  jax.config.update("jax_default_matmul_precision", config.matmul_precision)  # before any compute
-  if not workdir:
-    raise app.UsageError("--workdir is required")
   if config.vpt.enabled and not config.critic.init:  # PPO alone would silently skip the stage
     raise app.UsageError("config has vpt.enabled=True: value pretraining must run before PPO; use "
                          "experiments/sweep.py (runs both stages), or run experiments/value_pretrain.py "
                          "and pass --config.critic.init=<its workdir>/critic")
-  os.makedirs(workdir, exist_ok=True)
-  logging.getLogger().setLevel(logging.WARNING)
-  # SIGTERM (pkill, a scheduler's pre-emption) unwinds through `finally`: the sandbox server is
-  # stopped; training resumes from the last complete checkpoint.
-  signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+  # The budget is `iterations`; `max_minutes` only guards this process against a hung or far too slow
+  # host (tars_jax/train/guard.py): it checkpoints and stops the run loudly.
+  run = run_lib.start("train", config, workdir, budget=config.iterations, unit="iteration",
+                      max_minutes=config.max_minutes, keep_checkpoints=config.keep_checkpoints,
+                      main=dist.is_main())  # the run's files have one writer; Orbax checkpoints run on all
+  mngr, guard = run.mngr, run.guard
 
   # ----------------------------------------------------------------------------------------------
   # Model, optimisers, grammar, checkpoint resume.
@@ -91,21 +85,13 @@ def main(argv):
     print(f"[train] policy initialised from {src}")
   # KL reference = the initial policy (rebuilt from the seed / policy.init on resume: never changes).
   ref_params = jax.tree.map(jnp.copy, state["policy"]) if parts.hparams.kl_coef > 0 else None
-  mngr = ckpt.manager(workdir, config.keep_checkpoints, cleanup_tmp=True)
-  start_iter = 0
   critic_init = config.critic.init
   if critic_init and mngr.latest_step() is None:  # a resumed run has its own (trained) critic
     state = state_lib.load_critic(state, critic_init, parts.copt)
     print(f"[train] critic initialised from {critic_init}")
-  if mngr.latest_step() is not None:
-    step, state, meta = ckpt.restore(mngr, state)
-    start_iter = int(meta.get("iteration", step))
-    print(f"[train] resumed from {mngr.directory}/{step} (iteration {start_iter})")
-  if dist.is_main():  # the run's files have one writer (process 0); Orbax checkpoints run on all
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      f.write(config.to_json_best_effort(indent=2))
-  writer = (MetricsWriter(workdir, resume_step=start_iter)  # drops rows a killed run wrote after it
-            if dist.is_main() else dist.NullWriter(workdir))
+  state, step, meta = run.resume(state)
+  start_iter = int(meta.get("iteration", step))
+  writer = run.writer(config, start_iter)
   # Randomness of iteration `it` (sampling keys, minibatch shuffles) derives from (seed, it) only,
   # so a resumed run repeats what an uninterrupted one would have done.
   # (multi-process: each process samples its share of the episodes with its own copy of the policy)
@@ -142,10 +128,6 @@ def main(argv):
           pool_lib.PoolConfig(concurrency=conc, min_batch=r.min_batch or n, max_staleness=r.max_staleness,
                               stale=r.stale, max_failed_in_a_row=r.max_failed_in_a_row), episodic=episodic)
       loop.run_until_complete(pool.start())
-
-    # The budget is `iterations`; `max_minutes` only guards this process against a hung or far too slow
-    # host (tars_jax/train/guard.py): it checkpoints and stops the run loudly.
-    guard = Guard("train", config.max_minutes, config.iterations, "iteration")
 
     bar = tqdm(total=config.iterations, initial=start_iter, desc=config.rl.algo, unit="it", dynamic_ncols=True,
                disable=not dist.is_main())
@@ -264,6 +246,8 @@ def main(argv):
       writer.close()
   if tripped:
     raise guard.error(it)
+  run.finish({"iterations": it, "episodes": it * n, "minutes": (time.time() - t_start) / 60,
+              "checkpoint": f"{mngr.directory}/{mngr.latest_step()}"})
   if dist.is_main():  # the one-line summary
     print(f"[train] done: {it} iterations in {(time.time() - t_start) / 60:.1f} min | "
           f"checkpoints: {mngr.directory} (latest {mngr.latest_step()}) | "

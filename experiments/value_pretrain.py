@@ -20,15 +20,11 @@ updates an uninterrupted one makes.
 
 from __future__ import annotations
 
-import logging
 import os
-import signal
-import sys
 
 from absl import app, flags
 from ml_collections import config_flags
 
-import jax
 import numpy as np
 
 from envs_bridge.launch import env_fleet
@@ -36,11 +32,11 @@ from tars_jax.agent.trajectory import collate
 from tars_jax.rollout.agent_loop import RolloutStats, run_episodes, trainable
 from tars_jax.rollout.jobs import rollout_jobs
 from tars_jax.train import checkpoint as ckpt
-from tars_jax.train.guard import Guard
 from tars_jax.train import ppo
+from tars_jax.train import run as run_lib
 from tars_jax.train import state as state_lib
 from tars_jax.train import value_pretrain as vpt
-from tars_jax.train.metrics import MetricsWriter, episode_metrics, write_json
+from tars_jax.train.metrics import episode_metrics
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file with a `vpt` section.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (critic checkpoint in <workdir>/critic).")
@@ -49,15 +45,13 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (critic checkp
 def main(argv):
   del argv
   config, workdir = _CONFIG.value, _WORKDIR.value
-  jax.config.update("jax_default_matmul_precision", config.matmul_precision)  # before any compute
-  if not workdir:
-    raise app.UsageError("--workdir is required")
   if "vpt" not in config:
     raise app.UsageError("config has no `vpt` section (see experiments/configs/value_pretrain.py)")
-  os.makedirs(workdir, exist_ok=True)
-  logging.getLogger().setLevel(logging.WARNING)
-  signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
   v = config.vpt
+  # The budget is `vpt.max_iterations` (or the stop rule); `vpt.max_minutes` only guards this process
+  # against a hung or far too slow host: it checkpoints and stops loudly (tars_jax/train/guard.py).
+  run = run_lib.start("vpt", config, workdir, budget=v.max_iterations, unit="iteration", max_minutes=v.max_minutes)
+  mngr, guard = run.mngr, run.guard
 
   # ----------------------------------------------------------------------------------------------
   # Fixed policy, critic, stop rule.
@@ -72,24 +66,14 @@ def main(argv):
   state = vpt.init_critic_state(full["critic"], copt)
   hp = vpt.pretrain_hparams(parts.hparams, v.value_clip if v.value_clip > 0 else None)
   rule = vpt.StopRule(v.stop_value_loss, v.stop_explained_variance, v.patience)
-  mngr = ckpt.manager(workdir, cleanup_tmp=True)
-  start, streak = 0, 0
-  if mngr.latest_step() is not None:
-    start, state, meta = ckpt.restore(mngr, state)
-    streak = int(meta["streak"])
-    print(f"[vpt] resumed at iteration {start} from {mngr.directory}")
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(config.to_json_best_effort(indent=2))
-  writer = MetricsWriter(workdir, resume_step=start)  # drops rows a killed run wrote after its checkpoint
+  state, start, meta = run.resume(state)
+  streak = int(meta.get("streak", 0))
+  writer = run.writer(config, start)
   policy = parts.batched_policy(full["policy"], batch_size=config.env.num_sessions, seed=config.seed * 100_003)
 
   # ----------------------------------------------------------------------------------------------
   # Rollouts of the fixed policy -> critic updates until the stop rule holds.
   # ----------------------------------------------------------------------------------------------
-  # The budget is `vpt.max_iterations` (or the stop rule); `vpt.max_minutes` only guards this process
-  # against a hung or far too slow host: it checkpoints and stops loudly (tars_jax/train/guard.py).
-  guard = Guard("vpt", v.max_minutes, v.max_iterations, "iteration")
-
   def save(done: int) -> None:
     ckpt.save(mngr, done, state, {"iteration": done, "streak": streak, "minutes": guard.minutes()})
 
@@ -136,7 +120,7 @@ def main(argv):
   path = ckpt.save_tree(os.path.join(workdir, "critic"), state["critic"])
   summary = {"iterations": done, "stopped_by": reason, "critic": path,
              "final": {k: x for k, x in m.items() if k.startswith("train/")}}
-  write_json(os.path.join(workdir, "value_pretrain.json"), summary)
+  run.finish(summary, "value_pretrain")  # value_pretrain.json, done.json
   print(f"[vpt] stopped by {reason} after {done} iterations | critic: {path} | "
         f"use --config.critic.init={path}")
 

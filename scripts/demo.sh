@@ -37,7 +37,7 @@ stage "SFT on demonstrations"
 $PY -m experiments.sft --config "$(cfg "$ARG")" --workdir "$RUN/sft" --config.policy.init="$RUN/grounding" \
   --config.sft.data="('$RUN/demos',)" --config.sft.heldout="('$RUN/grounding/data/heldout',)"
 stage "value pretraining under the SFT policy"
-[[ -f $RUN/vpt/value_pretrain.json ]] || \
+$PY -m tars_jax.train.run --is_done "$RUN/vpt" || \
   $PY -m experiments.value_pretrain --config "$(cfg "$ARG")" --workdir "$RUN/vpt" --config.vpt.policy_run="$RUN/sft"
 stage "RL from the SFT policy"
 CRITIC=()

@@ -12,7 +12,7 @@ OUT=${OUT:-runs/pilot}; EPISODES=${EPISODES:-50}; V=${VPT:-$OUT/vpt_s$SEED}; D=$
 source scripts/env.sh
 mkdir -p "$OUT"
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$(realpath -m "$OUT")/jax_cache}
-[ -f "$V/value_pretrain.json" ] || .venv/bin/python -m experiments.value_pretrain \
+.venv/bin/python -m tars_jax.train.run --is_done "$V" || .venv/bin/python -m experiments.value_pretrain \
   --config experiments/configs/replication.py:ppo --config.seed="$SEED" --workdir "$V" --config.vpt.policy_run="$SFT"
 .venv/bin/python -m experiments.train --config experiments/configs/replication.py:ppo --config.seed="$SEED" \
   --workdir "$D" --config.policy.init="$SFT" --config.critic.init="$V/critic" "$@"

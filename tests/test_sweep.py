@@ -9,6 +9,7 @@ import pytest
 
 from experiments import plot, sweep
 from experiments.configs import miniwob_ablations, miniwob_ppo
+from tars_jax.train import run as run_lib
 
 CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                       "experiments/configs/miniwob_ablations.py")
@@ -83,13 +84,13 @@ def test_rerun_skips_finished_stages(tmp_path):
   runs = sweep.plan(CONFIG, ["ppo_vpt"], [0], "+smoke", ["iterations=3"], str(tmp_path))
   run = runs[0]
   assert run["iterations"] == 3
-  assert not sweep.finished(run["dir"], 3)
-  os.makedirs(os.path.join(run["dir"], "checkpoints", "2"))
-  os.makedirs(os.path.join(run["dir"], "checkpoints", "3.orbax-checkpoint-tmp-7"))  # a save cut short
-  assert not sweep.finished(run["dir"], 3)
-  os.makedirs(os.path.join(run["dir"], "value_pretrain", "critic"))
-  os.makedirs(os.path.join(run["dir"], "checkpoints", "3"))
-  assert sweep.finished(run["dir"], 3)
+  vpt_dir = os.path.join(run["dir"], "value_pretrain")
+  for d, step in ((vpt_dir, 2), (run["dir"], 3)):  # what run.finish leaves: a checkpoint and done.json naming it
+    assert not run_lib.is_done(d)
+    os.makedirs(os.path.join(d, "checkpoints", str(step)))
+    with open(os.path.join(d, "done.json"), "w") as f:
+      json.dump({"stage": "x", "checkpoint": step}, f)
+    assert run_lib.is_done(d)
   res = sweep._execute(run, timeout_min=1.0)  # both stages done: nothing is launched
   assert res["rc"] == 0
   with open(run["log"]) as f:

@@ -125,7 +125,7 @@ def test_a_resumed_value_pretraining_makes_the_updates_of_an_uninterrupted_one(t
   assert "stopped by max_iterations after 3 iterations" in straight
   _vpt(tmp_path / "resumed", 2)
   resumed = _vpt(tmp_path / "resumed", 3)
-  assert "resumed at iteration 2" in resumed and "[vpt] it 3:" in resumed and "[vpt] it 2:" not in resumed
+  assert "resumed from" in resumed and "(iteration 2)" in resumed and "[vpt] it 3:" in resumed and "[vpt] it 2:" not in resumed
   assert "stopped by max_iterations after 3 iterations" in resumed
   from experiments.configs import value_pretrain
   cfg = value_pretrain.get_config("smoke")

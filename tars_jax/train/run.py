@@ -1,0 +1,195 @@
+"""One run lifecycle for every training stage: SFT / CT / grounding (experiments/sft.py), value
+pretraining (experiments/value_pretrain.py), PPO / GRPO (experiments/train.py) and the ORM
+(experiments/orm.py). big_vision's trainer set-up is the model: each trainer stays a linear script
+with its loop body in plain view and calls these steps in order:
+
+  run = run_lib.start("sft", config, workdir, budget=s.steps, unit="step", max_minutes=s.max_minutes)
+  state, start, meta = run.resume(state)        # latest complete checkpoint, or (state, 0, {})
+  writer = run.writer(config, start)            # config.json + metrics.jsonl / TensorBoard from `start`
+  ... loop: run.guard.tripped(), ckpt.save(run.mngr, ...), ckpt.save_at_stop(run.mngr, ...) ...
+  run.finish(summary)                           # <stage>.json (the summary) and done.json
+
+What `start` does once per process: the matmul precision (before any computation), the work dir,
+quiet absl/Orbax logging, SIGTERM unwinding through `finally` (sandbox servers stop; the run resumes
+from its last complete checkpoint), an exclusive lock on the work dir (a second process on it is
+refused), the stage's name in `run.json` (another stage's directory is refused), the checkpoint
+manager and the wall-clock guard of the count budget (tars_jax/train/guard.py).
+
+A stage is finished when `is_done(workdir)`: its `done.json` names a complete checkpoint that exists.
+Stage drivers (experiments/replicate.py, sweep.py, flywheel.py, scripts/*.sh via `python -m
+tars_jax.train.run --is_done DIR`) use that one test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+import jax
+
+from tars_jax.train import checkpoint as ckpt
+from tars_jax.train.guard import Guard
+from tars_jax.train.metrics import MetricsWriter, write_json
+
+RUN_FILE, DONE_FILE, LOCK_FILE = "run.json", "done.json", "run.lock"
+
+
+class WorkdirInUse(RuntimeError):
+  """Another process runs a stage in this work dir, or the dir holds another stage's run."""
+
+
+class CorruptRun(RuntimeError):
+  """A run dir's done.json names a checkpoint that is not there (deleted or cut short)."""
+
+
+@dataclasses.dataclass
+class Run:
+  """One stage's run in one process (built by `start`).
+
+  Attributes: stage (name in messages and run.json), workdir, guard (wall-clock guard of the count
+    budget), main (this process writes the run's files; Orbax checkpoints are written by every
+    process), mngr (Orbax manager of `<workdir>/checkpoints`, made at first use).
+  """
+  stage: str
+  workdir: str
+  guard: Guard
+  main: bool
+  keep_checkpoints: int = 3
+  _lock: Any = dataclasses.field(repr=False, default=None)
+  _mngr: Any = dataclasses.field(repr=False, default=None)
+
+  @property
+  def mngr(self):
+    """The checkpoint manager, made at first use: `checkpoints/` appears only once a trainer's checks
+    of its data and config have passed."""
+    if self._mngr is None:
+      self._mngr = ckpt.manager(self.workdir, self.keep_checkpoints, cleanup_tmp=True)
+    return self._mngr
+
+  def resume(self, state: Any) -> tuple[Any, int, dict]:
+    """(state, step, meta) of the latest complete checkpoint restored into `state`'s structure, or
+    (state, 0, {}) when the run has none. Prints where it resumed from."""
+    if self.mngr.latest_step() is None:
+      return state, 0, {}
+    step, state, meta = ckpt.restore(self.mngr, state)
+    count = f" ({self.guard.unit} {meta['iteration']})" if "iteration" in meta else ""
+    print(f"[{self.stage}] resumed from {self.mngr.directory}/{step}{count}", flush=True)
+    return state, step, meta
+
+  def writer(self, config, start: int):
+    """Writes `config.json` and returns the metrics writer continuing at `start` (rows a killed run
+    wrote after its checkpoint are dropped); a non-main process gets a writer that writes nothing."""
+    if not self.main:
+      from tars_jax import distributed as dist
+      return dist.NullWriter(self.workdir)
+    with open(os.path.join(self.workdir, "config.json"), "w") as f:
+      f.write(config.to_json_best_effort(indent=2))
+    return MetricsWriter(self.workdir, resume_step=start)
+
+  def finish(self, summary: dict, name: str | None = None) -> None:
+    """Marks the stage finished: `<name or stage>.json` = `summary`, then `done.json` = {stage, step of
+    the latest complete checkpoint, summary file}. Call after the last checkpoint is saved."""
+    if not self.main:
+      return
+    step = self.mngr.latest_step()
+    if step is None:
+      raise CorruptRun(f"[{self.stage}] finish() without a checkpoint in {self.mngr.directory}")
+    fname = f"{name or self.stage}.json"
+    write_json(os.path.join(self.workdir, fname), summary)
+    write_json(os.path.join(self.workdir, DONE_FILE), {"stage": self.stage, "checkpoint": int(step),
+                                                       "summary": fname})
+
+
+def _lock(workdir: str, stage: str):
+  """An exclusive lock on `<workdir>/run.lock`, held while the returned file is open (released when
+  the process ends, however it ends). Raises WorkdirInUse naming the holder's stage."""
+  import fcntl
+  path = os.path.join(workdir, LOCK_FILE)
+  f = open(path, "a+")
+  try:
+    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except BlockingIOError:
+    f.seek(0)
+    holder = f.read().strip() or "another stage"
+    f.close()
+    raise WorkdirInUse(f"[{stage}] {workdir} is in use by {holder}: two processes would write one run; "
+                       "wait for it, stop it, or give this stage its own --workdir") from None
+  f.seek(0)
+  f.truncate()
+  f.write(f"{stage} (pid {os.getpid()})\n")
+  f.flush()
+  return f
+
+
+def _claim(workdir: str, stage: str) -> None:
+  """Records the stage in `run.json`; raises WorkdirInUse if the dir holds another stage's run."""
+  path = os.path.join(workdir, RUN_FILE)
+  if os.path.exists(path):
+    with open(path) as f:
+      other = json.load(f).get("stage")
+    if other != stage:
+      raise WorkdirInUse(f"[{stage}] {workdir} holds a {other!r} run, not a {stage!r} one: give this stage "
+                         "its own --workdir")
+  else:
+    write_json(path, {"stage": stage})
+
+
+def start(stage: str, config, workdir: str | None, *, budget: int, unit: str, max_minutes: float,
+          keep_checkpoints: int = 3, main: bool = True) -> Run:
+  """Sets up one stage's run (see the module docstring) and returns it.
+
+  Args:
+    stage: "sft", "vpt", "train", "orm" (messages, run.json, done.json).
+    config: the run's ml_collections config (its `matmul_precision` is applied here).
+    workdir: the run dir (created).
+    budget, unit: the count budget and what it counts ("step", "iteration"); max_minutes its guard.
+    keep_checkpoints: checkpoints kept; main: whether this process writes the run's files.
+  Raises: ValueError without a workdir; WorkdirInUse (another process on it, or another stage's dir).
+  """
+  if not workdir:
+    raise ValueError(f"[{stage}] --workdir is required")
+  jax.config.update("jax_default_matmul_precision", config.matmul_precision)  # before any compute
+  os.makedirs(workdir, exist_ok=True)
+  logging.getLogger().setLevel(logging.WARNING)
+  # SIGTERM (pkill, a scheduler's pre-emption) unwinds through `finally`: sandbox servers stop and the
+  # run resumes from its last complete checkpoint.
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+  lock = None
+  if main:
+    lock = _lock(workdir, stage)
+    _claim(workdir, stage)
+  return Run(stage, workdir, Guard(stage, max_minutes, budget, unit), main, keep_checkpoints, lock)
+
+
+def is_done(workdir: str) -> bool:
+  """True when the stage in `workdir` finished: its done.json names a complete checkpoint that is there.
+
+  Raises: CorruptRun when done.json names a checkpoint that is missing or incomplete.
+  """
+  path = os.path.join(workdir, DONE_FILE)
+  if not os.path.exists(path):
+    return False
+  with open(path) as f:
+    done = json.load(f)
+  step = int(done["checkpoint"])
+  # Orbax renames a step's temporary dir to the bare step number only once its save is complete
+  if not os.path.isdir(os.path.join(workdir, "checkpoints", str(step))):
+    raise CorruptRun(f"{path} says the {done.get('stage')!r} stage finished at checkpoint {step}, but "
+                     f"{workdir}/checkpoints/{step} is missing or incomplete: delete done.json and run the "
+                     "stage again to resume from its latest checkpoint")
+  return True
+
+
+if __name__ == "__main__":  # exit 0 when finished, 1 when not, 2 with the error when corrupt
+  if len(sys.argv) != 3 or sys.argv[1] != "--is_done":
+    sys.exit("usage: python -m tars_jax.train.run --is_done RUN_DIR")
+  try:
+    sys.exit(0 if is_done(sys.argv[2]) else 1)
+  except CorruptRun as e:
+    print(e, file=sys.stderr)
+    sys.exit(2)

@@ -25,7 +25,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 from PIL import Image, ImageDraw
 
 from tars_jax.agent import prompts
@@ -33,8 +32,7 @@ from tars_jax.agent.grammar import walk
 from tars_jax.agent.images import preprocess
 from tars_jax.agent.trajectory import Episode, Turn, collate
 from tars_jax.analysis.image_dependence import format_row, image_dependence
-from tars_jax.rl import losses
-from tars_jax.train import ppo
+from tars_jax.train import step as step_lib
 from tars_jax.train.state import build
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config (its model, grammar, optimiser).")
@@ -113,10 +111,9 @@ def main(argv):
   digits = jnp.asarray([ord(c) for c in "0123456789"])
 
   def logp_fn(p, mb):
-    out = nnx.merge(gd, p)(mb["tokens"], ppo._positions(mb["tokens"], mb["attn_mask"], hp), mb["attn_mask"],
-                           mb["pixel_values"], mb["image_mask"])
-    lp = losses.masked_log_softmax(out.logits[:, :-1], ppo._allowed(table, mb["states"], mb["loss_mask"]))
-    return jnp.take_along_axis(lp, mb["tokens"][:, 1:, None], axis=-1)[..., 0], out.aux_loss
+    out = step_lib.forward(gd, p, mb, hp)
+    allowed = step_lib.allowed_tokens(table, mb["states"], mb["loss_mask"])
+    return step_lib.target_logp(out.logits, mb["tokens"], allowed)[0], out.aux_loss
 
   def loss_fn(p, mb):
     logp, aux = logp_fn(p, mb)

@@ -20,7 +20,8 @@ from tars_jax.agent import tokenizer as T
 from tars_jax.agent.tokenizer import ByteTokenizer
 from tars_jax.agent.trajectory import Episode, Turn, collate
 from tars_jax.data import pipeline, records
-from tars_jax.train import ct, ppo, sft
+from tars_jax.train import ct, sft
+from tars_jax.train import step as step_lib
 from tars_jax.train import state as state_lib
 from tars_jax.train.metrics import read_metrics
 from _shared import assert_close_f32
@@ -110,7 +111,7 @@ def test_ct_loss_equals_numpy_full_vocabulary_cross_entropy(parts):
   # jitted: the same computation, a few times faster than op-by-op on the CPU
   loss, m = jax.jit(lambda p, b: ct.loss_and_metrics(parts.policy_gd, p, b, parts.hparams, aux_coef=0.0))(params, b)
   out = jax.jit(lambda p, b: nnx.merge(parts.policy_gd, p)(
-      b["tokens"], ppo._positions(b["tokens"], b["attn_mask"], parts.hparams), b["attn_mask"], b["pixel_values"],
+      b["tokens"], step_lib.positions(b["tokens"], b["attn_mask"], parts.hparams), b["attn_mask"], b["pixel_values"],
       b["image_mask"]))(params, b)
   logits = np.asarray(out.logits[:, :-1], np.float64)
   nll, hits, n = 0.0, 0, 0

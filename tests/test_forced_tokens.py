@@ -166,7 +166,7 @@ def test_trainer_loss_treats_forced_tokens_as_outside_the_mask():
   mb["advantages"] = jnp.asarray(rng.normal(size=mb["loss_mask"].shape), jnp.float32) * mb["loss_mask"]
   free = ppo.free_decisions(table, mb["states"], mb["loss_mask"])
   np.testing.assert_array_equal(np.asarray(free), np.asarray(mb["loss_mask"]) * ~forced)
-  grad = jax.value_and_grad(ppo._policy_loss, has_aux=True)
+  grad = jax.value_and_grad(ppo.policy_loss, has_aux=True)
   (loss, m), g = grad(params, gd, table, mb, hp)
   # the same batch without a grammar and with the forced tokens taken out of the mask: state 0 allows
   # every token, so the free tokens' distributions are the same

@@ -16,6 +16,7 @@ from tars_jax.agent.trajectory import Episode, Turn, collate
 from tars_jax.data import records
 from tars_jax.train import checkpoint as ckpt
 from tars_jax.train import ppo, sft
+from tars_jax.train import step as step_lib
 from tars_jax.train.metrics import read_metrics
 from tars_jax.train import state as state_lib
 from _shared import assert_close_f32
@@ -79,7 +80,7 @@ def test_loss_equals_numpy_constrained_cross_entropy(parts):
   eps, b = _batch(parts, [_episode(parts, REPLIES, seed=s) for s in range(2)])
   params = parts.init_state(0)["policy"]
   loss, m = sft.loss_and_metrics(parts.policy_gd, params, b, parts.table, parts.hparams, aux_coef=0.0)
-  out = nnx.merge(parts.policy_gd, params)(b["tokens"], ppo._positions(b["tokens"], b["attn_mask"], parts.hparams),
+  out = nnx.merge(parts.policy_gd, params)(b["tokens"], step_lib.positions(b["tokens"], b["attn_mask"], parts.hparams),
                                            b["attn_mask"], b["pixel_values"], b["image_mask"])
   logits = np.asarray(out.logits[:, :-1], np.float64)
   table = np.asarray(parts.grammar.table)

@@ -457,6 +457,7 @@ def _worker(out_path, full: bool):
   from tars_jax.models import Policy, hf_io
   from tars_jax.models.hf_model import HFModel
   from tars_jax.train import ppo
+  from tars_jax.train import step as step_lib
 
   assert jax.device_count() == 8, jax.devices()
   spec_json = lambda s: [list(a) if isinstance(a, tuple) else a for a in s]
@@ -468,7 +469,7 @@ def _worker(out_path, full: bool):
   batch = {k: jnp.asarray(v) for k, v in _batch(cfg).items()}
 
   def loss_grad(gd_):
-    return jax.jit(lambda p, mb: jax.value_and_grad(ppo._policy_loss, has_aux=True)(p, gd_, None, mb, hp))
+    return jax.jit(lambda p, mb: jax.value_and_grad(ppo.policy_loss, has_aux=True)(p, gd_, None, mb, hp))
 
   t0 = time.time()
   (ref_loss, ref_m), ref_g = loss_grad(gd)(params, batch)
@@ -496,7 +497,7 @@ def _worker(out_path, full: bool):
       collectives = {op: compiled.as_text().count(f" {op}(") for op in ("all-to-all",)}
       # the activation constraints as lowered (Shardy): logits [B, T, V] over (batch axes, -, tensor)
       hlo = jax.jit(lambda p, mb: nnx.merge(gd_i, p)(
-          mb["tokens"], ppo._positions(mb["tokens"], mb["attn_mask"], hp), mb["attn_mask"], mb["pixel_values"],
+          mb["tokens"], step_lib.positions(mb["tokens"], mb["attn_mask"], hp), mb["attn_mask"], mb["pixel_values"],
           mb["image_mask"])[0]).lower(p_sh, mb).as_text()
       step_m = new = None
       if full:
@@ -632,14 +633,15 @@ if __name__ == "__main__":
 @pytest.mark.slow  # ~40 s
 def test_ppo_metrics_report_the_fraction_of_moe_assignments_dropped():
   from tars_jax.train import ppo
+  from tars_jax.train import step as step_lib
   for factor in (0.5, None):
     cfg = _small_cfg(moe_impl="ragged", moe_capacity_factor=factor)
     gd, params = nnx.split(Policy(cfg, nnx.Rngs(0)))
     hp = _grpo_hp(cfg)
     mb = {k: jnp.asarray(v) for k, v in _batch(cfg).items()}
-    _, m = jax.jit(lambda p: ppo._policy_loss(p, gd, None, mb, hp))(params)
+    _, m = jax.jit(lambda p: ppo.policy_loss(p, gd, None, mb, hp))(params)
     pol = nnx.merge(gd, params)
-    pos = ppo._positions(mb["tokens"], mb["attn_mask"], hp)
+    pos = step_lib.positions(mb["tokens"], mb["attn_mask"], hp)
     *_, st = pol(mb["tokens"], pos, mb["attn_mask"], mb["pixel_values"], mb["image_mask"], moe_stats=True)
     # 8 rows x 12 tokens x top-2 in the one MoE layer
     assert float(st["moe_assignments"]) == 8 * 12 * 2

@@ -51,7 +51,6 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from tars_jax.agent import prompts
 from tars_jax.agent.memory import shrink_oldest, strip_vision, turns_length
@@ -59,6 +58,7 @@ from tars_jax.agent.trajectory import Context, Episode, bucket
 from tars_jax.rl import rewards as reward_lib
 from tars_jax.rl.rewards import RewardConfig
 from tars_jax.train import ppo
+from tars_jax.train import step as step_lib
 from tars_jax.train.sft import reply_text
 
 QUESTION = "Did the agent complete the task? Answer yes or no."
@@ -271,8 +271,7 @@ def collate(prompts_: Sequence[OrmPrompt], answers: Sequence[Sequence[int]] | No
 @functools.partial(jax.jit, static_argnames=("graphdef", "hp"))
 def answer_logits(params, batch: dict, answer_pos, *, graphdef, hp: ppo.PPOHparams):
   """[B, V] float32: the logits at `answer_pos` ([B] int32) of each row of a `collate` batch."""
-  out = nnx.merge(graphdef, params)(batch["tokens"], ppo._positions(batch["tokens"], batch["attn_mask"], hp),
-                                    batch["attn_mask"], batch["pixel_values"], batch["image_mask"])
+  out = step_lib.forward(graphdef, params, batch, hp)
   logits = jnp.take_along_axis(out.logits, answer_pos[:, None, None], axis=1)[:, 0]
   return logits.astype(jnp.float32)
 

@@ -36,12 +36,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 
 from tars_jax.agent.tokenizer import ByteTokenizer
 from tars_jax.agent.trajectory import Episode
-from tars_jax.rl import losses
 from tars_jax.train import ppo
+from tars_jax.train import step as step_lib
 
 
 def prepare(ep: Episode, *, tokenizer: ByteTokenizer) -> Episode:
@@ -87,11 +86,9 @@ def loss_and_metrics(graphdef, params, batch: dict, hp: ppo.PPOHparams, aux_coef
   metrics (float32 scalars): ct_ce (per CT text token, nats), ct_acc (arg-max = target on text
   tokens), ct_tokens (text tokens), ct_aux.
   """
-  out = nnx.merge(graphdef, params)(batch["tokens"], ppo._positions(batch["tokens"], batch["attn_mask"], hp),
-                                    batch["attn_mask"], batch["pixel_values"], batch["image_mask"])
-  logp_all = losses.masked_log_softmax(out.logits[:, :-1])  # float32, every token of the vocabulary
+  out = step_lib.forward(graphdef, params, batch, hp)
+  logp, logp_all = step_lib.target_logp(out.logits, batch["tokens"])  # float32, every token of the vocabulary
   target = batch["tokens"][:, 1:]
-  logp = jnp.take_along_axis(logp_all, target[..., None], axis=-1)[..., 0]
   mask = batch["text_mask"]
   n = jnp.maximum(mask.sum(), 1.0)
   ce = -(logp * mask).sum() / n

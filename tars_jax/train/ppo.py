@@ -37,15 +37,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 
-from tars_jax.models import rope_positions, sampler
+from tars_jax.models import sampler
 from tars_jax.rl import advantages as adv_lib
 from tars_jax.rl import losses
 from tars_jax.rl import metrics as rl_metrics
 from tars_jax.rl.checks import check_finite
 from tars_jax.agent.trajectory import pow2_bucket
 from tars_jax.distributed import to_host
+from tars_jax.train import step as step_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,18 +119,6 @@ def make_optimizer(lr: float, warmup_steps: int, max_grad_norm: float, weight_de
                      optax.adamw(sched, b1=0.9, b2=0.999, weight_decay=weight_decay))
 
 
-def _positions(tokens, attn_mask, hp: PPOHparams):
-  return rope_positions(tokens, attn_mask, hp.image_token_id, hp.grid_hw)
-
-
-def _allowed(table, states, mask):
-  """[B, T, V] bool: grammar-allowed tokens where mask=1, everything elsewhere (avoids -inf)."""
-  if table is None:
-    return None
-  allowed = jnp.asarray(table)[states] >= 0
-  return jnp.where(mask[..., None] > 0, allowed, True)
-
-
 def free_decisions(table, states, mask) -> jax.Array:
   """[B, T] float32: `mask` where the grammar allowed more than one token (a sampled decision), 0 on
   grammar-forced tokens and outside the mask (`losses.decision_mask`).
@@ -149,9 +137,7 @@ def critic_values(critic_gd, critic_params, batch: dict, hp: PPOHparams) -> jax.
 
   Returns [B, T-1] float32.
   """
-  critic = nnx.merge(critic_gd, critic_params)
-  pos = _positions(batch["tokens"], batch["attn_mask"], hp)
-  values, _ = critic(batch["tokens"], pos, batch["attn_mask"], batch["pixel_values"], batch["image_mask"])
+  values, _ = step_lib.forward(critic_gd, critic_params, batch, hp)
   return values[:, :-1]
 
 
@@ -204,19 +190,18 @@ def _token_logp(params, gd, table, mb, hp: PPOHparams):
   (`sampler.token_logprobs`: grammar-masked, temperature-scaled), logits [B,T-1,V] float32, allowed
   [B,T-1,V] bool or None, MoE aux loss, fraction of MoE top-k assignments dropped over expert
   capacity (0 unless `moe_capacity_factor`))."""
-  policy = nnx.merge(gd, params)
-  pos = _positions(mb["tokens"], mb["attn_mask"], hp)
-  logits, aux, _, st = policy(mb["tokens"], pos, mb["attn_mask"], mb["pixel_values"], mb["image_mask"],
-                           moe_stats=True)
+  logits, aux, _, st = step_lib.forward(gd, params, mb, hp, moe_stats=True)
   dropped = st["moe_dropped"] / jnp.maximum(st["moe_assignments"], 1.0)
   logits = logits[:, :-1].astype(jnp.float32)
-  allowed = _allowed(table, mb["states"], mb["loss_mask"])
+  allowed = step_lib.allowed_tokens(table, mb["states"], mb["loss_mask"])
   # The sampler's own function: the ratio's denominator (old_logp) came from the same formula.
   logp = sampler.token_logprobs(logits, mb["tokens"][:, 1:], allowed, hp.temperature)
   return logp, logits, allowed, aux, dropped
 
 
-def _policy_loss(params, gd, table, mb, hp: PPOHparams):
+def policy_loss(params, gd, table, mb, hp: PPOHparams):
+  """(loss scalar, metrics) of one PPO / GRPO minibatch: the clipped (or decoupled) surrogate on free
+  decisions, minus ent_coef * entropy, plus the MoE aux loss and the KL-to-reference term."""
   logp, logits, allowed, aux, dropped = _token_logp(params, gd, table, mb, hp)
   # Forced tokens have zero gradient anyway; leaving them out of the mask keeps them out of the
   # token-mean denominators, the entropy mean and the clip / KL statistics.
@@ -244,10 +229,9 @@ def reference_logp(ref_params, batch: dict, table, *, policy_gd, hp: PPOHparams)
   return _token_logp(ref_params, policy_gd, table, batch, hp)[0] * batch["loss_mask"]
 
 
-def _value_loss(params, gd, mb, hp: PPOHparams):
-  critic = nnx.merge(gd, params)
-  pos = _positions(mb["tokens"], mb["attn_mask"], hp)
-  values, aux = critic(mb["tokens"], pos, mb["attn_mask"], mb["pixel_values"], mb["image_mask"])
+def critic_loss(params, gd, mb, hp: PPOHparams):
+  """(vf_coef * clipped value loss + MoE aux loss, metrics) of one critic minibatch."""
+  values, aux = step_lib.forward(gd, params, mb, hp)
   vl, m = losses.value_loss(values[:, :-1], mb["old_values"], mb["returns"], mb["loss_mask"],
                             hp.value_clip, hp.loss_agg)
   return hp.vf_coef * vl + hp.aux_loss_coef * aux, dict(m, value_loss=vl)
@@ -260,8 +244,8 @@ def minibatch_step(state: dict, mb: dict, table, *, policy_gd, critic_gd, popt, 
 
   `state` = {"step", "policy", "critic", "policy_opt", "critic_opt"} (nnx.State / optax pytrees).
   """
-  (_, pm), pg = jax.value_and_grad(_policy_loss, has_aux=True)(state["policy"], policy_gd, table, mb, hp)
-  (_, vm), vg = jax.value_and_grad(_value_loss, has_aux=True)(state["critic"], critic_gd, mb, hp)
+  (_, pm), pg = jax.value_and_grad(policy_loss, has_aux=True)(state["policy"], policy_gd, table, mb, hp)
+  (_, vm), vg = jax.value_and_grad(critic_loss, has_aux=True)(state["critic"], critic_gd, mb, hp)
   pu, popt_state = popt.update(pg, state["policy_opt"], state["policy"])
   cu, copt_state = copt.update(vg, state["critic_opt"], state["critic"])
   new = dict(state, step=state["step"] + 1, policy=optax.apply_updates(state["policy"], pu),
@@ -273,7 +257,7 @@ def minibatch_step(state: dict, mb: dict, table, *, policy_gd, critic_gd, popt, 
 @functools.partial(jax.jit, static_argnames=("policy_gd", "popt", "hp"), donate_argnames=("state",))
 def policy_step(state: dict, mb: dict, table, *, policy_gd, popt, hp: PPOHparams):
   """One clipped policy-gradient step without a critic (group-relative algos); (state, metrics)."""
-  (_, pm), pg = jax.value_and_grad(_policy_loss, has_aux=True)(state["policy"], policy_gd, table, mb, hp)
+  (_, pm), pg = jax.value_and_grad(policy_loss, has_aux=True)(state["policy"], policy_gd, table, mb, hp)
   pu, popt_state = popt.update(pg, state["policy_opt"], state["policy"])
   new = dict(state, step=state["step"] + 1, policy=optax.apply_updates(state["policy"], pu),
              policy_opt=popt_state)

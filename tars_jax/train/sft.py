@@ -25,14 +25,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 
 from tars_jax.agent.grammar import Grammar, walk
 from tars_jax.agent.tokenizer import ByteTokenizer
 from tars_jax.agent.trajectory import Episode
 from tars_jax.data import records
-from tars_jax.rl import losses
 from tars_jax.train import ppo
+from tars_jax.train import step as step_lib
 
 _REPLY = re.compile(r"^Thought: (?P<thought>[^\n]*)\nAction: (?P<action>.*)$", re.S)
 
@@ -109,12 +108,10 @@ def token_logp(graphdef, params, batch: dict, table, hp: ppo.PPOHparams):
   Returns (logp [B, T-1] float32, allowed_count [B, T-1] int32 (tokens the grammar allows; 1 = forced),
   correct [B, T-1] bool (the target is the arg-max), aux_loss scalar).
   """
-  out = nnx.merge(graphdef, params)(batch["tokens"], ppo._positions(batch["tokens"], batch["attn_mask"], hp),
-                                    batch["attn_mask"], batch["pixel_values"], batch["image_mask"])
-  allowed = ppo._allowed(table, batch["states"], batch["loss_mask"])
-  logp_all = losses.masked_log_softmax(out.logits[:, :-1], allowed)
+  out = step_lib.forward(graphdef, params, batch, hp)
+  allowed = step_lib.allowed_tokens(table, batch["states"], batch["loss_mask"])
+  logp, logp_all = step_lib.target_logp(out.logits, batch["tokens"], allowed)
   target = batch["tokens"][:, 1:]
-  logp = jnp.take_along_axis(logp_all, target[..., None], axis=-1)[..., 0]
   n_allowed = allowed.sum(-1) if allowed is not None else jnp.full(target.shape, logp_all.shape[-1])
   return logp, n_allowed, jnp.argmax(logp_all, -1) == target, out.aux_loss
 

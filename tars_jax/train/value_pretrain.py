@@ -63,7 +63,7 @@ def init_critic_state(critic_params, copt: optax.GradientTransformation) -> dict
 @functools.partial(jax.jit, static_argnames=("critic_gd", "copt", "hp"), donate_argnames=("state",))
 def critic_step(state: dict, mb: dict, *, critic_gd, copt, hp: ppo.PPOHparams):
   """One critic-only step on a minibatch (needs mb old_values, returns); (state, metrics)."""
-  (_, vm), vg = jax.value_and_grad(ppo._value_loss, has_aux=True)(state["critic"], critic_gd, mb, hp)
+  (_, vm), vg = jax.value_and_grad(ppo.critic_loss, has_aux=True)(state["critic"], critic_gd, mb, hp)
   cu, copt_state = copt.update(vg, state["critic_opt"], state["critic"])
   new = dict(state, step=state["step"] + 1, critic=optax.apply_updates(state["critic"], cu),
              critic_opt=copt_state)

@@ -27,7 +27,7 @@ records a context and everything is one row per episode, as before.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -296,23 +296,8 @@ def collate(episodes: list[Episode], *, pad_id: int, max_images: int, image_hw: 
   b = batch_size or len(rows)
   if len(rows) > b:
     b = bucket(len(rows), b)
-  t = bucket(max(len(a["tokens"]) for a, _ in rows), length_multiple)
-  h, w = image_hw
-  tokens = np.full((b, t), pad_id, np.int32)
-  attn = np.zeros((b, t), bool)
-  loss = np.zeros((b, t), np.float32)
-  rew = np.zeros((b, t), np.float32)
-  logp = np.zeros((b, t), np.float32)
-  st = np.zeros((b, t), np.int32)
-  pix = np.zeros((b, max_images, h, w, 3), np.float32)
-  img_mask = np.zeros((b, max_images), bool)
-  for i, (a, imgs) in enumerate(rows):
-    n = len(a["tokens"])
-    tokens[i, :n], attn[i, :n] = a["tokens"], True
-    loss[i, :n], rew[i, :n], logp[i, :n], st[i, :n] = a["loss"], a["reward"], a["logp"], a["state"]
-    for m, image in enumerate(imgs):
-      pix[i, m] = image.astype(np.float32) / 255.0
-      img_mask[i, m] = True
+  p = pad_rows(rows, {"loss": np.float32, "reward": np.float32, "logp": np.float32, "state": np.int32},
+               pad_id=pad_id, batch_size=b, max_images=max_images, image_hw=image_hw, length_multiple=length_multiple)
   chain = {}
   if chained:
     row_episode = np.full((b,), -1, np.int32)
@@ -323,5 +308,36 @@ def collate(episodes: list[Episode], *, pad_id: int, max_images: int, image_hw: 
         next_row[i] = i + 1
     chain = dict(row_episode=row_episode, next_row=next_row)
   # Shift to target alignment: field[j] describes token j+1.
-  return Batch(tokens=tokens, attn_mask=attn, loss_mask=loss[:, 1:], rewards=rew[:, 1:],
-               old_logp=logp[:, 1:], states=st[:, 1:], pixel_values=pix, image_mask=img_mask, **chain)
+  return Batch(tokens=p["tokens"], attn_mask=p["attn_mask"], loss_mask=p["loss"][:, 1:], rewards=p["reward"][:, 1:],
+               old_logp=p["logp"][:, 1:], states=p["state"][:, 1:], pixel_values=p["pixel_values"],
+               image_mask=p["image_mask"], **chain)
+
+
+def pad_rows(rows: Sequence[tuple[dict, Sequence]], fields: dict[str, Any], *, pad_id: int, batch_size: int,
+             max_images: int, image_hw: tuple[int, int], length_multiple: int) -> dict[str, np.ndarray]:
+  """Right-pads token rows and their screenshots into fixed-shape arrays (the padding under `collate`
+  and the ORM's `collate`).
+
+  rows: (arrays, screenshots) per row: arrays["tokens"] [n] int plus one [n] array per name of
+    `fields`, token-aligned; screenshots uint8 [H, W, 3] (already `image_hw`), at most max_images.
+  fields: {name: dtype} of the per-token arrays besides tokens (zero on padding).
+  Returns: tokens [B, T] int32 (pad_id on padding), attn_mask [B, T] bool, each field [B, T],
+    pixel_values [B, max_images, H, W, 3] float32 in [0, 1], image_mask [B, max_images] bool; B =
+    batch_size (rows past the given ones are all padding), T = the longest row rounded up to a
+    multiple of `length_multiple` (`bucket`).
+  """
+  t = bucket(max(len(a["tokens"]) for a, _ in rows), length_multiple)
+  h, w = image_hw
+  out = {"tokens": np.full((batch_size, t), pad_id, np.int32), "attn_mask": np.zeros((batch_size, t), bool),
+         **{k: np.zeros((batch_size, t), dt) for k, dt in fields.items()},
+         "pixel_values": np.zeros((batch_size, max_images, h, w, 3), np.float32),
+         "image_mask": np.zeros((batch_size, max_images), bool)}
+  for i, (a, imgs) in enumerate(rows):
+    n = len(a["tokens"])
+    out["tokens"][i, :n], out["attn_mask"][i, :n] = a["tokens"], True
+    for k in fields:
+      out[k][i, :n] = a[k]
+    for m, image in enumerate(imgs):
+      out["pixel_values"][i, m] = np.asarray(image, np.float32) / 255.0
+      out["image_mask"][i, m] = True
+  return out

@@ -54,7 +54,7 @@ import numpy as np
 
 from tars_jax.agent import prompts
 from tars_jax.agent.memory import shrink_oldest, strip_vision, turns_length
-from tars_jax.agent.trajectory import Context, Episode, bucket
+from tars_jax.agent.trajectory import Context, Episode, pad_rows
 from tars_jax.rl import rewards as reward_lib
 from tars_jax.rl.rewards import RewardConfig
 from tars_jax.train import ppo
@@ -244,26 +244,21 @@ def collate(prompts_: Sequence[OrmPrompt], answers: Sequence[Sequence[int]] | No
   if len(prompts_) > b:
     raise ValueError(f"{len(prompts_)} prompts > batch_size={b}")
   answers = list(answers) if answers is not None else [[] for _ in prompts_]
-  rows = [list(p.ids) + [int(a) for a in ans] for p, ans in zip(prompts_, answers)]
-  t = bucket(max(len(r) for r in rows), length_multiple)
-  h, w = image_hw
-  tokens = np.full((b, t), pad_id, np.int32)
-  attn = np.zeros((b, t), bool)
-  loss = np.zeros((b, t - 1), np.float32)
-  pix = np.zeros((b, max_images, h, w, 3), np.float32)
-  img_mask = np.zeros((b, max_images), bool)
-  pos = np.zeros((b,), np.int32)
-  for i, (p, row, ans) in enumerate(zip(prompts_, rows, answers)):
+  rows, pos = [], np.zeros((b,), np.int32)
+  for i, (p, ans) in enumerate(zip(prompts_, answers)):
     if len(p.images) > max_images:
       raise ValueError(f"an ORM prompt has {len(p.images)} screenshots > max_images={max_images}")
-    tokens[i, :len(row)], attn[i, :len(row)] = row, True
-    pos[i] = len(p.ids) - 1
-    loss[i, len(p.ids) - 1: len(p.ids) - 1 + len(ans)] = 1.0
-    for m, image in enumerate(p.images):
-      pix[i, m] = np.asarray(image, np.float32) / 255.0
-      img_mask[i, m] = True
-  return dict(tokens=tokens, attn_mask=attn, loss_mask=loss, states=np.zeros((b, t - 1), np.int32),
-              pixel_values=pix, image_mask=img_mask), pos
+    n = len(p.ids)
+    rows.append(({"tokens": list(p.ids) + [int(a) for a in ans],
+                  "loss": np.r_[np.zeros(n, np.float32), np.ones(len(ans), np.float32)]}, p.images))
+    pos[i] = n - 1
+  padded = pad_rows(rows, {"loss": np.float32}, pad_id=pad_id, batch_size=b, max_images=max_images,
+                    image_hw=image_hw, length_multiple=length_multiple)
+  t = padded["tokens"].shape[1]
+  # target alignment, as `trajectory.collate`: loss_mask[j] = 1 where token j+1 is an answer token
+  return dict(tokens=padded["tokens"], attn_mask=padded["attn_mask"], loss_mask=padded["loss"][:, 1:],
+              states=np.zeros((b, t - 1), np.int32), pixel_values=padded["pixel_values"],
+              image_mask=padded["image_mask"]), pos
 
 
 # -------------------------------------------------------------------------------------------------- scoring

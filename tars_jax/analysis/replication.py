@@ -143,6 +143,7 @@ def per_task(rows: Sequence[dict], variant: str) -> dict[str, tuple[float, float
 COMPARISONS = (
     (1, "ppo", "sft", "RL (critic PPO, decoupled GAE, value pretraining) improves on its SFT start"),
     (2, "ppo", "grpo", "PPO beats GRPO"),
+    (2, "grpo", "sft", "GRPO improves on its SFT start"),
     (3, "ppo", "ppo_novpt", "value pretraining helps PPO"),
     (4, "ppo", "ppo_coupled", "decoupled GAE (lam_critic 1, lam_policy 0.95) beats coupled lam 0.95"),
     (4, "ppo_lenadapt", "ppo", "length-adaptive GAE helps"),

@@ -48,6 +48,11 @@ def test_resume_returns_the_latest_complete_checkpoint_and_finish_marks_it(tmp_p
   assert json.load(open(os.path.join(d, "sft.json"))) == {"steps": 4}
   assert json.load(open(os.path.join(d, "done.json")))["checkpoint"] == 4
   assert run_lib.is_done(d)
+  again._lock.close()
+  rerun = run_lib.start("sft", _config(), d, budget=4, unit="step", max_minutes=5.0)  # nothing left to train
+  assert rerun.resume(_state(0.0))[1] == 4
+  rerun.finish({"steps": 4, "final": {}})
+  assert json.load(open(os.path.join(d, "sft.json"))) == {"steps": 4}  # the summary of the run that trained
 
 
 def test_a_done_marker_without_its_checkpoint_is_corrupt(tmp_path):

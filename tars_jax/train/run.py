@@ -93,13 +93,19 @@ class Run:
 
   def finish(self, summary: dict, name: str | None = None) -> None:
     """Marks the stage finished: `<name or stage>.json` = `summary`, then `done.json` = {stage, step of
-    the latest complete checkpoint, summary file}. Call after the last checkpoint is saved."""
+    the latest complete checkpoint, summary file}. Call after the last checkpoint is saved. A re-run of
+    a finished stage (done.json already names the latest checkpoint) leaves both as they are."""
     if not self.main:
       return
     step = self.mngr.latest_step()
     if step is None:
       raise CorruptRun(f"[{self.stage}] finish() without a checkpoint in {self.mngr.directory}")
     fname = f"{name or self.stage}.json"
+    done = os.path.join(self.workdir, DONE_FILE)
+    if os.path.exists(done) and os.path.exists(os.path.join(self.workdir, fname)):
+      with open(done) as f:
+        if int(json.load(f)["checkpoint"]) == int(step):  # a re-run that trained nothing: keep its summary
+          return
     write_json(os.path.join(self.workdir, fname), summary)
     write_json(os.path.join(self.workdir, DONE_FILE), {"stage": self.stage, "checkpoint": int(step),
                                                        "summary": fname})

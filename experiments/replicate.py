@@ -23,10 +23,10 @@ Layout of the work dir (every stage a normal run dir of its trainer, resumable):
   summary.md, curves.png   intervals per variant and comparison, curves per variant
 
 Order: the SFT and `ppo` runs of every seed first (the suite's bar), then each further variant on every
-seed. A training stage is done when its run dir says so (`tars_jax.train.run.is_done`: done.json naming a
-complete checkpoint), the demonstrations and an evaluation when their output exists; a re-run skips done stages and resumes an interrupted one from its
-checkpoint, so no run is counted twice. A failed stage is reported, its dependants skipped, the others
-still run; the exit code is 1 if any failed.
+seed. A training stage is done when its run dir says so (`tars_jax.train.run.is_done`: done.json
+naming a complete checkpoint), the demonstrations and an evaluation when their output exists; a re-run
+skips done stages and resumes an interrupted one from its checkpoint, so no run is counted twice. A
+failed stage is reported, its dependants skipped, the others still run; the exit code is 1 if any failed.
 """
 
 from __future__ import annotations
@@ -57,16 +57,12 @@ class WorkdirBusy(RuntimeError):
 
 
 def lock_workdir(workdir: str):
-  """An exclusive lock on `<workdir>/replicate.lock` held while the returned file stays open (released
-  when the process ends, however it ends). Raises WorkdirBusy if another driver holds it: two drivers
-  would run the same stage twice into one run dir."""
-  import fcntl
-  f = open(os.path.join(workdir, "replicate.lock"), "w")
-  try:
-    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-  except BlockingIOError:
-    f.close()
-    raise WorkdirBusy(f"another experiments/replicate.py runs on {workdir}; wait for it or stop it first") from None
+  """An exclusive lock on `<workdir>/replicate.lock` held while the returned file stays open
+  (`run.exclusive_lock`). Raises WorkdirBusy if another driver holds it: two drivers would run the same
+  stage twice into one run dir."""
+  f, _ = run_lib.exclusive_lock(os.path.join(workdir, "replicate.lock"), f"replicate.py (pid {os.getpid()})")
+  if f is None:
+    raise WorkdirBusy(f"another experiments/replicate.py runs on {workdir}; wait for it or stop it first")
   return f
 
 

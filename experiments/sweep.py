@@ -103,7 +103,8 @@ def _execute(run: dict, timeout_min: float, cache_dir: str | None = None) -> dic
   t0, rc = time.time(), 0
   with open(run["log"], "a") as log:
     for argv in run["stages"]:
-      if run_lib.is_done(argv[argv.index("--workdir") + 1]):  # a re-run skips finished stages instead of paying each one's start-up again
+      # a re-run skips finished stages instead of paying each one's start-up again
+      if run_lib.is_done(argv[argv.index("--workdir") + 1]):
         log.write(f"[sweep] skip finished stage: {' '.join(argv)}\n")
         continue
       log.write(f"[sweep] $ {' '.join(argv)}\n")

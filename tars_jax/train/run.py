@@ -12,12 +12,12 @@ with its loop body in plain view and calls these steps in order:
 What `start` does once per process: the matmul precision (before any computation), the work dir,
 quiet absl/Orbax logging, SIGTERM unwinding through `finally` (sandbox servers stop; the run resumes
 from its last complete checkpoint), an exclusive lock on the work dir (a second process on it is
-refused), the stage's name in `run.json` (another stage's directory is refused), the checkpoint
-manager and the wall-clock guard of the count budget (tars_jax/train/guard.py).
+refused), the stage's name in `run.json` (another stage's directory is refused) and the wall-clock
+guard of the count budget (tars_jax/train/guard.py); the checkpoint manager is made at first use.
 
 A stage is finished when `is_done(workdir)`: its `done.json` names a complete checkpoint that exists.
-Stage drivers (experiments/replicate.py, sweep.py, flywheel.py, scripts/*.sh via `python -m
-tars_jax.train.run --is_done DIR`) use that one test.
+Stage drivers (experiments/replicate.py, experiments/sweep.py, and scripts/demo.sh / rl_pilot.sh via
+`python -m tars_jax.train.run --is_done DIR`) use that one test.
 """
 
 from __future__ import annotations
@@ -101,34 +101,40 @@ class Run:
     if step is None:
       raise CorruptRun(f"[{self.stage}] finish() without a checkpoint in {self.mngr.directory}")
     fname = f"{name or self.stage}.json"
-    done = os.path.join(self.workdir, DONE_FILE)
-    if os.path.exists(done) and os.path.exists(os.path.join(self.workdir, fname)):
-      with open(done) as f:
-        if int(json.load(f)["checkpoint"]) == int(step):  # a re-run that trained nothing: keep its summary
-          return
+    done = _read_done(self.workdir)
+    if done and int(done["checkpoint"]) == int(step) and os.path.exists(os.path.join(self.workdir, fname)):
+      return  # a re-run that trained nothing: keep its summary
     write_json(os.path.join(self.workdir, fname), summary)
     write_json(os.path.join(self.workdir, DONE_FILE), {"stage": self.stage, "checkpoint": int(step),
                                                        "summary": fname})
 
 
-def _lock(workdir: str, stage: str):
-  """An exclusive lock on `<workdir>/run.lock`, held while the returned file is open (released when
-  the process ends, however it ends). Raises WorkdirInUse naming the holder's stage."""
+def exclusive_lock(path: str, holder: str):
+  """(file, None) holding an exclusive flock on `path` while the file stays open (released when the
+  process ends, however it ends), with `holder` written in it; or (None, the holder text found there)
+  when another process holds it. Shared by the trainers' work dirs and experiments/replicate.py."""
   import fcntl
-  path = os.path.join(workdir, LOCK_FILE)
   f = open(path, "a+")
   try:
     fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
   except BlockingIOError:
     f.seek(0)
-    holder = f.read().strip() or "another stage"
+    found = f.read().strip()
     f.close()
-    raise WorkdirInUse(f"[{stage}] {workdir} is in use by {holder}: two processes would write one run; "
-                       "wait for it, stop it, or give this stage its own --workdir") from None
+    return None, found
   f.seek(0)
   f.truncate()
-  f.write(f"{stage} (pid {os.getpid()})\n")
+  f.write(holder + "\n")
   f.flush()
+  return f, None
+
+
+def _lock(workdir: str, stage: str):
+  """The work dir's `run.lock` (`exclusive_lock`). Raises WorkdirInUse naming the holder's stage."""
+  f, holder = exclusive_lock(os.path.join(workdir, LOCK_FILE), f"{stage} (pid {os.getpid()})")
+  if f is None:
+    raise WorkdirInUse(f"[{stage}] {workdir} is in use by {holder or 'another stage'}: two processes would "
+                       "write one run; wait for it, stop it, or give this stage its own --workdir")
   return f
 
 
@@ -172,17 +178,24 @@ def start(stage: str, config, workdir: str | None, *, budget: int, unit: str, ma
   return Run(stage, workdir, Guard(stage, max_minutes, budget, unit), main, keep_checkpoints, lock)
 
 
+def _read_done(workdir: str) -> dict | None:
+  """The run dir's done.json, or None when the stage has not finished."""
+  path = os.path.join(workdir, DONE_FILE)
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
 def is_done(workdir: str) -> bool:
   """True when the stage in `workdir` finished: its done.json names a complete checkpoint that is there.
 
   Raises: CorruptRun when done.json names a checkpoint that is missing or incomplete.
   """
-  path = os.path.join(workdir, DONE_FILE)
-  if not os.path.exists(path):
+  done = _read_done(workdir)
+  if done is None:
     return False
-  with open(path) as f:
-    done = json.load(f)
-  step = int(done["checkpoint"])
+  path, step = os.path.join(workdir, DONE_FILE), int(done["checkpoint"])
   # Orbax renames a step's temporary dir to the bare step number only once its save is complete
   if not os.path.isdir(os.path.join(workdir, "checkpoints", str(step))):
     raise CorruptRun(f"{path} says the {done.get('stage')!r} stage finished at checkpoint {step}, but "

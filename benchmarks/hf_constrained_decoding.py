@@ -17,8 +17,6 @@ Prints a table (no asserts; numbers depend on the machine).
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import tempfile
 import time
 
@@ -26,8 +24,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -78,8 +74,7 @@ def main():
   ap.add_argument("--steps", type=int, default=32, help="decode steps timed")
   ap.add_argument("--batch", type=int, default=4)
   a = ap.parse_args()
-  sys.path.insert(0, os.path.join(ROOT, "tests"))
-  from test_hf_init import make_checkpoint  # the tiny checkpoint of the tests (real Qwen tokenizer)
+  from tars_jax.models.hf_testing import make_checkpoint  # the tests' tiny checkpoint (real Qwen tokenizer)
   from tars_jax.agent import hf_tokenizer, prompts
   from tars_jax.agent.grammar import reply_regex
   from tars_jax.models import hf_io, sampler

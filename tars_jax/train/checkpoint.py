@@ -17,7 +17,8 @@ def manager(workdir: str, max_to_keep: int = 3, cleanup_tmp: bool = False) -> oc
   """CheckpointManager over `<workdir>/checkpoints` keeping the last `max_to_keep` steps.
 
   cleanup_tmp: delete the temporary directories of saves that never finished (a writer killed
-    mid-save). Only for the process that writes the run: in a reader (eval of a run still training)
+    mid-save), in a background thread that the manager's first save waits for. Only for the
+    process that writes the run: in a reader (eval of a run still training)
     it would delete the writer's save in progress.
   """
   path = os.path.abspath(os.path.join(workdir, "checkpoints"))

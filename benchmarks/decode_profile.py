@@ -25,7 +25,8 @@ import numpy as np
 
 from benchmarks.bench_model import best_time, hf_model
 from tars_jax.agent.tokenizer import BOS, IMAGE, PAD, VISION_END, VISION_START
-from tars_jax.models import hf_io, sampler
+from tars_jax.models.interop import hf_io
+from tars_jax.models.inference import sampler
 from tars_jax.models import moe as moe_lib
 
 _BATCHES = flags.DEFINE_list("batch_sizes", ["1", "16"], "Batch sizes to time.")

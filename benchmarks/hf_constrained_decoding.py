@@ -74,10 +74,11 @@ def main():
   ap.add_argument("--steps", type=int, default=32, help="decode steps timed")
   ap.add_argument("--batch", type=int, default=4)
   a = ap.parse_args()
-  from tars_jax.models.hf_testing import make_checkpoint  # the tests' tiny checkpoint (real Qwen tokenizer)
+  from tars_jax.models.interop.hf_testing import make_checkpoint  # the tests' tiny checkpoint (real Qwen tokenizer)
   from tars_jax.agent import hf_tokenizer, prompts
   from tars_jax.agent.grammar import reply_regex
-  from tars_jax.models import hf_io, sampler
+  from tars_jax.models.interop import hf_io
+  from tars_jax.models.inference import sampler
 
   with tempfile.TemporaryDirectory() as d:
     make_checkpoint(d)

@@ -20,7 +20,7 @@ import numpy as np
 
 from experiments.configs import miniwob_ppo
 from tars_jax.agent import prompts
-from tars_jax.models import sampler
+from tars_jax.models.inference import sampler
 from tars_jax.train import state as state_lib
 
 _BATCH = flags.DEFINE_integer("batch", 32, "Rows per generate call (the demo's num_sessions).")

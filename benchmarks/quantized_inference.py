@@ -37,7 +37,8 @@ import numpy as np
 from benchmarks.command import command_line
 from experiments.configs import miniwob_ppo
 from tars_jax.agent import prompts
-from tars_jax.models import quant, rope_positions
+from tars_jax.models import rope_positions
+from tars_jax.models.inference import quant
 from tars_jax.rollout.inference_server import BatchedPolicy, InferenceService
 from tars_jax.train import state as state_lib
 from flax import nnx

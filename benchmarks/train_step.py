@@ -41,7 +41,8 @@ from flax import nnx
 from benchmarks.bench_model import (IMAGE_HW, allocator, hf_model, host_bandwidth, image_processor, interleaved_medians,
                                     lm_loss, make_batch, moe_impl_name, overrides, torch_kernels)
 from tars_jax.agent.tokenizer import IMAGE
-from tars_jax.models import Policy, hf_io
+from tars_jax.models import Policy
+from tars_jax.models.interop import hf_io
 from tars_jax.models.rope import rope_positions
 
 _BATCHES = flags.DEFINE_list("batch_sizes", ["4", "16"], "Batch sizes to time.")

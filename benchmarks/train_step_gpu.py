@@ -62,8 +62,9 @@ from flax import nnx
 from benchmarks.bench_model import PRESETS, bench_config, image_processor, torch_kernels
 from benchmarks.bench_model import datasheet_peak, lm_loss, make_batch
 from tars_jax.agent.tokenizer import IMAGE
-from tars_jax.models import flops, hf_io
-from tars_jax.models.hf_model import HFModel
+from tars_jax.models import flops
+from tars_jax.models.interop import hf_io
+from tars_jax.models.interop.hf_model import HFModel
 from tars_jax.models.rope import rope_positions
 
 _PRESET = flags.DEFINE_string("preset", "a3b8", "Model preset: " + ", ".join(PRESETS))

@@ -1,8 +1,8 @@
 r"""Scripted-expert demonstrations: measure the experts and record their successful episodes.
 
-Each task's expert (tars_jax/data/experts.py) plays `--seeds` seeds from `--seed_offset` through the
+Each task's expert (tars_jax/data/sources/experts.py) plays `--seeds` seeds from `--seed_offset` through the
 sandbox, in the trajectory format of the policy that `--config` builds (prompt, image size, grammar,
-coordinate format, step budget: tars_jax/data/demos.py). Prints a table of expert success per task,
+coordinate format, step budget: tars_jax/data/sources/demos.py). Prints a table of expert success per task,
 writes it to OUT/experts.json, and records ONLY the successful episodes under OUT (source 'expert').
 
   python -m experiments.demos --config experiments/configs/miniwob_pipeline.py --out runs/x/demos  # main job
@@ -34,7 +34,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from envs_bridge.launch import env_fleet
-from tars_jax.data import demos
+from tars_jax.data.sources import demos
 from tars_jax.train import state as state_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", "experiments/configs/miniwob_ppo.py",

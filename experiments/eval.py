@@ -36,7 +36,7 @@ from absl import app, flags
 import ml_collections as mlc
 
 from envs_bridge.launch import env_fleet
-from experiments.game_scores import format_games, game_episode_records, game_scores, summarize_with_games
+from tars_jax.analysis.game_scores import format_games, game_episode_records, game_scores, summarize_with_games
 from tars_jax.agent.trajectory import Episode
 from tars_jax.rollout.agent_loop import ActFn
 from tars_jax.rollout.evaluation import eval_jobs, format_table, resolve_run

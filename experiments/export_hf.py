@@ -16,7 +16,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from tars_jax.agent import hf_tokenizer
-from tars_jax.models import hf_io
+from tars_jax.models.interop import hf_io
 from tars_jax.train import checkpoint as ckpt
 from tars_jax.train import state as state_lib
 

@@ -47,7 +47,7 @@ import time
 from absl import app, flags
 from ml_collections import config_flags
 
-from experiments.flywheel_parts import config_spec, format_table, forwarded_overrides, pct
+from tars_jax.data.flywheel_cli import config_spec, format_table, forwarded_overrides, pct
 from tars_jax.data import flywheel as fw_lib
 from tars_jax.data import records
 from tars_jax.train.metrics import write_json
@@ -104,7 +104,7 @@ def generate_stage(config, root: str, t: int, policy_run: str) -> fw_lib.Iterati
                             progress="flywheel samples")
     p_yes = None
     if fw.orm_run:
-      from tars_jax.rl import orm  # the ORM validator (issue #28 item 4), only when asked for
+      from tars_jax.train import orm  # the ORM validator (issue #28 item 4), only when asked for
       scorer = orm.OrmScorer.from_run(fw.orm_run)  # under the ORM run's own config.json (model, prompt)
       v, p_yes = fw_lib.orm_verdicts(eps, scorer, fw.orm_threshold)
     else:

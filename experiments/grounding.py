@@ -3,7 +3,7 @@ r"""Grounding and perception data from sandbox pages: "where is X" -> click, "wh
 The stage that gives a base model its eyes before any task data (UI-TARS-2 report, section 2.3;
 issue #25): the first page of each MiniWoB++ task and seed, its visible DOM elements read through the
 sandbox's debug `elements` call, turned into one-turn episodes in the policy's own format
-(`tars_jax/data/grounding.py`), written as train and held-out record sets:
+(`tars_jax/data/sources/grounding.py`), written as train and held-out record sets:
 
   python -m experiments.grounding --config experiments/configs/miniwob_ppo.py --out data/grounding \
       --seeds 50 --heldout_seeds 10 [--tasks miniwob/click-button,...] [--heldout_tasks ...]
@@ -26,8 +26,8 @@ import os
 from absl import app, flags
 from ml_collections import config_flags
 
-from experiments.grounding_data import CountingSink, format_counts, open_record_writer, run
-from tars_jax.data import grounding as G
+from tars_jax.data.sources.grounding_collect import CountingSink, format_counts, open_record_writer, run
+from tars_jax.data.sources import grounding as G
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Policy config (image size, grammar, prompt).")
 _OUT = flags.DEFINE_string("out", None, "Output directory (train/, heldout/, grounding.json).")

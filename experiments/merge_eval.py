@@ -33,7 +33,7 @@ from ml_collections import config_flags
 
 from envs_bridge.launch import env_fleet
 from experiments.configs import verticals as V
-from experiments.game_scores import summarize_with_games
+from tars_jax.analysis.game_scores import summarize_with_games
 from tars_jax import merge
 from tars_jax.analysis import merge_eval as ME
 from tars_jax.rollout import evaluation

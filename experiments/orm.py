@@ -1,5 +1,5 @@
 r"""ORM trainer: the policy's model learns to answer "Did the agent complete the task? yes / no" on
-verifier-labelled trajectory records (UI-TARS-2 report sections 2.5.2 and 3.3; tars_jax/rl/orm.py),
+verifier-labelled trajectory records (UI-TARS-2 report sections 2.5.2 and 3.3; tars_jax/train/orm.py),
 one linear script like experiments/sft.py.
 
   python -m experiments.orm --config experiments/configs/orm.py --workdir runs/orm/orm \
@@ -44,7 +44,7 @@ import numpy as np
 from tqdm import tqdm
 
 from tars_jax.data import records
-from tars_jax.rl import orm as orm_lib
+from tars_jax.train import orm as orm_lib
 from tars_jax.train import checkpoint as ckpt
 from tars_jax.train import run as run_lib
 from tars_jax.train import sft

@@ -51,7 +51,8 @@ from tqdm import tqdm
 
 from tars_jax.agent.trajectory import collate, real_rows
 from tars_jax.analysis.image_dependence import image_dependence
-from tars_jax.data import grounding, pipeline, records
+from tars_jax.data import pipeline, records
+from tars_jax.data.sources import grounding
 from tars_jax.rollout import evaluation
 from tars_jax.train import checkpoint as ckpt
 from tars_jax.train import ct, sft

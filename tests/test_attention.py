@@ -185,7 +185,7 @@ def test_prefill_by_causal_blocks_samples_what_one_square_does():
   same weights with `attention_block=0` (one full square, prefill and decode)."""
   from _shared import TINY_CFG, left_padded_batch
   from tars_jax.agent.tokenizer import PAD
-  from tars_jax.models import sampler
+  from tars_jax.models.inference import sampler
   toks, mask, pix = left_padded_batch(np.random.default_rng(1), [2, 7, 4])
   assert toks.shape[1] > 16
   _, params = nnx.split(Policy(dataclasses.replace(TINY_CFG, attention_block=0), nnx.Rngs(4)))

@@ -76,7 +76,7 @@ def test_gpu_benchmark_preset_and_peaks():
   448x448 image) and its peak table finds the GPU by `device_kind`."""
   from benchmarks.bench_model import bench_config
   from benchmarks.bench_model import datasheet_peak
-  from tars_jax.models.hf_model import HFModel
+  from tars_jax.models.interop.hf_model import HFModel
   cfg = bench_config("a3b8")
   model = nnx.eval_shape(lambda: HFModel(cfg, nnx.Rngs(0)))
   assert round(sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))) / 1e9, 2) == 3.44

@@ -13,7 +13,7 @@ from flax import nnx
 
 from tars_jax.agent.tokenizer import BOS, IMAGE, PAD
 from tars_jax.models import Policy, rope_positions
-from tars_jax.models import sampler
+from tars_jax.models.inference import sampler
 from _shared import TINY_CFG, left_padded_batch
 
 CFG = TINY_CFG
@@ -107,7 +107,7 @@ def test_sampler_bf16_cache_and_first_token(models):
 
 
 def test_hf_model_with_compute_dtype_shares_float32_params():
-  from tars_jax.models.hf_model import HFModel
+  from tars_jax.models.interop.hf_model import HFModel
   m32 = HFModel(CFG, nnx.Rngs(1))
   m16 = m32.with_compute_dtype(jnp.bfloat16)
   assert m16.cfg.dtype == "bfloat16" and m32.cfg.dtype == "float32"

@@ -1,6 +1,6 @@
 """GUI-Browsing tasks (issue #26 item 1): question generation over Debian's Python documentation
 (envs_bridge/browser/browsing.py), the 'browse/<family>' tasks of the browser sandbox
-(browse_tasks.py) and their scripted expert (tars_jax/data/browse_expert.py).
+(browse_tasks.py) and their scripted expert (tars_jax/data/sources/browse_expert.py).
 
 Pure logic first: normalised match; a hand-made corpus of Sphinx-like pages whose filter outcomes are
 known (an orphan page -> unreachable, an answer printed on the start page -> trivial); the real
@@ -23,8 +23,8 @@ from envs_bridge.browser import browsing as B
 from envs_bridge.browser import tasks
 from envs_bridge.client import SandboxClient
 from tars_jax.agent import actions as A
-from tars_jax.data import browse_expert as X
-from tars_jax.data import experts as E
+from tars_jax.data.sources import browse_expert as X
+from tars_jax.data.sources import experts as E
 
 from _shared import run
 

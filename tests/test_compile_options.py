@@ -1,4 +1,4 @@
-"""Per-executable XLA options (`tars_jax/models/cpu/compile_options.py`): the sampler's decode loop compiles
+"""Per-executable XLA options (`tars_jax/models/fast/cpu/compile_options.py`): the sampler's decode loop compiles
 without YNNPACK fusions on CPU while other jitted functions keep XLA's defaults. The decoded tokens
 stay those of the model (`test_sampler.py` checks them against full recomputation, `test_hf_parity.py`
 against transformers `generate`)."""
@@ -11,8 +11,9 @@ import numpy as np
 from flax import nnx
 
 from tars_jax.agent.tokenizer import EOS, PAD
-from tars_jax.models import Policy, sampler
-from tars_jax.models.cpu.compile_options import DECODE_CPU_OPTIONS, jit_per_backend
+from tars_jax.models import Policy
+from tars_jax.models.inference import sampler
+from tars_jax.models.fast.cpu.compile_options import DECODE_CPU_OPTIONS, jit_per_backend
 from _shared import TINY_CFG, generate_call, left_padded_batch
 
 

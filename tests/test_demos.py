@@ -1,4 +1,4 @@
-"""Expert demonstrations through the real sandbox (tars_jax/data/demos.py): the experts succeed on real
+"""Expert demonstrations through the real sandbox (tars_jax/data/sources/demos.py): the experts succeed on real
 pages, a demonstration is exactly the Episode the agent loop builds when the policy writes the same
 replies, only successful episodes are written, and the CLI measures and records."""
 
@@ -18,8 +18,8 @@ from experiments.configs import games as games_config
 from experiments.configs import miniwob_ppo
 from tars_jax.agent.grammar import accepts, walk
 from tars_jax.agent.images import preprocess
-from tars_jax.data import demos
-from tars_jax.data import experts as E
+from tars_jax.data.sources import demos
+from tars_jax.data.sources import experts as E
 from tars_jax.rollout.agent_loop import run_episodes
 from tars_jax.train.state import build
 

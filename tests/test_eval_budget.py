@@ -1,7 +1,7 @@
 """Step-budget scaling of experiments/eval.py (`--max_turns 2,4,8,16`; UI-TARS-2 report section 3):
 each budget plays the same held-out seeds through the agent loop with at most that many turns.
 
-Reference: the scripted experts (tars_jax/data/experts.py, played by `data.demos.play`, a code path of
+Reference: the scripted experts (tars_jax/data/sources/experts.py, played by `data.demos.play`, a code path of
 its own) solve a task in a known number of turns (login-user 5, click-test 1). Their replies replayed
 through eval's budget plumbing (`play_budgets`, real sandbox) must succeed exactly at the budgets that
 reach the expert's turn count and be cut at the budget below it. The CLI (run as a command: it
@@ -24,8 +24,8 @@ import pytest
 from envs_bridge.client import SandboxClient
 from envs_bridge.launch import env_fleet
 from experiments.configs import miniwob_ppo
-from tars_jax.data import demos
-from tars_jax.data import experts as E
+from tars_jax.data.sources import demos
+from tars_jax.data.sources import experts as E
 from tars_jax.rollout import step_budget as SB
 from tars_jax.rollout.agent_loop import LoopConfig
 from tars_jax.rollout.evaluation import summarize

@@ -1,4 +1,4 @@
-"""The decode-loop expert kernel (`models/cpu/expert_kernel.py`, XLA FFI on CPU): it builds here, its
+"""The decode-loop expert kernel (`models/fast/cpu/expert_kernel.py`, XLA FFI on CPU): it builds here, its
 packing puts every weight where the C++ source reads it, it equals XLA's `ragged_swiglu` (and a float64
 numpy SwiGLU) for any split of the rows among experts, and bad group sizes raise instead of reading
 past the buffer. The MoE layer and the sampler with the kernel: `test_decode_experts.py`; greedy decode
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from tars_jax.models import moe
-from tars_jax.models.cpu import expert_kernel
+from tars_jax.models.fast.cpu import expert_kernel
 from _shared import assert_close_f32, f32_atol
 
 
@@ -141,7 +141,7 @@ def test_grouped_blas_groups_split_into_row_chunks():
 
 
 def _check_grouped_blas(sizes, spare):
-  from tars_jax.models import grouped_mlp
+  from tars_jax.models.fast import grouped_mlp
   e, d, i = 4, 32, 24
   gu, dn = _weights(e, d, i, seed=5)
   g = max(sum(sizes) + spare, 1)

@@ -1,4 +1,4 @@
-"""Scripted experts (tars_jax/data/experts.py), pure logic: hand-written element lists (copied from the
+"""Scripted experts (tars_jax/data/sources/experts.py), pure logic: hand-written element lists (copied from the
 real pages' `elements` answers) -> the reply an expert writes, worked out by hand; every reply is
 accepted by the grammar of the needed actions. The real pages: tests/test_demos.py."""
 
@@ -7,7 +7,7 @@ import math
 import pytest
 
 from tars_jax.agent.grammar import accepts, build_grammar
-from tars_jax.data import experts as E
+from tars_jax.data.sources import experts as E
 
 
 def el(tag, x, y, w, h, *, id="", text="", classes="", type="", value="", checked=False, focused=False, leaf=True):

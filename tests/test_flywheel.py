@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from array_record.python import array_record_module
 
-from experiments import flywheel_parts as driver
+from tars_jax.data import flywheel_cli as driver
 from experiments import plot
 from tars_jax.agent.prompts import ChatTemplate
 from tars_jax.agent.trajectory import Episode, Turn
@@ -295,7 +295,7 @@ def smoke_run(tmp_path_factory, server):
 
   from envs_bridge.client import SandboxClient
   from experiments.configs import flywheel as cfg
-  from tars_jax.data import demos
+  from tars_jax.data.sources import demos
   from tars_jax.train import state as state_lib
   tmp = tmp_path_factory.mktemp("flywheel")
   spec = demos.DemoSpec.from_parts(state_lib.build(cfg.get_config("smoke")), thoughts=False)

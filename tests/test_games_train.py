@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from experiments import game_scores as eval_lib
+from tars_jax.analysis import game_scores as eval_lib
 from experiments.configs import games as games_cfg
 from tars_jax.agent.trajectory import Episode, Turn
 

@@ -1,4 +1,4 @@
-"""Grounding and perception data (tars_jax/data/grounding.py, experiments/grounding.py).
+"""Grounding and perception data (tars_jax/data/sources/grounding.py, experiments/grounding.py).
 
 Pure logic on element lists copied from real sandbox pages (click-checkboxes, login-user seeds of
 `SandboxClient.elements`), with hand-worked grid points; then real pages: the computed "where" click,
@@ -21,7 +21,7 @@ from tars_jax.agent import prompts
 from tars_jax.agent.grammar import accepts, build_grammar, walk
 from tars_jax.agent.tokenizer import ByteTokenizer
 from tars_jax.agent.trajectory import episode_arrays
-from tars_jax.data import grounding as G
+from tars_jax.data.sources import grounding as G
 from _shared import run
 
 TOK = ByteTokenizer()
@@ -300,7 +300,7 @@ def test_where_clicks_earn_the_pages_reward(server):
 
 @pytest.mark.browser
 def test_cli_collects_both_splits_from_a_real_server(server, tmp_path):
-  from experiments import grounding_data as cli
+  from tars_jax.data.sources import grounding_collect as cli
   from experiments.configs.miniwob_ppo import get_config
   sinks = {}
 
@@ -360,7 +360,7 @@ def test_where_clicks_check_boxes_and_focus_fields(server):
 def test_grounding_accuracy_runs_the_real_batched_policy():
   """The SFT trainer's call: a config's own batched policy (random init, smoke model) samples replies
   for the examples' prompts and images; every reply is in the grammar, so each is scored."""
-  from experiments import grounding_data as cli
+  from tars_jax.data.sources import grounding_collect as cli
   from experiments.configs.miniwob_ppo import get_config
   from tars_jax.train.state import build
   parts = build(cli.grounding_config(get_config("smoke"), G.KINDS))

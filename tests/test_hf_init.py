@@ -36,7 +36,7 @@ from tars_jax.agent import hf_tokenizer, prompts  # noqa: E402
 from tars_jax.agent.images import preprocess  # noqa: E402
 from tars_jax.models import rope_positions  # noqa: E402
 from _shared import f32_atol, forward_terms  # noqa: E402
-from tars_jax.models.hf_testing import (IDS, QWEN2_VL_TEMPLATE, ROOT, TOKENIZER_DIR,  # noqa: E402
+from tars_jax.models.interop.hf_testing import (IDS, QWEN2_VL_TEMPLATE, ROOT, TOKENIZER_DIR,  # noqa: E402
                                         VOCAB, make_checkpoint)
 
 

@@ -10,8 +10,10 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from tars_jax.models import ModelConfig, hf_io
-from tars_jax.models.hf_model import HFModel, hf_rope_index
+from tars_jax.models import ModelConfig
+
+from tars_jax.models.interop import hf_io
+from tars_jax.models.interop.hf_model import HFModel, hf_rope_index
 
 CFG = ModelConfig(image_h=56, image_w=56, patch_size=14, vision_hidden=32, vision_depth=2, vision_heads=2,
                   vision_mlp=48, hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8, experts=4, top_k=2,

@@ -16,7 +16,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from tars_jax.agent.tokenizer import BOS, IMAGE, PAD, VISION_END, VISION_START  # noqa: E402
-from tars_jax.models import hf_io, moe, rope_positions, sampler  # noqa: E402
+from tars_jax.models import moe, rope_positions  # noqa: E402
+from tars_jax.models.interop import hf_io
+from tars_jax.models.inference import sampler
 from _shared import f32_atol, forward_terms  # noqa: E402
 
 
@@ -190,7 +192,7 @@ def test_gradients_match_torch_autograd(pair, attention_impl):
   1e-4 of the largest gradient entry of its tensor."""
   import dataclasses
   from flax import nnx
-  from tars_jax.models.hf_model import HFModel
+  from tars_jax.models.interop.hf_model import HFModel
   hf, ours, _ = pair
   rng = np.random.default_rng(6)
   ids, mask, pix, grid, images = _inputs(pair, rng, [[(56, 84)], [(56, 84)], [(56, 84)]], text_len=(2, 12))

@@ -1,5 +1,5 @@
 """Continuous-batching inference service (`rollout/inference_server.InferenceService`,
-`models/slot_decode.py`): one request alone draws exactly what today's lockstep sampler
+`models/inference/slot_decode.py`): one request alone draws exactly what today's lockstep sampler
 (`BatchedPolicy` / `sampler.generate`) draws with the same key and weights; requests sharing slots with
 others (joining and leaving between decode steps) draw what they draw alone; weights swap between
 decode steps with versions per token; typed errors."""

@@ -266,8 +266,8 @@ def test_hf_round_trip_of_the_merged_policy(parts, abstract, runs, tmp_path):
   from flax import nnx
   from transformers import AutoModelForImageTextToText
   from tars_jax.agent.tokenizer import BOS, IMAGE, VISION_END, VISION_START
-  from tars_jax.models import hf_io
-  from tars_jax.models.hf_model import HFModel
+  from tars_jax.models.interop import hf_io
+  from tars_jax.models.interop.hf_model import HFModel
   from tars_jax.train import state as state_lib
   from _shared import assert_close_f32, forward_terms
   merge.interpolate([runs["a"][0], runs["b"][0]], [0.4, 0.6], str(tmp_path / "merged"))

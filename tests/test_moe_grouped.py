@@ -1,4 +1,4 @@
-"""The "grouped" MoE path (`tars_jax/models/grouped_mlp.py`): the loops over experts and their chunks
+"""The "grouped" MoE path (`tars_jax/models/fast/grouped_mlp.py`): the loops over experts and their chunks
 and the hand-written backward against a per-row reference written independently (each row through its
 own expert's weights, differentiated by JAX); the chunk counts, and the blocked path's block table
 (`moe.chunk_table`), against a direct count."""
@@ -15,7 +15,7 @@ from flax import nnx
 
 from tars_jax.models import moe
 from tars_jax.models.config import ModelConfig
-from tars_jax.models.grouped_mlp import chunk_counts, chunk_sizes, grouped_swiglu
+from tars_jax.models.fast.grouped_mlp import chunk_counts, chunk_sizes, grouped_swiglu
 from _shared import assert_close_f32, f32_atol, scanned_step_temp_bytes
 
 

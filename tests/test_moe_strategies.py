@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from tars_jax.models import ModelConfig, Policy, moe
-from tars_jax.models.cpu import expert_kernel
+from tars_jax.models.fast.cpu import expert_kernel
 from tars_jax.models.moe import MoeStrategy
 
 CFG = ModelConfig(hidden=64, experts=8, top_k=3, moe_intermediate=48)

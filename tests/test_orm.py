@@ -1,4 +1,4 @@
-"""Generative ORM (tars_jax/rl/orm.py, experiments/orm.py; report sections 2.5.2, 3.3): the prompt
+"""Generative ORM (tars_jax/train/orm.py, experiments/orm.py; report sections 2.5.2, 3.3): the prompt
 (last k screenshots, the history as text, the budget and what it left out) against hand-built ids,
 P(yes) against a float64 softmax of the model's own logits, the classification metrics against
 hand-counted ones, the PPO reward replacement, and (slow) a real training run with Orbax checkpoints
@@ -21,7 +21,7 @@ from tars_jax.agent.tokenizer import (BOS, EOS, IMAGE, TURN_END, TURN_START, VIS
 from tars_jax.agent.trajectory import Episode, Turn
 from tars_jax.data import records
 from tars_jax.models import Policy
-from tars_jax.rl import orm
+from tars_jax.train import orm
 from tars_jax.rl.rewards import RewardConfig
 from tars_jax.train import step as step_lib
 from tars_jax.train import state as state_lib

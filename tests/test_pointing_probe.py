@@ -1,6 +1,6 @@
-"""The pointing probe's labels and hit test (experiments/pointing_data.py), worked by hand."""
+"""The pointing probe's labels and hit test (benchmarks/probes/pointing_data.py), worked by hand."""
 
-from experiments import pointing_data as probe
+from benchmarks.probes import pointing_data as probe
 
 
 def test_target_reply_is_the_box_centre_on_the_tens3_grid():

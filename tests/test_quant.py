@@ -1,4 +1,4 @@
-"""Quantised serving weights (`tars_jax/models/quant.py`; report section 3, W4A8): quantise ->
+"""Quantised serving weights (`tars_jax/models/inference/quant.py`; report section 3, W4A8): quantise ->
 dequantise error bounds against a numpy reference, the int8 x int8 matmul against exact integer
 arithmetic, a tiny policy's logits against float32 within a bound derived from the quantisation
 steps, greedy decode through `InferenceService` / `BatchedPolicy`, typed errors."""
@@ -11,7 +11,8 @@ from flax import nnx
 
 from tars_jax.agent.grammar import build_grammar
 from tars_jax.agent.tokenizer import BOS, IMAGE, VISION_END, VISION_START, ByteTokenizer
-from tars_jax.models import Policy, quant, rope_positions
+from tars_jax.models import Policy, rope_positions
+from tars_jax.models.inference import quant
 from tars_jax.rollout.inference_server import BatchedPolicy, InferenceService
 
 from _shared import TINY_CFG, assert_close_f32, forward_terms, left_padded_batch

@@ -13,7 +13,7 @@ from flax import nnx
 from tars_jax.agent.grammar import build_grammar, free_grammar
 from tars_jax.agent.tokenizer import BOS, EOS, IMAGE, PAD, VISION_END, VISION_START
 from tars_jax.models import ModelConfig, Policy, rope_positions, token_logprobs
-from tars_jax.models import sampler
+from tars_jax.models.inference import sampler
 from _shared import TINY_CFG, assert_close_f32, forward_terms, left_padded_batch, fwd
 
 CFG = TINY_CFG

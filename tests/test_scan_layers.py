@@ -240,7 +240,7 @@ def _hf_pixels(images):
 def hf_pair(tmp_path_factory):
   """(transformers model, its directory, our scanned HFModel loaded from it, our unscanned one)."""
   import torch  # noqa: F401  (installed by scripts/setup.sh: missing fails)
-  from tars_jax.models import hf_io
+  from tars_jax.models.interop import hf_io
   hf = _hf_model()
   path = str(tmp_path_factory.mktemp("hf_scan"))
   hf.save_pretrained(path)
@@ -253,7 +253,7 @@ def test_load_pretrained_stacks_layers_and_decodes_like_generate(hf_pair):
   scanned model equal the unscanned model's and transformers `generate`'s (top-2 gaps checked)."""
   from test_hf_parity import hf_greedy
   from tars_jax.agent.tokenizer import PAD
-  from tars_jax.models import sampler
+  from tars_jax.models.inference import sampler
   hf, _, scn, ref = hf_pair
   assert scn.cfg.scan_layers and not ref.cfg.scan_layers
   fs, fr = _flat(nnx.state(scn, nnx.Param)), _flat(nnx.state(ref, nnx.Param))
@@ -277,7 +277,7 @@ def test_save_pretrained_from_stacked_round_trips_through_transformers(hf_pair, 
   import torch
   from transformers import AutoModelForImageTextToText
   from tars_jax.agent.tokenizer import IMAGE
-  from tars_jax.models import hf_io
+  from tars_jax.models.interop import hf_io
   _, path, _, _ = hf_pair
   scn = hf_io.load_pretrained(path, image_h=56, image_w=56, scan_layers=True)
   k = scn.policy.trunk.decoder.layers.self_attn.k_proj.kernel
@@ -314,7 +314,7 @@ def test_bad_tensor_shape_names_tensor_and_shapes_when_scanned(hf_pair, tmp_path
   both shapes (checked per tensor before the per-layer arrays are stacked)."""
   import re
   from safetensors.numpy import load_file, save_file
-  from tars_jax.models import hf_io
+  from tars_jax.models.interop import hf_io
   _, path, _, _ = hf_pair
   for f in os.listdir(path):
     if f.endswith(".json"):

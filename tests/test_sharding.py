@@ -237,7 +237,7 @@ def test_grouped_moe_keeps_transformers_parity(tmp_path, impl):
   import torch  # installed by scripts/setup.sh: a missing torch fails, never skips
   from transformers import AutoModelForImageTextToText
   from test_hf_parity import _check, _hf_config, _inputs
-  from tars_jax.models import hf_io
+  from tars_jax.models.interop import hf_io
   torch.manual_seed(0)
   hf = AutoModelForImageTextToText.from_config(_hf_config("qwen3_vl_moe")).eval()
   hf.save_pretrained(str(tmp_path))
@@ -454,8 +454,9 @@ def _worker(out_path, full: bool):
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   from tars_jax import sharding
-  from tars_jax.models import Policy, hf_io
-  from tars_jax.models.hf_model import HFModel
+  from tars_jax.models import Policy
+  from tars_jax.models.interop import hf_io
+  from tars_jax.models.interop.hf_model import HFModel
   from tars_jax.train import ppo
   from tars_jax.train import step as step_lib
 

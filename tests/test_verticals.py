@@ -15,7 +15,8 @@ from experiments.configs import verticals
 from tars_jax.agent.grammar import accepts
 from tars_jax.agent.tokenizer import ByteTokenizer
 from tars_jax.analysis import merge_eval as ME
-from tars_jax.data import demos, records
+from tars_jax.data import records
+from tars_jax.data.sources import demos
 from tars_jax.rollout.agent_loop import LoopConfig, run_episodes
 from tars_jax.train import state as state_lib
 

@@ -30,7 +30,7 @@ that can be trivially solved"):
   ambiguous    no set of non-revealing conditions identifies the page alone (multi-condition), or no
                feature singles out a linked page (multi-hop).
 Every kept question carries its solution `plan`: the links (anchor text, target page) from the start
-page to the answer page, what the scripted expert (tars_jax/data/browse_expert.py) follows.
+page to the answer page, what the scripted expert (tars_jax/data/sources/browse_expert.py) follows.
 
 Generation is pure Python over the parsed corpus (a small tokenizer, `parse_page`), deterministic for a seed; the
 held-out split is by answer page (a page's questions are all train or all test), so test questions

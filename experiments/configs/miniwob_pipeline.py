@@ -33,7 +33,7 @@ from experiments.configs import miniwob_ppo
 STAGES = ("", "grounding", "grpo", "thoughts")
 ARGS = (*STAGES, *(s + "+smoke" for s in STAGES))
 
-# The demonstrations' tasks (tars_jax/data/experts.py): clicking, typing and several steps.
+# The demonstrations' tasks (tars_jax/data/sources/experts.py): clicking, typing and several steps.
 DEMO_TASKS = ("miniwob/click-test", "miniwob/click-test-2", "miniwob/click-button", "miniwob/click-button-sequence",
               "miniwob/click-link", "miniwob/click-tab", "miniwob/enter-text", "miniwob/focus-text",
               "miniwob/click-checkboxes", "miniwob/login-user")

@@ -78,13 +78,13 @@ def sft_section(smoke: bool) -> mlc.ConfigDict:
 def data_section(smoke: bool) -> mlc.ConfigDict:
   """The `data` section: what the data stages collect (experiments/demos.py, experiments/grounding.py)."""
   d = mlc.ConfigDict()
-  d.demo_tasks = ()  # tasks with a scripted expert (tars_jax/data/experts.py); () = none
+  d.demo_tasks = ()  # tasks with a scripted expert (tars_jax/data/sources/experts.py); () = none
   d.demo_seeds = 4 if smoke else 200  # expert episodes attempted per task (only successes are kept)
   d.demo_seeds_rl_tasks = 4 if smoke else 200  # the same for the tasks of `tasks` (the RL stage's)
   d.demo_seeds_by_task = ()  # ((task, seeds), ...): per-task counts over the two above
   d.demo_seed_offset = 2_000_000  # apart from training (0+), vpt (5e6+) and evaluation (1e7+) seeds
   d.demo_max_turns = 8  # step budget of the experts' episodes (login-user takes 5 turns)
-  d.grounding_tasks = ()  # MiniWoB++ tasks whose pages yield grounding examples; () = data/grounding.py's list
+  d.grounding_tasks = ()  # MiniWoB++ tasks whose pages yield grounding examples; () = data/sources/grounding.py's list
   d.grounding_seeds = 4 if smoke else 60  # pages per task for training examples
   d.grounding_heldout_seeds = 2 if smoke else 8  # pages per task for held-out examples
   d.grounding_seed_offset = 3_000_000  # training pages; held-out pages from offset + 1e6
@@ -92,7 +92,7 @@ def data_section(smoke: bool) -> mlc.ConfigDict:
 
 
 def orm_section(smoke: bool) -> mlc.ConfigDict:
-  """The `orm` section: the generative outcome reward model (experiments/orm.py, tars_jax/rl/orm.py;
+  """The `orm` section: the generative outcome reward model (experiments/orm.py, tars_jax/train/orm.py;
   report sections 2.5.2 and 3.3); experiments/configs/orm.py sets it for its runs."""
   o = mlc.ConfigDict()
   o.data = ()  # record dirs of verifier-labelled trajectories (rollouts, demos): label = Episode.success
@@ -133,7 +133,7 @@ def flywheel_section(smoke: bool) -> mlc.ConfigDict:
   f.samples_per_seed = 2
   f.seed_offset = 6_000_000
   # --- validate: the verifiers (environment reward: MiniWoB++, games, desktop checks, browse answers), or
-  # an ORM run (experiments/orm.py; tars_jax/rl/orm.py) with V = 1[P(yes) > orm_threshold]
+  # an ORM run (experiments/orm.py; tars_jax/train/orm.py) with V = 1[P(yes) > orm_threshold]
   f.orm_run = ""
   f.orm_threshold = 0.5
   f.skip_corrupt = False  # a corrupt staged sample: raise with file and index (False) or skip and count it
@@ -270,7 +270,7 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   # loop").
   c.model.moe_impl = "dense"
   # With "ragged" on a mesh with an expert axis: "gspmd" (the compiler partitions it) or "all_to_all"
-  # (explicit token dispatch in a shard_map, tars_jax/models/expert_parallel.py).
+  # (explicit token dispatch in a shard_map, tars_jax/models/fast/expert_parallel.py).
   c.model.moe_dispatch = "gspmd"
 
   # --- Output grammar (tars_jax/agent/grammar.py) ----------------------------------------------------
@@ -288,7 +288,7 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   # calls). On CPU much longer chunks cost more than the calls they save (benchmarks/RESULTS.md,
   # "Jump-forward decoding"); 1 = token by token.
   c.sampling.jump_forward = 8
-  # Serving weights of the rollout policy (tars_jax/models/quant.py): None = as trained (float32);
+  # Serving weights of the rollout policy (tars_jax/models/inference/quant.py): None = as trained (float32);
   # "int8" (W8A8), "int4" (W4A8, report section 3), "int8_weight_only", "int4_weight_only". The
   # trainer's parameters stay float; tokens/s and logit error: benchmarks/RESULTS.md, "Quantised inference".
   c.sampling.quantize = mlc.config_dict.placeholder(str)
@@ -338,7 +338,7 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.rl.overlong_weight = 0.0  # DAPO soft overlong thought penalty (0 = off)
   c.rl.overlong_max_tokens = 0
   c.rl.overlong_buffer = 0
-  # Outcome reward from a generative ORM instead of the verifier (tars_jax/rl/orm.py; report 2.5.2):
+  # Outcome reward from a generative ORM instead of the verifier (tars_jax/train/orm.py; report 2.5.2):
   # an experiments/orm.py run dir; its P(yes) replaces each episode's outcome term by
   # lo + P(yes) * (hi - lo), (lo, hi) = orm_reward_range, the verifier's (failure, success) rewards
   # (MiniWoB: -1 / +1). "" = the verifier's reward. The verifier's outcome is still logged

@@ -225,7 +225,7 @@ def load_hf_agent(path: str, screen_hw: tuple[int, int], runtime: dict | None = 
   """
   from transformers import AutoTokenizer
   from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
-  from tars_jax.models import hf_io
+  from tars_jax.models.interop import hf_io
 
   where = f"policy.init=hf:{path}"
   if not os.path.isdir(path):

@@ -3,7 +3,7 @@ set from per-task evaluation summaries, the α candidates of the searched merge,
 
 A task set's score is the mean over its tasks of each task's score: success rate for MiniWoB++,
 desktop and GUI-Browsing tasks, normalised game score / 100 for games (the game suite's reward:
-score / reference player's score, `experiments/game_scores.py`), so every set scores in [0, ~1] and the
+score / reference player's score, `tars_jax/analysis/game_scores.py`), so every set scores in [0, ~1] and the
 sets can be averaged when α is searched.
 """
 

@@ -8,7 +8,7 @@ In iteration t the current policy (the previous iteration's RL model; iteration 
   verifier  V = 1 when the environment's own check passed: `Episode.success` (done with a positive raw
             reward: MiniWoB++'s reward, a game's verifier, a desktop task's check, a GUI-Browsing
             answer's exact match are all the sandbox's reward), or a task-specific check on the episode
-  ORM       V = 1[p_yes > threshold] of an outcome reward model (`tars_jax.rl.orm.OrmScorer`)
+  ORM       V = 1[p_yes > threshold] of an outcome reward model (`tars_jax.train.orm.OrmScorer`)
 
 and `route` sends V = 1 to the SFT set and V = 0 to the CT set: every sample lands in exactly one of
 them. A lost episode (its sandbox session died on every retry: `Episode.lost`) has no verdict: it is
@@ -71,7 +71,7 @@ def verify(episodes: Sequence[Episode], checks: Mapping[str, Check] | None = Non
 
 def orm_verdicts(episodes: Sequence[Episode], scorer, threshold: float) -> tuple[np.ndarray, np.ndarray]:
   """ORM verdicts: (V int8 [N] = 1[p_yes > threshold], `LOST` for lost episodes; p_yes float32 [N],
-  NaN for lost ones). `scorer.p_yes(episodes) -> float32 [M]` (`tars_jax.rl.orm.OrmScorer`) is asked
+  NaN for lost ones). `scorer.p_yes(episodes) -> float32 [M]` (`tars_jax.train.orm.OrmScorer`) is asked
   about the M episodes that are not lost, in order.
 
   Raises: ValueError when the threshold is outside [0, 1] or the scorer returns another shape or

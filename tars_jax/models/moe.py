@@ -12,9 +12,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tars_jax import sharding
-from tars_jax.models.cpu import expert_kernel
+from tars_jax.models.fast.cpu import expert_kernel
 from tars_jax.models.config import ModelConfig
-from tars_jax.models.grouped_mlp import grouped_swiglu
+from tars_jax.models.fast.grouped_mlp import grouped_swiglu
 from tars_jax.sharding import constrain, param_axes as ax
 
 
@@ -411,7 +411,7 @@ class MoE(nnx.Module):
     """The explicit exchange under the mesh it shards over (`sharding.active()`: the mesh is the
     shard_map's data here, not a choice of path); "ragged" / "capacity" where that mesh has nothing to
     exchange (`expert_parallel.applies`, e.g. one decoded sequence)."""
-    from tars_jax.models import expert_parallel  # here, not at the top: it imports this module's helpers
+    from tars_jax.models.fast import expert_parallel  # here, not at the top: it imports this module's helpers
     mesh_rules = sharding.active()
     if mesh_rules and expert_parallel.applies(*mesh_rules, self.experts, flat.shape[0]):
       y, dropped = expert_parallel.moe_all_to_all(flat, w, idx, *self._weights(), *mesh_rules,

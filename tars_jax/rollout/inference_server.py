@@ -29,7 +29,9 @@ from flax import nnx
 from tars_jax.agent.grammar import Grammar
 from tars_jax.agent.tokenizer import ByteTokenizer
 from tars_jax.agent.trajectory import bucket, pow2_bucket
-from tars_jax.models import quant, sampler, slot_decode
+from tars_jax.models.inference import quant
+from tars_jax.models.inference import sampler
+from tars_jax.models.inference import slot_decode
 
 
 def max_reply_tokens(grammar: Grammar) -> int:
@@ -213,7 +215,7 @@ class InferenceService:
   """Continuous-batching policy inference (report section 2.5.3: the policy served asynchronously).
 
   Many callers (episodes) submit requests at any time; a decode thread admits them into free KV-cache
-  slots between decode steps (`models/slot_decode.py`: prefill, insert, step), so a request joins
+  slots between decode steps (`models/inference/slot_decode.py`: prefill, insert, step), so a request joins
   the running batch as soon as a slot frees and leaves it at its EOS, without waiting for the
   other rows. `set_params(params, version)` swaps the weights between two decode steps: every token
   records the version that produced it (`Reply.versions`), and no token mixes two.

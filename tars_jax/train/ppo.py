@@ -11,7 +11,7 @@ signal and are left out of the update (DAPO's dynamic-sampling filter, arXiv 250
 groups left with one episode (no baseline).
 
 The policy log-probs are those of the grammar-constrained, temperature-scaled distribution the
-sampler drew from (`models.sampler.generate`), rebuilt here from the grammar states of the batch.
+sampler drew from (`models.inference.sampler.generate`), rebuilt here from the grammar states of the batch.
 
 Grammar-forced tokens (one allowed token: log-prob 0, entropy 0, zero gradient; e.g. the fixed third
 digit of a 'tens3' coordinate, `Action: click(start_box='(`) are not decisions: the policy and KL
@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from tars_jax.models import sampler
+from tars_jax.models.inference import sampler
 from tars_jax.rl import advantages as adv_lib
 from tars_jax.rl import losses
 from tars_jax.rl import metrics as rl_metrics

@@ -85,7 +85,7 @@ class Parts:
     """`policy.init=hf:<dir>`: the policy is the checkpoint (`hf_io.load_pretrained`, placed by the
     mesh's rules when there is one); the critic's trunk starts as a copy of the checkpoint's trunk
     and its value head at zero (`ValueModel`)."""
-    from tars_jax.models import hf_io
+    from tars_jax.models.interop import hf_io
     overrides = dict(self.hf.load_overrides)
     compute = overrides.pop("dtype", "float32")  # float32 parameters; config.model.dtype computes
     model = hf_io.load_pretrained(self.hf.path, mesh=self.mesh, rules=self.rules, **overrides)

@@ -1,6 +1,6 @@
 """The model call every update shares: a collated batch through the policy (or critic) and the
 log-probs of its target tokens. PPO (train/ppo.py), SFT (train/sft.py), CT (train/ct.py), the ORM
-(rl/orm.py) and the pointing probe call these instead of each assembling the call themselves.
+(train/orm.py) and the pointing probe call these instead of each assembling the call themselves.
 
 A batch is a `trajectory.Batch` dict: tokens / attn_mask [B, T] int32, pixel_values
 [B, M, H, W, 3] float32, image_mask [B, M] bool, loss_mask / states [B, T-1].
@@ -12,7 +12,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tars_jax.models import rope_positions, sampler
+from tars_jax.models import rope_positions
+
+from tars_jax.models.inference import sampler
 
 
 def positions(tokens: jax.Array, attn_mask: jax.Array, hp) -> jax.Array:

@@ -371,7 +371,7 @@ def game_expert(game: str) -> Callable:
 class Expert:
   """One task's expert. reads: 'elements' (MiniWoB++ DOM), 'game_state' (a game's debugState) or
   'browse' (the DOM plus the question's plan: the stateful `browse_expert.BrowseExpert`, made per
-  episode by `tars_jax/data/demos.py`; `fn` is None)."""
+  episode by `tars_jax/data/sources/demos.py`; `fn` is None)."""
 
   name: str
   reads: str
@@ -424,7 +424,7 @@ def decide(task: str, instruction: str, view: Any, turn: int, *, coord_format: s
   grid_values(coord_format)  # validates it
   ex = expert or expert_for(task)
   if ex.reads == "browse":
-    raise ValueError(f"{task}: the browse expert is stateful; play it per episode (tars_jax/data/demos.py)")
+    raise ValueError(f"{task}: the browse expert is stateful; play it per episode (tars_jax/data/sources/demos.py)")
   if ex.reads == "game_state":
     thought, action = ex.fn(instruction, view, turn, max_turns)
   else:

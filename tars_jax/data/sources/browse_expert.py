@@ -11,8 +11,8 @@ the first h2, or the h1 after the dash) and answers `finished(content='<answer>'
 read from the rendered DOM, never from the question record, so a success checks the generator's
 parse of the page against what the browser shows. Which page it is on comes from `info['page']`.
 
-  python -m tars_jax.data.browse_expert --split test          # held-out questions, prints success
-  python -m tars_jax.data.browse_expert --split train --limit 20 --servers http://127.0.0.1:8765
+  python -m tars_jax.data.sources.browse_expert --split test          # held-out questions, prints success
+  python -m tars_jax.data.sources.browse_expert --split train --limit 20 --servers http://127.0.0.1:8765
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from envs_bridge.browser import browse_tasks as bt
 from envs_bridge.browser import browsing
 from envs_bridge.client import client_for
 from tars_jax.agent import actions as A
-from tars_jax.data import experts as E
+from tars_jax.data.sources import experts as E
 
 NAV_BAR_PX = 40  # the narrow Sphinx layout's fixed top bar: elements under it cannot be clicked
 LINE_PX = 24  # taller link boxes wrap over several lines

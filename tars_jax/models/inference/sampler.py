@@ -26,7 +26,7 @@ from flax import nnx
 
 from tars_jax.agent.tokenizer import EOS, PAD
 from tars_jax.models import moe
-from tars_jax.models.cpu import compile_options
+from tars_jax.models.fast.cpu import compile_options
 from tars_jax.models.rope import next_position, rope_positions
 from tars_jax.rl.losses import masked_log_softmax
 

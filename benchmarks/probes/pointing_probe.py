@@ -12,9 +12,9 @@ the one named).
 Two steps, so the training step runs where the sandbox is not (e.g. a GPU machine):
 
   # 1. screens + button boxes from the real sandbox (Chromium), saved as PNGs in one .npz
-  python -m experiments.pointing_probe --collect /tmp/screens.npz --train_screens 4000 --test_screens 200
+  python -m benchmarks.probes.pointing_probe --collect /tmp/screens.npz --train_screens 4000 --test_screens 200
   # 2. train and evaluate on them; model fields not in the config are set with --set
-  python -m experiments.pointing_probe --screens /tmp/screens.npz \
+  python -m benchmarks.probes.pointing_probe --screens /tmp/screens.npz \
       --config experiments/configs/miniwob_pipeline.py --steps 3000 --eval_at 500,1000,2000,3000 \
       [--config.model.vision_depth=4] [--set spatial_merge_size=1] [--json out.json]
       [--init runs/main/grounding] [--max_train_screens miniwob/click-test-2=1500]
@@ -32,9 +32,9 @@ from ml_collections import config_flags
 import jax
 import numpy as np
 
-from experiments.pointing_data import collect, episode, hit, load
+from benchmarks.probes.pointing_data import collect, episode, hit, load
 from tars_jax.agent.trajectory import collate
-from tars_jax.data import grounding
+from tars_jax.data.sources import grounding
 from tars_jax.train import sft
 from tars_jax.train.state import build, load_policy
 

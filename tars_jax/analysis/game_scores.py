@@ -1,5 +1,5 @@
 """Normalised game scores of evaluated episodes (report section 2.2: scores normalised to a reference
-player), for `experiments/eval.py`; a plain module (no absl flags) so notebooks and tests import it."""
+player), for `experiments/eval.py`, notebooks and tests."""
 
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ every update. Prints the held-out cross-entropy of the free coordinate digits (t
 third is forced) beside the marginal prior's (what a policy blind to the screen can reach) and the
 image dependence of the decisions (`tars_jax.analysis.image_dependence`) before and after.
 
-  python -m experiments.pointing_synthetic --config experiments/configs/miniwob_ppo.py --steps 400
-  python -m experiments.pointing_synthetic --config experiments/configs/miniwob_ppo.py \
+  python -m benchmarks.probes.pointing_synthetic --config experiments/configs/miniwob_ppo.py --steps 400
+  python -m benchmarks.probes.pointing_synthetic --config experiments/configs/miniwob_ppo.py \
       --config.model.vision_depth=4 --short_prompt --contrast --lr 2e-3
 """
 

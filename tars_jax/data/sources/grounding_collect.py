@@ -1,7 +1,7 @@
-"""Collection of grounding and perception data (the library side of `experiments/grounding.py`, free of
-absl flags so tests and other scripts can import it): sandbox pages -> examples -> record sets.
+"""Collection of grounding and perception data for `experiments/grounding.py`: sandbox pages ->
+examples -> record sets.
 
-See experiments/grounding.py for the command line and tars_jax/data/grounding.py for the examples.
+See experiments/grounding.py for the command line and tars_jax/data/sources/grounding.py for the examples.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Callable
 from tqdm import tqdm
 
 from envs_bridge.launch import env_fleet
-from tars_jax.data import grounding as G
+from tars_jax.data.sources import grounding as G
 from tars_jax.data import records
 from tars_jax.train import state as state_lib
 

@@ -1,4 +1,4 @@
-"""Screens and labels of the pointing probe (`experiments/pointing_probe.py`), flag-free so tests can
+"""Screens and labels of the pointing probe (`benchmarks/probes/pointing_probe.py`), flag-free so tests can
 import them: collection from the real sandbox into an .npz, loading, the target reply, the training
 episode and the hit test."""
 
@@ -13,7 +13,7 @@ from PIL import Image
 
 from tars_jax.agent.images import preprocess
 from tars_jax.agent.trajectory import Episode
-from tars_jax.data import grounding as G
+from tars_jax.data.sources import grounding as G
 
 _SELECTORS = {"miniwob/click-test": ("#subbtn", None), "miniwob/click-test-2": ("#subbtn", "#subbtn2")}
 

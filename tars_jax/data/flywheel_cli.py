@@ -1,7 +1,5 @@
-"""Flag-free helpers of the flywheel driver (experiments/flywheel.py): the command-line overrides it
-forwards to its stages and the per-iteration table. Kept apart from the driver because tests import
-them, and the driver defines absl flags (`--config`) that other scripts define too
-(tests/test_flag_imports.py)."""
+"""The flywheel driver's (experiments/flywheel.py) command-line forwarding and its per-iteration table:
+the `--config.*` overrides it passes to its stages, and the table of one line per iteration."""
 
 from __future__ import annotations
 

@@ -1,0 +1,1 @@
+"""One-off probes (measurements that answered a question once; kept runnable)."""

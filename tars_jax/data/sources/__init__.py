@@ -1,0 +1,1 @@
+"""Data sources: scripted experts, demonstrations, grounding examples, the browsing expert."""

@@ -32,8 +32,8 @@ from benchmarks.bench_model import (allocator, hf_model, host_bandwidth, image_p
                                     moe_impl_name, overrides, torch_kernels)
 from tars_jax.agent.tokenizer import BOS, IMAGE, PAD, VISION_END, VISION_START
 from tars_jax.models import moe
-from tars_jax.models.interop import hf_io
 from tars_jax.models.inference import sampler
+from tars_jax.models.interop import hf_io
 
 _BATCHES = flags.DEFINE_list("batch_sizes", ["1", "16"], "Batch sizes to time.")
 _NEW = flags.DEFINE_integer("new_tokens", 64, "Greedy tokens per row.")

@@ -25,9 +25,9 @@ import numpy as np
 
 from benchmarks.bench_model import best_time, hf_model
 from tars_jax.agent.tokenizer import BOS, IMAGE, PAD, VISION_END, VISION_START
-from tars_jax.models.interop import hf_io
-from tars_jax.models.inference import sampler
 from tars_jax.models import moe as moe_lib
+from tars_jax.models.inference import sampler
+from tars_jax.models.interop import hf_io
 
 _BATCHES = flags.DEFINE_list("batch_sizes", ["1", "16"], "Batch sizes to time.")
 _NEW = flags.DEFINE_integer("new_tokens", 64, "Greedy tokens per row.")

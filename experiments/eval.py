@@ -36,8 +36,8 @@ from absl import app, flags
 import ml_collections as mlc
 
 from envs_bridge.launch import env_fleet
-from tars_jax.analysis.game_scores import format_games, game_episode_records, game_scores, summarize_with_games
 from tars_jax.agent.trajectory import Episode
+from tars_jax.analysis.game_scores import format_games, game_episode_records, game_scores, summarize_with_games
 from tars_jax.rollout.agent_loop import ActFn
 from tars_jax.rollout.evaluation import eval_jobs, format_table, resolve_run
 from tars_jax.rollout.step_budget import (budget_loop_cfgs, budgets_json, format_budget_table, parse_budgets,
@@ -111,15 +111,14 @@ def evaluate_budgets(run: str, tasks: list[str] | None, episodes: int, budgets: 
   budgets = list(budgets) if budgets else [parts.eval_loop_cfg.max_turns]
   budget_loop_cfgs(parts.eval_loop_cfg, budgets)  # a bad budget fails before the checkpoint and the browser
   init = parts.init_state(config.seed)
-  mngr = ckpt.manager(run)
-  if step == 0 and 0 not in mngr.all_steps():
-    state = init
+  if step == 0 and 0 not in ckpt.manager(run).all_steps():
+    params = init["policy"]  # the initial policy: a run's evaluation before its first update
   else:
-    step, state, _ = ckpt.restore(mngr, init, step)
+    params, step, _ = state_lib.restore_policy(init, run if step is None else os.path.join(run, "checkpoints", str(step)))
   tasks = tasks or list(config.tasks)
   sessions = sessions or config.env.num_sessions
   jobs = eval_jobs(tasks, episodes, config.env.eval_seed_offset)
-  policy = parts.batched_policy(state["policy"], batch_size=sessions, seed=config.seed + 7)
+  policy = parts.batched_policy(params, batch_size=sessions, seed=config.seed + 7)
 
   def act_for(budget: int) -> ActFn:  # image slots: the config's (as in training), or more for a longer budget
     return dataclasses.replace(policy, max_images=max(budget, policy.max_images)).act

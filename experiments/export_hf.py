@@ -12,12 +12,13 @@ image size). The latest complete Orbax checkpoint of --workdir is exported (--st
 
 from __future__ import annotations
 
+import os
+
 from absl import app, flags
 from ml_collections import config_flags
 
 from tars_jax.agent import hf_tokenizer
 from tars_jax.models.interop import hf_io
-from tars_jax.train import checkpoint as ckpt
 from tars_jax.train import state as state_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file of the training run.", lock_config=True)
@@ -34,12 +35,10 @@ def main(argv):
     raise app.UsageError(f"policy.init={config.policy.init!r}: only runs started from hf:<dir> are exported")
   parts = state_lib.build(config)
   state = parts.init_state(config.seed)  # the structure to restore into (and the source's weights)
-  mngr = ckpt.manager(_WORKDIR.value)
-  if mngr.latest_step() is None:
-    raise app.UsageError(f"no checkpoint in {_WORKDIR.value}/checkpoints")
-  step, state, _ = ckpt.restore(mngr, state, _STEP.value)
-  hf_io.export_policy(state["policy"], parts.model_cfg, source, _OUT.value)
-  print(f"[export_hf] {mngr.directory}/{step} -> {_OUT.value} ({parts.model_cfg.family}, tokenizer of {source})")
+  path = _WORKDIR.value if _STEP.value is None else os.path.join(_WORKDIR.value, "checkpoints", str(_STEP.value))
+  policy, _, src = state_lib.restore_policy(state, path)
+  hf_io.export_policy(policy, parts.model_cfg, source, _OUT.value)
+  print(f"[export_hf] {src} -> {_OUT.value} ({parts.model_cfg.family}, tokenizer of {source})")
 
 
 if __name__ == "__main__":

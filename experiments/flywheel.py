@@ -23,7 +23,7 @@ dir, or "" = the config's fresh init):
   R/iter_0/eval         (`eval_init`) the same for iteration 0's policy
 
 The driver launches one sandbox fleet (`env.launch`; or uses `env.servers`) and hands its URLs to every
-stage. A stage that finished has `stage.json` in its dir and is skipped on a re-run; a killed one is run
+stage. A stage that finished (`tars_jax.train.run.is_done`: its done.json) is skipped on a re-run; a killed one is run
 again and resumes from its own checkpoints (the generate stage from its committed samples). The driver's
 `--config.*` overrides are passed on to every stage, then the stage's own fields (data dirs, initial
 policy, steps, learning rate, seeds).
@@ -47,9 +47,10 @@ import time
 from absl import app, flags
 from ml_collections import config_flags
 
-from tars_jax.data.flywheel_cli import config_spec, format_table, forwarded_overrides, pct
 from tars_jax.data import flywheel as fw_lib
 from tars_jax.data import records
+from tars_jax.data.flywheel_cli import config_spec, format_table, forwarded_overrides, pct
+from tars_jax.train import run as run_lib
 from tars_jax.train.metrics import write_json
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiments/configs/flywheel.py[:arg].",
@@ -61,7 +62,6 @@ _POLICY = flags.DEFINE_string("policy", "", "With --generate: the run dir of the
                               "init of config.seed).")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STAGE_FILE = "stage.json"  # in a stage's dir once it finished: the command, minutes
 GEN_SEED = 11  # the generation's sampling keys: fold_in(PRNGKey(config.seed + GEN_SEED), t)
 
 
@@ -188,8 +188,8 @@ def main(argv):
 
   def stage(d: str, what: str, command) -> bool:
     """Runs the stage's command (`command()` -> argv; called only when the stage runs, so a finished one
-    launches no sandbox) unless `d` has its STAGE_FILE; True when it ran now."""
-    if _done(d):
+    launches no sandbox) unless it finished (`run.is_done(d)`); True when it ran now."""
+    if run_lib.is_done(d):
       say(f"{what}: finished before ({d})")
       return False
     say(what)
@@ -203,8 +203,8 @@ def main(argv):
     if rc:
       raise SystemExit(f"[flywheel] stage failed (exit code {rc}): {what}\n  $ {' '.join(argv)}\n"
                        f"re-run the flywheel command to resume")
-    with open(os.path.join(d, STAGE_FILE), "w") as f:
-      json.dump({"argv": argv, "minutes": (time.time() - t0) / 60}, f, indent=1)
+    if not run_lib.is_done(d):  # a trainer marks its own dir (done.json with its checkpoint)
+      run_lib.mark_done(d, {"argv": argv, "minutes": (time.time() - t0) / 60})
     return True
 
   py, cfg = sys.executable, ["--config", spec, *overrides]
@@ -315,10 +315,6 @@ def main(argv):
 
 def _init_flag(run: str) -> list[str]:
   return [f"--config.policy.init={run}"] if run else []  # "" = the stage's fresh init of config.seed
-
-
-def _done(d: str) -> bool:
-  return os.path.exists(os.path.join(d, STAGE_FILE))
 
 
 def _eval_argv(py: str, run: str, tasks: list[str], episodes: int, d: str, urls: list[str]) -> list[str]:

@@ -26,8 +26,8 @@ import os
 from absl import app, flags
 from ml_collections import config_flags
 
-from tars_jax.data.sources.grounding_collect import CountingSink, format_counts, open_record_writer, run
 from tars_jax.data.sources import grounding as G
+from tars_jax.data.sources.grounding_collect import CountingSink, format_counts, open_record_writer, run
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Policy config (image size, grammar, prompt).")
 _OUT = flags.DEFINE_string("out", None, "Output directory (train/, heldout/, grounding.json).")

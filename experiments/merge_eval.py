@@ -33,9 +33,9 @@ from ml_collections import config_flags
 
 from envs_bridge.launch import env_fleet
 from experiments.configs import verticals as V
-from tars_jax.analysis.game_scores import summarize_with_games
 from tars_jax import merge
 from tars_jax.analysis import merge_eval as ME
+from tars_jax.analysis.game_scores import summarize_with_games
 from tars_jax.rollout import evaluation
 from tars_jax.train import state as state_lib
 
@@ -75,7 +75,7 @@ def main(argv):
 
   def evaluate(path: str, episodes: int, seed_offset: int, data_mode: str) -> tuple[dict, dict]:
     """({set: score}, {task: summary}) of the policy of run `path`, `episodes` per set."""
-    params = state_lib.load_policy(init, path, parts.popt)[0]["policy"]
+    params = state_lib.restore_policy(init, path)[0]
     summaries = {}
     for s, tasks in sets.items():
       turns = V.MAX_TURNS[s]

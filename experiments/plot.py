@@ -223,10 +223,12 @@ def pipeline_figure(run: str) -> plt.Figure:
   fig, axes = plt.subplots(2, 3, figsize=(16, 8))
   ax = axes[0, 0]
   for stage in ("grounding", "sft"):
-    for key, style in (("train/ce", "-"), ("heldout/ce", "o--")):
+    # scripts/demo.sh gives both stages the grounding examples' held-out split (sft.heldout)
+    for key, style, what in (("train/ce", "-", "train (its records)"),
+                             ("heldout/ce", "o--", "held-out grounding examples")):
       x, y = _series(stages[stage], key)
       if len(x):
-        ax.plot(x, smooth(y, 10) if style == "-" else y, style, label=f"{stage} {key}")
+        ax.plot(x, smooth(y, 10) if style == "-" else y, style, label=f"{stage}: {what}")
   ax.set(title="supervised stages: cross-entropy (nats / reply token)", xlabel="step", yscale="log")
   ax = axes[0, 1]
   for stage in ("grounding", "sft"):
@@ -236,11 +238,15 @@ def pipeline_figure(run: str) -> plt.Figure:
         ax.plot(x, y, "o-", label=f"{stage}: {key.split('/')[1]}")
   ax.set(title="held-out grounding accuracy (sampled)", xlabel="step", ylim=(-0.02, 1.02))
   ax = axes[0, 2]
+  # the RL rollouts' success (training seeds) always; held-out evaluations where the config ran them
+  x, y = _series(stages["ppo"], "success_rate")
+  if len(x):
+    ax.plot(x, smooth(y), "-", label="ppo: rollouts (training seeds)")
   for stage, marker in (("sft", "o-"), ("ppo", "s-")):
     for key in sorted({k for r in stages[stage] for k in r if k.startswith("eval/") and k.endswith("/success")}):
       x, y = _series(stages[stage], key)
-      ax.plot(x, y, marker, label=f"{stage}: {key.split('/')[2]}")
-  ax.set(title="held-out success during training (sampled)", xlabel="step / iteration", ylim=(-0.02, 1.02))
+      ax.plot(x, y, marker, label=f"{stage}: held-out {key.split('/')[2]}")
+  ax.set(title="success during training (sampled)", xlabel="step / iteration", ylim=(-0.02, 1.02))
   ax = axes[1, 0]
   for key, label in (("train/value_loss", "value loss"), ("train/explained_variance", "explained var.")):
     x, y = _series(stages["vpt"], key)

@@ -38,11 +38,11 @@ from tars_jax.agent import memory as memory_lib
 from tars_jax.agent.trajectory import collate, real_rows
 from tars_jax.analysis.image_dependence import image_dependence
 from tars_jax.data import records
-from tars_jax.train import orm as orm_lib
 from tars_jax.rollout import evaluation
 from tars_jax.rollout import pool as pool_lib
 from tars_jax.rollout.agent_loop import RolloutStats, run_episodes, trainable
 from tars_jax.rollout.jobs import group_ids, rollout_jobs
+from tars_jax.train import orm as orm_lib
 from tars_jax.train import checkpoint as ckpt
 from tars_jax.train import state as state_lib
 from tars_jax.train import ppo

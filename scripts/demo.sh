@@ -24,25 +24,27 @@ PY=.venv/bin/python
 T0=$(date +%s)
 mkdir -p "$RUN"
 stage() { echo "[demo] $(( ($(date +%s) - T0) / 60 )) min: $*"; }
+# one "finished" test for every stage (tars_jax/train/run.py): a trainer's done.json, or mark_done's
+finished() { $PY -m tars_jax.train.run --is_done "$1"; }
 
 stage "grounding data"
-[[ -f $RUN/grounding/data/done ]] || {
-  $PY -m experiments.grounding --config "$(cfg "$ARG")" --out "$RUN/grounding/data"; touch "$RUN/grounding/data/done"; }
+finished "$RUN/grounding/data" || { $PY -m experiments.grounding --config "$(cfg "$ARG")" --out "$RUN/grounding/data" \
+  && $PY -m tars_jax.train.run --mark_done "$RUN/grounding/data"; }
 stage "grounding stage (SFT on grounding examples)"
-$PY -m experiments.sft --config "$(cfg grounding)" --workdir "$RUN/grounding" \
+finished "$RUN/grounding" || $PY -m experiments.sft --config "$(cfg grounding)" --workdir "$RUN/grounding" \
   --config.sft.data="('$RUN/grounding/data/train',)" --config.sft.heldout="('$RUN/grounding/data/heldout',)"
 stage "expert demonstrations"
-[[ -f $RUN/demos/done ]] || { $PY -m experiments.demos --config "$(cfg "$ARG")" --out "$RUN/demos"; touch "$RUN/demos/done"; }
+finished "$RUN/demos" || { $PY -m experiments.demos --config "$(cfg "$ARG")" --out "$RUN/demos" \
+  && $PY -m tars_jax.train.run --mark_done "$RUN/demos"; }
 stage "SFT on demonstrations"
-$PY -m experiments.sft --config "$(cfg "$ARG")" --workdir "$RUN/sft" --config.policy.init="$RUN/grounding" \
+finished "$RUN/sft" || $PY -m experiments.sft --config "$(cfg "$ARG")" --workdir "$RUN/sft" --config.policy.init="$RUN/grounding" \
   --config.sft.data="('$RUN/demos',)" --config.sft.heldout="('$RUN/grounding/data/heldout',)"
 stage "value pretraining under the SFT policy"
-$PY -m tars_jax.train.run --is_done "$RUN/vpt" || \
-  $PY -m experiments.value_pretrain --config "$(cfg "$ARG")" --workdir "$RUN/vpt" --config.vpt.policy_run="$RUN/sft"
+finished "$RUN/vpt" || $PY -m experiments.value_pretrain --config "$(cfg "$ARG")" --workdir "$RUN/vpt" --config.vpt.policy_run="$RUN/sft"
 stage "RL from the SFT policy"
 CRITIC=()
 [[ ${ARG} == grpo ]] || CRITIC=(--config.critic.init="$RUN/vpt/critic")
-$PY -m experiments.train --config "$(cfg "$ARG")" --workdir "$RUN/ppo" --config.policy.init="$RUN/sft" "${CRITIC[@]}"
+finished "$RUN/ppo" || $PY -m experiments.train --config "$(cfg "$ARG")" --workdir "$RUN/ppo" --config.policy.init="$RUN/sft" "${CRITIC[@]}"
 stage "held-out evaluation (200 seeds per task) of the SFT and the RL policy"
 for s in sft ppo; do
   $PY -m experiments.eval --run "$RUN/$s" --tasks miniwob/click-test,miniwob/click-test-2 --episodes "${EVAL_EPISODES:-200}" \

@@ -22,15 +22,18 @@ PY=.venv/bin/python
 T0=$(date +%s)
 mkdir -p "$RUN"
 stage() { echo "[verticals] $(( ($(date +%s) - T0) / 60 )) min: $*"; }
+# one "finished" test for every stage (tars_jax/train/run.py): a trainer's done.json, or mark_done's
+finished() { $PY -m tars_jax.train.run --is_done "$1"; }
 
 stage "demonstrations of the three task sets"
-[[ -f $RUN/demos/done ]] || { $PY -m experiments.demos --config "$(cfg sft)" --out "$RUN/demos"; touch "$RUN/demos/done"; }
+finished "$RUN/demos" || { $PY -m experiments.demos --config "$(cfg sft)" --out "$RUN/demos" \
+  && $PY -m tars_jax.train.run --mark_done "$RUN/demos"; }
 stage "shared SFT stage${INIT:+ from $INIT}"
-$PY -m experiments.sft --config "$(cfg sft)" --workdir "$RUN/sft" ${INIT:+--config.policy.init="$INIT"} \
+finished "$RUN/sft" || $PY -m experiments.sft --config "$(cfg sft)" --workdir "$RUN/sft" ${INIT:+--config.policy.init="$INIT"} \
   --config.sft.data="('$RUN/demos',)"
 for v in browsing general game; do
   stage "PPO of the $v vertical from the shared SFT policy"
-  $PY -m experiments.train --config "$(cfg $v)" --workdir "$RUN/$v" --config.policy.init="$RUN/sft"
+  finished "$RUN/$v" || $PY -m experiments.train --config "$(cfg $v)" --workdir "$RUN/$v" --config.policy.init="$RUN/sft"
 done
 stage "merges and their evaluation on every set"
 $PY -m experiments.merge_eval --config "$(cfg all)" --workdir "$RUN" ${EPISODES:+--episodes "$EPISODES"} \

@@ -12,8 +12,8 @@ from flax import nnx
 
 from tars_jax.agent.tokenizer import EOS, PAD
 from tars_jax.models import Policy
-from tars_jax.models.inference import sampler
 from tars_jax.models.fast.cpu.compile_options import DECODE_CPU_OPTIONS, jit_per_backend
+from tars_jax.models.inference import sampler
 from _shared import TINY_CFG, generate_call, left_padded_batch
 
 

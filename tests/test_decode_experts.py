@@ -13,9 +13,9 @@ from flax import nnx
 
 from tars_jax.models import Policy, moe
 
-from tars_jax.models.inference import sampler
 from tars_jax.models.fast.cpu import expert_kernel
 from tars_jax.models.fast.cpu.compile_options import DECODE_CPU_OPTIONS
+from tars_jax.models.inference import sampler
 from _shared import TINY_CFG, assert_close_f32, bounded_moe_case, forward_terms, generate_call, left_padded_batch
 
 # 8 experts top-2: at batch 8 the bounded [E, C, D] decode path runs (C = 4 < 8 rows per expert); expert

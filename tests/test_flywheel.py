@@ -361,12 +361,12 @@ def test_smoke_iteration_end_to_end(smoke_run):
 @pytest.mark.browser
 def test_smoke_rerun_skips_finished_stages_and_writes_nothing_twice(smoke_run):
   run, _, _, overrides = smoke_run
-  stamps = {p: os.path.getmtime(run / "iter_01" / p / "stage.json") for p in ("generate", "ct", "sft", "ppo", "eval")}
+  stamps = {p: os.path.getmtime(run / "iter_01" / p / "done.json") for p in ("generate", "ct", "sft", "ppo", "eval")}
   sizes = {n: fw.dataset_size(d) for n, d in fw.set_dirs(str(run)).items()}
   before = json.load(open(run / "flywheel.json"))
   p = _flywheel(run, *overrides)  # no server given: none is launched, none is needed
   assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
   assert p.stdout.count("finished before") == 5 and "sandbox servers" not in p.stdout
-  assert {q: os.path.getmtime(run / "iter_01" / q / "stage.json") for q in stamps} == stamps
+  assert {q: os.path.getmtime(run / "iter_01" / q / "done.json") for q in stamps} == stamps
   assert {n: fw.dataset_size(d) for n, d in fw.set_dirs(str(run)).items()} == sizes
   assert json.load(open(run / "flywheel.json"))["rows"] == before["rows"]

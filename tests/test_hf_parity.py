@@ -17,8 +17,8 @@ import jax.numpy as jnp  # noqa: E402
 
 from tars_jax.agent.tokenizer import BOS, IMAGE, PAD, VISION_END, VISION_START  # noqa: E402
 from tars_jax.models import moe, rope_positions  # noqa: E402
-from tars_jax.models.interop import hf_io
 from tars_jax.models.inference import sampler
+from tars_jax.models.interop import hf_io
 from _shared import f32_atol, forward_terms  # noqa: E402
 
 

@@ -21,8 +21,8 @@ from tars_jax.agent.tokenizer import (BOS, EOS, IMAGE, TURN_END, TURN_START, VIS
 from tars_jax.agent.trajectory import Episode, Turn
 from tars_jax.data import records
 from tars_jax.models import Policy
-from tars_jax.train import orm
 from tars_jax.rl.rewards import RewardConfig
+from tars_jax.train import orm
 from tars_jax.train import step as step_lib
 from tars_jax.train import state as state_lib
 from tars_jax.train.metrics import read_metrics
@@ -260,14 +260,17 @@ def test_apply_orm_rewards_replaces_only_the_outcome_term():
 
 # ------------------------------------------------------------------------------- training and PPO (slow)
 
-def _labelled_episode(parts, seed: int, success: bool) -> Episode:
-  """A recorded-looking episode: two turns; successes click (100,100) on a white page, failures
-  (900,900) on a grey one; the verifier's reward on the last turn."""
+def _labelled_episode(parts, seed: int, success: bool, heldout: bool = False) -> Episode:
+  """A recorded-looking episode: two turns; successes click near (100,100) on a white page, failures
+  near (900,900) on a grey one; the verifier's reward on the last turn. `heldout`: other clicks and
+  shades than the training episodes' (the ORM never saw these screens nor replies)."""
   ep = Episode(task="miniwob/click-test-2", seed=seed, instruction="Click button ONE.",
                prefix_ids=prompts.encode_episode_prefix(TOK, "Click button ONE.", parts.loop_cfg.system))
+  click = {(True, False): "100,100", (False, False): "900,900", (True, True): "120,90", (False, True): "880,910"}
+  shade = {(True, False): 255, (False, False): 128, (True, True): 240, (False, True): 140}
   for j in range(2):
-    text = f"Thought: \nAction: click(start_box='({'100,100' if success else '900,900'})')"
-    ep.turns.append(Turn(image=np.full((*parts.image_hw, 3), 255 if success else 128, np.uint8),
+    text = f"Thought: \nAction: click(start_box='({click[success, heldout]})')"
+    ep.turns.append(Turn(image=np.full((*parts.image_hw, 3), shade[success, heldout], np.uint8),
                          obs_ids=prompts.encode_observation(TOK, parts.loop_cfg.n_img_tokens, None, after_reply=j > 0),
                          reply_ids=_b(text) + [EOS], logprobs=np.zeros(len(text) + 1, np.float32),
                          states=np.zeros(len(text) + 1, np.int32), text=text,
@@ -314,12 +317,14 @@ def test_orm_training_lowers_the_loss_separates_the_classes_and_resumes(orm_run,
   for k in ("f1", "precision", "recall", "false_positive_rate", "auroc"):
     assert k in summary["metrics"]["heldout"]
   assert "F1" in second and "heldout" in second
-  # the scorer of the run separates the training successes from the failures
+  # the scorer of the run judges episodes it was not trained on: new seeds, other clicks and shades
   scorer = orm.OrmScorer.from_run(str(run))
-  pairs = records.read_episodes(str(data))
-  p = scorer.p_yes([e for e, _ in pairs])
-  y = np.array([e.success for e, _ in pairs])
-  assert p[y].mean() > p[~y].mean() + 0.2
+  trained = {e.seed for e, _ in records.read_episodes(str(data))}
+  heldout = [_labelled_episode(parts, 1000 + s, success=s % 2 == 0, heldout=True) for s in range(12)]
+  assert not trained & {e.seed for e in heldout}
+  p = scorer.p_yes(heldout)
+  y = np.array([e.success for e in heldout])
+  assert y.sum() == 6 and p[y].mean() > p[~y].mean() + 0.2
   assert orm.classification_metrics(p, y)["auroc"] >= 0.9
 
 

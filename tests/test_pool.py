@@ -5,6 +5,7 @@ thing — the inference service with a tiny model against a real Chromium sandbo
 killed -9 mid-rollout."""
 
 import asyncio
+import collections
 import os
 import signal
 
@@ -222,6 +223,14 @@ def test_real_pool_survives_a_killed_browser_and_accounts_for_every_episode():
   L.check()
   assert L.taken == len(got) >= 16 and L.lost_attempts >= 1 and L.retried >= 1
   assert health["browser_restarts"] >= 1
+  # the ledger against counts it does not keep: the sandbox server's sessions and what the trainer got
+  assert len({id(e) for e in got}) == len(got)  # nothing handed out twice
+  assert max(collections.Counter((e.task, e.seed) for e in got).values()) <= 2  # group_size 2 per (task, seed)
+  # every attempt opens one session (an attempt lost while opening opens none)
+  assert L.started <= health["opened"] <= L.started + L.retried
+  # each trained episode ended by closing its session; each lost attempt lost one; none left unaccounted
+  assert health["closed"] >= L.taken and health["lost"] >= 1
+  assert health["opened"] == health["closed"] + health["lost"] + health["expired"] + health["sessions"]
   for e in got:  # real episodes: rewards read from the page, versions per token, replies parsed by the server
     assert e.turns and all(len(t.versions) == len(t.reply_ids) for t in e.turns)
     assert all(t.reply_ids[-1] == TOK.eos_id for t in e.turns)

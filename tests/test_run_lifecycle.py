@@ -105,3 +105,20 @@ def test_is_done_is_false_for_a_run_in_progress_or_absent(tmp_path):
   assert not run_lib.is_done(str(tmp_path / "nothing"))
   p = subprocess.run([sys.executable, "-m", "tars_jax.train.run", "--is_done", str(tmp_path)], cwd=ROOT)
   assert p.returncode == 1
+
+
+def test_mark_done_finishes_a_stage_that_trains_nothing(tmp_path):
+  """Data collection and evaluation stages of the drivers: done.json without a checkpoint."""
+  d = tmp_path / "demos"
+  with pytest.raises(FileNotFoundError, match="does not exist"):
+    run_lib.mark_done(str(d))
+  d.mkdir()
+  run_lib.mark_done(str(d), {"argv": ["demos"], "minutes": 1.5})
+  assert run_lib.is_done(str(d))
+  assert json.load(open(d / "done.json")) == {"argv": ["demos"], "minutes": 1.5, "checkpoint": None}
+  e = tmp_path / "grounding_data"
+  e.mkdir()
+  cli = [sys.executable, "-m", "tars_jax.train.run"]
+  assert subprocess.run(cli + ["--is_done", str(e)], cwd=ROOT).returncode == 1
+  assert subprocess.run(cli + ["--mark_done", str(e)], cwd=ROOT).returncode == 0
+  assert subprocess.run(cli + ["--is_done", str(e)], cwd=ROOT).returncode == 0

@@ -7,9 +7,9 @@ checkpoints, the reference model wrapper and tiny offline test checkpoints."""
 
 from tars_jax.models.config import ModelConfig
 from tars_jax.models.decoder import KVCache, init_cache
+from tars_jax.models.inference.sampler import Generation, constrained_log_softmax, generate, token_logprobs
 from tars_jax.models.policy import Policy, Trunk
 from tars_jax.models.rope import next_position, rope_positions
-from tars_jax.models.inference.sampler import Generation, constrained_log_softmax, generate, token_logprobs
 from tars_jax.models.value import ValueModel
 from tars_jax.models.interop import hf_io  # noqa: E402  (needs the modules above)
 

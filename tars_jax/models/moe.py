@@ -12,8 +12,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tars_jax import sharding
-from tars_jax.models.fast.cpu import expert_kernel
 from tars_jax.models.config import ModelConfig
+from tars_jax.models.fast.cpu import expert_kernel
 from tars_jax.models.fast.grouped_mlp import grouped_swiglu
 from tars_jax.sharding import constrain, param_axes as ax
 

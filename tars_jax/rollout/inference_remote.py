@@ -226,7 +226,7 @@ def main(argv):
   template = dict(state)
 
   def restore(path):
-    return state_lib.load_policy(template, path, parts.popt)[0]["policy"]
+    return state_lib.restore_policy(template, path)[0]
 
   service = parts.inference_service(state["policy"], slots=F.slots or config.env.num_sessions, seed=config.seed,
                                     version=F.version)

@@ -323,8 +323,8 @@ class OrmScorer:
     parts = state_lib.build(config)
     # restored into the train state's shapes (eval_shape): no random init of policy, critic, optimisers
     abstract = jax.eval_shape(lambda: parts.init_state(config.seed))
-    state, _ = state_lib.load_policy(abstract, run_dir, parts.popt)
-    return cls.from_parts(parts, state["policy"], settings_from_config(config.orm),
+    policy, _, _ = state_lib.restore_policy(abstract, run_dir)
+    return cls.from_parts(parts, policy, settings_from_config(config.orm),
                           batch_size=batch_size or config.orm.batch_size)
 
   def check_fits(self, image_hw: tuple[int, int], n_img_tokens: int, tokenizer) -> None:

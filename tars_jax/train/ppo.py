@@ -38,13 +38,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from tars_jax.agent.trajectory import pow2_bucket
+from tars_jax.distributed import to_host
 from tars_jax.models.inference import sampler
 from tars_jax.rl import advantages as adv_lib
 from tars_jax.rl import losses
 from tars_jax.rl import metrics as rl_metrics
 from tars_jax.rl.checks import check_finite
-from tars_jax.agent.trajectory import pow2_bucket
-from tars_jax.distributed import to_host
 from tars_jax.train import step as step_lib
 
 

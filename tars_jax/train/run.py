@@ -15,9 +15,10 @@ from its last complete checkpoint), an exclusive lock on the work dir (a second 
 refused), the stage's name in `run.json` (another stage's directory is refused) and the wall-clock
 guard of the count budget (tars_jax/train/guard.py); the checkpoint manager is made at first use.
 
-A stage is finished when `is_done(workdir)`: its `done.json` names a complete checkpoint that exists.
-Stage drivers (experiments/replicate.py, experiments/sweep.py, and scripts/demo.sh / rl_pilot.sh via
-`python -m tars_jax.train.run --is_done DIR`) use that one test.
+A stage is finished when `is_done(workdir)`: its `done.json` names a complete checkpoint that exists,
+or, for a stage that trains nothing (data collection, evaluation), was written by `mark_done`. Stage
+drivers (experiments/replicate.py, sweep.py, flywheel.py, and scripts/demo.sh / verticals.sh /
+rl_pilot.sh via `python -m tars_jax.train.run --is_done DIR` / `--mark_done DIR`) use that one test.
 """
 
 from __future__ import annotations
@@ -187,14 +188,26 @@ def _read_done(workdir: str) -> dict | None:
     return json.load(f)
 
 
+def mark_done(workdir: str, record: dict | None = None) -> None:
+  """Marks a stage that trains nothing (data collection, evaluation, a driver's step) finished:
+  done.json = `record` (e.g. its command and minutes) with no checkpoint. `is_done(workdir)` is then
+  True. Raises: FileNotFoundError when `workdir` does not exist (the stage wrote nothing)."""
+  if not os.path.isdir(workdir):
+    raise FileNotFoundError(f"mark_done: {workdir} does not exist (the stage wrote nothing there)")
+  write_json(os.path.join(workdir, DONE_FILE), dict(record or {}, checkpoint=None))
+
+
 def is_done(workdir: str) -> bool:
-  """True when the stage in `workdir` finished: its done.json names a complete checkpoint that is there.
+  """True when the stage in `workdir` finished: its done.json names a complete checkpoint that is
+  there, or names none (`mark_done`: a stage that trains nothing).
 
   Raises: CorruptRun when done.json names a checkpoint that is missing or incomplete.
   """
   done = _read_done(workdir)
   if done is None:
     return False
+  if done.get("checkpoint") is None:
+    return True
   path, step = os.path.join(workdir, DONE_FILE), int(done["checkpoint"])
   # Orbax renames a step's temporary dir to the bare step number only once its save is complete
   if not os.path.isdir(os.path.join(workdir, "checkpoints", str(step))):
@@ -204,9 +217,11 @@ def is_done(workdir: str) -> bool:
   return True
 
 
-if __name__ == "__main__":  # exit 0 when finished, 1 when not, 2 with the error when corrupt
-  if len(sys.argv) != 3 or sys.argv[1] != "--is_done":
-    sys.exit("usage: python -m tars_jax.train.run --is_done RUN_DIR")
+if __name__ == "__main__":  # --is_done: exit 0 when finished, 1 when not, 2 with the error when corrupt
+  if len(sys.argv) != 3 or sys.argv[1] not in ("--is_done", "--mark_done"):
+    sys.exit("usage: python -m tars_jax.train.run --is_done RUN_DIR | --mark_done STAGE_DIR")
+  if sys.argv[1] == "--mark_done":
+    sys.exit(mark_done(sys.argv[2]))
   try:
     sys.exit(0 if is_done(sys.argv[2]) else 1)
   except CorruptRun as e:

@@ -19,9 +19,9 @@ from flax import nnx
 
 from tars_jax import sharding
 from tars_jax.agent import prompts
-from tars_jax.agent.memory import MemoryConfig
-from tars_jax.agent.grammar import Grammar, build_grammar, free_grammar
 from tars_jax.agent import hf_tokenizer
+from tars_jax.agent.grammar import Grammar, build_grammar, free_grammar
+from tars_jax.agent.memory import MemoryConfig
 from tars_jax.agent.tokenizer import ByteTokenizer
 from tars_jax.models import ModelConfig, Policy, ValueModel
 from tars_jax.rl.rewards import RewardConfig
@@ -163,6 +163,25 @@ def checkpoint_location(path: str) -> tuple[str, int | None]:
   return path, None
 
 
+def restore_policy(state: Any, path: str) -> tuple[Any, int, str]:
+  """The policy of a run's checkpoint: (policy nnx.State, checkpoint step, "<checkpoint dir>/<step>").
+  The one "load a run's policy" of evaluation, export, merge evaluation, the ORM scorer, the remote
+  inference service and `load_policy` (a trainer's `policy.init`).
+
+  state: the train state of the run's model config (or its `jax.eval_shape`): the checkpoint is
+    restored into its structure and shardings.
+  path: a run dir (its latest complete checkpoint) or one of its step dirs `<run>/checkpoints/<step>`.
+  Raises: FileNotFoundError (no such run / checkpoint); ValueError (from Orbax) for another model.
+  """
+  run, step = checkpoint_location(path)
+  if not os.path.isdir(os.path.join(run, "checkpoints")):
+    raise FileNotFoundError(f"{path!r}: no run dir with checkpoints/ (nor a <run>/checkpoints/<step>)")
+  mngr = checkpoint.manager(run)
+  step, restored, _ = checkpoint.restore(mngr, state, step)
+  mngr.close()
+  return restored["policy"], step, f"{mngr.directory}/{step}"
+
+
 def load_policy(state: dict, path: str, popt) -> tuple[dict, str]:
   """`state` with its policy restored from another run (e.g. the SFT stage) and a fresh policy
   optimiser state; returns (state, "<checkpoint dir>/<step>") for the log.
@@ -173,14 +192,8 @@ def load_policy(state: dict, path: str, popt) -> tuple[dict, str]:
   """
   if hf_tokenizer.hf_dir(path) is not None:  # `hf:<dir>`: Parts.init_state already holds its weights
     return state, f"{path} (transformers checkpoint, loaded by Parts.init_state)"
-  path = os.path.abspath(path)
-  run, step = checkpoint_location(path)
-  if not os.path.isdir(os.path.join(run, "checkpoints")):
-    raise FileNotFoundError(f"policy.init={path!r}: no run dir with checkpoints/ (nor a <run>/checkpoints/<step>)")
-  mngr = checkpoint.manager(run)
-  step, restored, _ = checkpoint.restore(mngr, state, step)
-  policy = restored["policy"]
-  return dict(state, policy=policy, policy_opt=popt.init(policy)), f"{mngr.directory}/{step}"
+  policy, _, src = restore_policy(state, path)
+  return dict(state, policy=policy, policy_opt=popt.init(policy)), src
 
 
 def hparams(config, image_token_id: int, grid_hw: tuple[int, int]) -> ppo.PPOHparams:

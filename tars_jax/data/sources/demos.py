@@ -35,9 +35,9 @@ from tars_jax.agent import actions as A
 from tars_jax.agent.grammar import Grammar, accepts, walk
 from tars_jax.agent.tokenizer import ByteTokenizer
 from tars_jax.agent.trajectory import Episode
+from tars_jax.data import records
 from tars_jax.data.sources import browse_expert
 from tars_jax.data.sources import experts as E
-from tars_jax.data import records
 from tars_jax.rollout import agent_loop
 from tars_jax.rollout.agent_loop import LoopConfig
 

@@ -16,8 +16,8 @@ from typing import Callable
 from tqdm import tqdm
 
 from envs_bridge.launch import env_fleet
-from tars_jax.data.sources import grounding as G
 from tars_jax.data import records
+from tars_jax.data.sources import grounding as G
 from tars_jax.train import state as state_lib
 
 SOURCE = "grounding"

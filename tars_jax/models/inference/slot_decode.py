@@ -31,10 +31,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tars_jax.models import moe
-from tars_jax.models.fast.cpu import compile_options
 from tars_jax.models.decoder import KVCache
-from tars_jax.models.rope import next_position, rope_positions
+from tars_jax.models.fast.cpu import compile_options
 from tars_jax.models.inference.sampler import constrained_log_softmax, forced_tokens, jump_forward_chunk, top_p_filter
+from tars_jax.models.rope import next_position, rope_positions
 
 
 class Slots(NamedTuple):

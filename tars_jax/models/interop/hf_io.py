@@ -24,10 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from tars_jax import sharding as sharding_lib
 from tars_jax.models.config import FAMILIES, ModelConfig
 from tars_jax.models.decoder import split_layer_path, unstack_layer_arrays
 from tars_jax.models.interop.hf_model import HFModel
-from tars_jax import sharding as sharding_lib
 
 
 class CheckpointMismatch(ValueError):

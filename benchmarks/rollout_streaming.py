@@ -73,7 +73,7 @@ def _update(parts, cfg, state, episodes, it):
   batch = collate(episodes, pad_id=parts.tokenizer.pad_id, max_images=cfg.env.max_turns, image_hw=parts.image_hw,
                   length_multiple=max(_pad_length(parts, cfg), longest), batch_size=cfg.env.num_sessions).as_dict()
   return ppo.ppo_update(state, batch, parts.table, policy_gd=parts.policy_gd, critic_gd=parts.critic_gd,
-                        popt=parts.popt, copt=parts.copt, hp=parts.hparams, epochs=cfg.rl.epochs,
+                        popt=parts.popt, copt=parts.copt, hp=parts.hparams, inputs=parts.inputs, epochs=cfg.rl.epochs,
                         minibatch_size=cfg.rl.minibatch_size, rng=np.random.default_rng([0, it]),
                         n_real=len(episodes), scores=np.array([e.shaped_return for e in episodes], np.float32),
                         group_ids=group_ids(episodes))[0]

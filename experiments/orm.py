@@ -113,7 +113,7 @@ def main(argv):
         f"({counts['train']['successes']} successes, balanced by sampling) | held-out: "
         f"{counts['heldout']['episodes']} ({counts['heldout']['successes']} successes) | "
         f"last {settings.screenshots} screenshots, budget {settings.max_tokens or 'none'} tokens")
-  step_fn = functools.partial(sft.train_step, graphdef=parts.policy_gd, opt=opt, hp=parts.hparams,
+  step_fn = functools.partial(sft.train_step, graphdef=parts.policy_gd, opt=opt, inputs=parts.inputs,
                               aux_coef=r.aux_loss_coef)
 
   def make_batch(step: int) -> tuple[dict, dict]:

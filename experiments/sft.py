@@ -111,10 +111,10 @@ def main(argv):
   # Per source, once: how its episodes become a batch and the update that trains on it (SFT: reply
   # tokens under the grammar; CT: every text token, full softmax: tars_jax/train/ct.py).
   collate_fns = {"sft": coll, "ct": functools.partial(_ct_collate, prep=functools.partial(ct.prepare, tokenizer=tok),
-                                                      image_id=parts.hparams.image_token_id, **coll_kw)}
+                                                      image_id=parts.inputs.image_token_id, **coll_kw)}
   steps = {"sft": functools.partial(sft.train_step, table=parts.table, graphdef=parts.policy_gd, opt=opt,
-                                    hp=parts.hparams, aux_coef=r.aux_loss_coef),
-           "ct": functools.partial(ct.train_step, graphdef=parts.policy_gd, opt=opt, hp=parts.hparams,
+                                    inputs=parts.inputs, aux_coef=r.aux_loss_coef),
+           "ct": functools.partial(ct.train_step, graphdef=parts.policy_gd, opt=opt, inputs=parts.inputs,
                                    aux_coef=r.aux_loss_coef)}
   set_dirs, weights = {"sft": s.data, "ct": s.ct_data}, {"sft": 1.0 - s.ct_ratio, "ct": s.ct_ratio}
   # each set its own shuffled, length-bucketed stream (seeds config.seed, + 1), interleaved at ct_ratio
@@ -141,7 +141,7 @@ def main(argv):
   ct_note = f" | CT ({s.ct_ratio:.0%} of batches): {', '.join(s.ct_data)}" if s.ct_data else ""
   print(f"[sft] MoE: {nnx.merge(parts.policy_gd, state['policy']).moe_strategy_summary()} | data: "
         f"{', '.join(s.data) or '-'}{ct_note} | held-out: {len(heldout)} episodes | thoughts: {s.thoughts}")
-  eval_fn = functools.partial(sft.eval_metrics, graphdef=parts.policy_gd, hp=parts.hparams)
+  eval_fn = functools.partial(sft.eval_metrics, graphdef=parts.policy_gd, inputs=parts.inputs)
 
   def evaluate(params, step: int) -> dict[str, float]:
     t0 = time.time()
@@ -155,7 +155,7 @@ def main(argv):
       if n > 1:  # how much the decisions depend on the screenshot, per layer (issue #25 item 7)
         dep = image_dependence(parts.policy_gd, params, real_rows(heldout_batches[0], n), parts.table,
                                temperature=config.sampling.temperature,
-                               image_token_id=parts.hparams.image_token_id, grid_hw=parts.hparams.grid_hw)
+                               image_token_id=parts.inputs.image_token_id, grid_hw=parts.inputs.grid_hw)
         m.update({f"image_dependence/{k}": v for k, v in dep.items() if k not in ("embed", "decisions")})
       if ground:  # the policy's own sampled clicks / answers on held-out grounding examples
         pol = parts.batched_policy(params, batch_size=config.env.num_sessions, seed=config.seed + 7)

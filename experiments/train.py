@@ -169,14 +169,14 @@ def main(argv):
           # the policy that played this batch (before its update); screenshots swapped between rows
           image_dep = image_dependence(parts.policy_gd, state["policy"], real_rows(batch, len(episodes)),
                                        parts.table, temperature=config.sampling.temperature,
-                                       image_token_id=hp.image_token_id, grid_hw=hp.grid_hw)
+                                       image_token_id=parts.inputs.image_token_id, grid_hw=parts.inputs.grid_hw)
         t1 = time.perf_counter()
 
         def update(state=state, batch=batch, episodes=episodes):
           with parts.activate():  # activation sharding constraints of config.mesh (no-op without one)
             return ppo.ppo_update(state, batch, parts.table, policy_gd=parts.policy_gd,
                                   critic_gd=parts.critic_gd, popt=parts.popt, copt=parts.copt, hp=hp,
-                                  epochs=config.rl.epochs, minibatch_size=config.rl.minibatch_size,
+                                  inputs=parts.inputs, epochs=config.rl.epochs, minibatch_size=config.rl.minibatch_size,
                                   rng=np.random.default_rng([config.seed, it]), n_real=len(episodes),
                                   scores=np.array([e.shaped_return for e in episodes], np.float32),
                                   group_ids=group_ids(episodes), ref_params=ref_params,

@@ -95,7 +95,7 @@ def main(argv):
           batch = collate(episodes, pad_id=parts.tokenizer.pad_id, max_images=config.env.max_turns,
                           image_hw=parts.image_hw, length_multiple=config.length_multiple, batch_size=n).as_dict()
           state, train_m = vpt.value_update(state, batch, critic_gd=parts.critic_gd, copt=copt, hp=hp,
-                                            epochs=v.epochs, minibatch_size=v.minibatch_size, rng=rng,
+                                            inputs=parts.inputs, epochs=v.epochs, minibatch_size=v.minibatch_size, rng=rng,
                                             n_real=len(episodes),
                                             minibatch_by_length=config.rl.minibatch_by_length)
           m = episode_metrics(episodes, tasks, parts.tokenizer, parts.table)

@@ -11,8 +11,6 @@ import os
 import pytest
 
 from experiments.configs import miniwob_ppo, replication
-from tars_jax.agent.tokenizer import ByteTokenizer
-from tars_jax.models import ModelConfig
 from tars_jax.train import ppo
 from tars_jax.train import state as state_lib
 
@@ -42,8 +40,7 @@ def _keys(c, prefix=""):
 
 
 def _hparams(c):
-  mcfg = ModelConfig.from_dict({**c.model.to_dict(), "vocab_size": ByteTokenizer().vocab_size})
-  return state_lib.hparams(c, ByteTokenizer().image_id, tuple(mcfg.merged_grid))
+  return state_lib.hparams(c)
 
 
 def test_every_config_module_is_covered():

@@ -106,12 +106,13 @@ def test_ct_loss_equals_numpy_full_vocabulary_cross_entropy(parts):
   with pytest.raises(sft.ReplyNotInGrammar):  # CT trains on it all the same (full-vocabulary softmax)
     sft.prepare(eps[1], grammar=parts.grammar, tokenizer=tok, thoughts=True)
   b = ct.with_text_mask(collate(eps, pad_id=tok.pad_id, max_images=2, image_hw=parts.image_hw,
-                                length_multiple=16, batch_size=3).as_dict(), parts.hparams.image_token_id)
+                                length_multiple=16, batch_size=3).as_dict(), parts.inputs.image_token_id)
   params = parts.init_state(0)["policy"]
   # jitted: the same computation, a few times faster than op-by-op on the CPU
-  loss, m = jax.jit(lambda p, b: ct.loss_and_metrics(parts.policy_gd, p, b, parts.hparams, aux_coef=0.0))(params, b)
+  loss, m = jax.jit(lambda p, b: ct.loss_and_metrics(p, b, graphdef=parts.policy_gd, inputs=parts.inputs,
+                                                     aux_coef=0.0))(params, b)
   out = jax.jit(lambda p, b: nnx.merge(parts.policy_gd, p)(
-      b["tokens"], step_lib.positions(b["tokens"], b["attn_mask"], parts.hparams), b["attn_mask"], b["pixel_values"],
+      b["tokens"], step_lib.positions(b["tokens"], b["attn_mask"], parts.inputs), b["attn_mask"], b["pixel_values"],
       b["image_mask"]))(params, b)
   logits = np.asarray(out.logits[:, :-1], np.float64)
   nll, hits, n = 0.0, 0, 0

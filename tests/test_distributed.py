@@ -202,10 +202,10 @@ def _main(mode: str, out: str, procs: int, pid: int, port: int) -> None:
   from tars_jax.train import ppo
   from tars_jax.train import state as state_lib
   from _shared import TINY_CFG
-  from test_ppo_direction import _batch
+  from test_ppo_direction import INPUTS, _batch
 
   assert jax.device_count() == 2, jax.devices()
-  hp = dataclasses.replace(state_lib.hparams(miniwob_ppo.get_config("ppo"), IMAGE, tuple(TINY_CFG.merged_grid)),
+  hp = dataclasses.replace(state_lib.hparams(miniwob_ppo.get_config("ppo")),
                            aux_loss_coef=0.0)
   popt = ppo.make_optimizer(1e-3, 1, 1.0, 0.0)
   copt = ppo.make_optimizer(1e-3, 1, 1.0, 0.0)
@@ -215,7 +215,7 @@ def _main(mode: str, out: str, procs: int, pid: int, port: int) -> None:
     gd, _ = nnx.split(nnx.eval_shape(lambda: Policy(TINY_CFG, rngs=nnx.Rngs(0))))
     cgd, _ = nnx.split(nnx.eval_shape(lambda: ValueModel(TINY_CFG, rngs=nnx.Rngs(0))))
   parts = state_lib.Parts(config=None, tokenizer=None, model_cfg=TINY_CFG, grammar=None, table=None,
-                          policy_gd=gd, critic_gd=cgd, popt=popt, copt=copt, hparams=hp, loop_cfg=None,
+                          policy_gd=gd, critic_gd=cgd, popt=popt, copt=copt, hparams=hp, inputs=INPUTS, loop_cfg=None,
                           eval_loop_cfg=None, image_hw=(TINY_CFG.image_h, TINY_CFG.image_w), max_new_tokens=0,
                           mesh=mesh, rules=rules)
 
@@ -231,7 +231,7 @@ def _main(mode: str, out: str, procs: int, pid: int, port: int) -> None:
 
   def update(state, b, seed=0):
     with parts.activate():
-      return ppo.ppo_update(state, b, None, policy_gd=gd, critic_gd=cgd, popt=popt, copt=copt, hp=hp,
+      return ppo.ppo_update(state, b, None, policy_gd=gd, critic_gd=cgd, popt=popt, copt=copt, hp=hp, inputs=INPUTS,
                             epochs=EPOCHS, minibatch_size=MINIBATCH, rng=np.random.default_rng(seed),
                             n_real=N_ROWS)
 

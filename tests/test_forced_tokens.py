@@ -19,6 +19,7 @@ from tars_jax.rl import losses as L
 from tars_jax.rl import metrics as M
 from tars_jax.train import ppo
 from tars_jax.train import state as state_lib
+from tars_jax.train.step import ModelInputs
 from _shared import TINY_CFG
 
 # Two-state grammar over 4 tokens: state 0 allows tokens 0, 1 (-> 0) and 2 (-> 1); state 1 allows
@@ -33,7 +34,7 @@ FREE = np.array([[1, 1, 0, 1, 1, 0, 0, 0]], np.float32)
 
 
 def _hp(**overrides) -> ppo.PPOHparams:
-  return dataclasses.replace(state_lib.hparams(miniwob_ppo.get_config("smoke"), 259, (8, 6)), **overrides)
+  return dataclasses.replace(state_lib.hparams(miniwob_ppo.get_config("smoke")), **overrides)
 
 
 def test_free_decisions_of_the_two_state_grammar():
@@ -154,12 +155,13 @@ def test_trainer_loss_treats_forced_tokens_as_outside_the_mask():
   table[1] = -1
   table[1, q] = 0
   table = jnp.asarray(table)
-  hp = dataclasses.replace(state_lib.hparams(miniwob_ppo.get_config(""), IMAGE, tuple(TINY_CFG.merged_grid)),
+  hp = dataclasses.replace(state_lib.hparams(miniwob_ppo.get_config("")),
                            algo="grpo", ent_coef=0.05, aux_loss_coef=0.0, kl_coef=0.0, loss_agg="token-mean")
   gd, params = nnx.split(Policy(TINY_CFG, nnx.Rngs(0)))
   rng = np.random.default_rng(0)
   mb = {k: jnp.asarray(x) for k, x in _policy_batch(rng, q).items()}
-  logp = ppo.reference_logp(params, mb, table, policy_gd=gd, hp=hp)
+  inputs = ModelInputs(IMAGE, tuple(TINY_CFG.merged_grid))
+  logp = ppo.reference_logp(params, mb, table, policy_gd=gd, hp=hp, inputs=inputs)
   forced = np.asarray(mb["states"]) == 1
   assert (np.asarray(logp)[forced] == 0).all()  # one allowed token: probability 1
   mb["old_logp"] = logp
@@ -167,10 +169,10 @@ def test_trainer_loss_treats_forced_tokens_as_outside_the_mask():
   free = ppo.free_decisions(table, mb["states"], mb["loss_mask"])
   np.testing.assert_array_equal(np.asarray(free), np.asarray(mb["loss_mask"]) * ~forced)
   grad = jax.value_and_grad(ppo.policy_loss, has_aux=True)
-  (loss, m), g = grad(params, gd, table, mb, hp)
+  (loss, m), g = grad(params, gd, table, mb, hp, inputs)
   # the same batch without a grammar and with the forced tokens taken out of the mask: state 0 allows
   # every token, so the free tokens' distributions are the same
-  (loss_ref, m_ref), g_ref = grad(params, gd, None, dict(mb, loss_mask=free), hp)
+  (loss_ref, m_ref), g_ref = grad(params, gd, None, dict(mb, loss_mask=free), hp, inputs)
   assert float(loss) == pytest.approx(float(loss_ref), rel=1e-5, abs=1e-6)
   for k in ("entropy", "pg_loss", "clipfrac", "approx_kl"):
     assert float(m[k]) == pytest.approx(float(m_ref[k]), rel=1e-5, abs=1e-6), k
@@ -206,7 +208,8 @@ def test_prepare_lambda_and_informative_fraction_count_free_decisions():
       image_mask=np.ones((b, cfg.env.max_turns), bool)).items()}
   table = np.zeros((2, v), np.int32)
   table[1], table[1, 65] = -1, 0
-  values, adv, ret, diag = ppo.prepare(state["critic"], batch, jnp.asarray(table), critic_gd=parts.critic_gd, hp=hp)
+  values, adv, ret, diag = ppo.prepare(state["critic"], batch, jnp.asarray(table), critic_gd=parts.critic_gd, hp=hp,
+                                   inputs=parts.inputs)
   lam = 1 - 1 / (0.5 * 6)
   assert float(diag["lam_policy_mean"]) == pytest.approx(lam)  # both rows: 6 decisions
   want_adv, _ = A.gae(rew, np.asarray(values), loss, 1.0, lam)  # values come back zeroed off the mask
@@ -218,5 +221,5 @@ def test_prepare_lambda_and_informative_fraction_count_free_decisions():
   rows = [np.abs(want_adv[i])[free[i] > 0].mean() > M.PPO_INFORMATIVE_EPS for i in range(2)]
   assert float(diag["informative_fraction"]) == pytest.approx(np.mean(rows))
   # no table: every model token a decision (10 and 6 tokens)
-  _, _, _, d0 = ppo.prepare(state["critic"], batch, None, critic_gd=parts.critic_gd, hp=hp)
+  _, _, _, d0 = ppo.prepare(state["critic"], batch, None, critic_gd=parts.critic_gd, hp=hp, inputs=parts.inputs)
   assert float(d0["lam_policy_mean"]) == pytest.approx(((1 - 1 / 5) + (1 - 1 / 3)) / 2)

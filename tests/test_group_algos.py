@@ -76,7 +76,7 @@ def test_group_update_skips_groups_without_signal_and_learns_otherwise():
   batch = _fake_batch(parts, cfg)
   gid = np.array([0, 0, 1, 1])
   common = dict(policy_gd=parts.policy_gd, critic_gd=parts.critic_gd, popt=parts.popt, copt=parts.copt,
-                hp=parts.hparams, epochs=1, minibatch_size=2, n_real=4, group_ids=gid)
+                hp=parts.hparams, inputs=parts.inputs, epochs=1, minibatch_size=2, n_real=4, group_ids=gid)
   state = parts.init_state(0)
   before = jax.tree.map(np.asarray, state["policy"])
   # every group scores the same: no row carries signal, nothing is updated
@@ -120,7 +120,7 @@ def test_group_update_drops_and_counts_singleton_groups(epochs):
   parts, cfg = _tiny_parts("grpo")
   batch = _fake_batch(parts, cfg)  # 4 rows: the last is padding (n_real = 3)
   state, out = ppo.ppo_update(parts.init_state(0), batch, None, policy_gd=parts.policy_gd,
-                              critic_gd=parts.critic_gd, popt=parts.popt, copt=parts.copt, hp=parts.hparams,
+                              critic_gd=parts.critic_gd, popt=parts.popt, copt=parts.copt, hp=parts.hparams, inputs=parts.inputs,
                               epochs=epochs, minibatch_size=2, rng=np.random.default_rng(0), n_real=3,
                               scores=np.array([1.0, 0.0, 1.0, 0.0], np.float32),
                               group_ids=np.array([0, 0, 1, 0], np.int32))
@@ -145,13 +145,13 @@ def test_an_update_raises_the_rewarded_reply_and_lowers_the_other(algo):
   batch["tokens"][0, 81:91], batch["tokens"][1, 81:91] = ord("B"), ord("C")
   batch["rewards"][0, 89], batch["rewards"][1, 89] = 1.0, 0.0
   state = parts.init_state(0)
-  logp0 = np.asarray(ppo.reference_logp(state["policy"], batch, None, policy_gd=parts.policy_gd, hp=parts.hparams))
+  logp0 = np.asarray(ppo.reference_logp(state["policy"], batch, None, policy_gd=parts.policy_gd, hp=parts.hparams, inputs=parts.inputs))
   batch["old_logp"] = logp0 * batch["loss_mask"]  # on-policy
   state, _ = ppo.ppo_update(state, batch, None, policy_gd=parts.policy_gd, critic_gd=parts.critic_gd,
-                            popt=parts.popt, copt=parts.copt, hp=parts.hparams, epochs=4, minibatch_size=2,
+                            popt=parts.popt, copt=parts.copt, hp=parts.hparams, inputs=parts.inputs, epochs=4, minibatch_size=2,
                             rng=np.random.default_rng(0), n_real=2, scores=np.array([1.0, 0.0], np.float32),
                             group_ids=np.array([0, 0]))
-  logp1 = np.asarray(ppo.reference_logp(state["policy"], batch, None, policy_gd=parts.policy_gd, hp=parts.hparams))
+  logp1 = np.asarray(ppo.reference_logp(state["policy"], batch, None, policy_gd=parts.policy_gd, hp=parts.hparams, inputs=parts.inputs))
   m = batch["loss_mask"] > 0
   gain = [(logp1[i][m[i]] - logp0[i][m[i]]).sum() for i in range(2)]
   assert gain[0] > 0 > gain[1], gain

@@ -51,13 +51,13 @@ def _logits_fn(graphdef):
 def _forward(parts, params, b, pix, im):
   """The policy's own logits [B, T, V] (`Policy.__call__`, jitted: eager NNX is slow)."""
   toks, attn = jnp.asarray(b["tokens"]), jnp.asarray(b["attn_mask"])
-  pos = rope_positions(toks, attn, parts.hparams.image_token_id, parts.hparams.grid_hw)
+  pos = rope_positions(toks, attn, parts.inputs.image_token_id, parts.inputs.grid_hw)
   return _logits_fn(parts.policy_gd)(params, toks, pos, attn, jnp.asarray(pix), jnp.asarray(im))
 
 
 def _dep(parts, params, batch):
-  return image_dependence(parts.policy_gd, params, batch, parts.table, image_token_id=parts.hparams.image_token_id,
-                          grid_hw=parts.hparams.grid_hw)
+  return image_dependence(parts.policy_gd, params, batch, parts.table, image_token_id=parts.inputs.image_token_id,
+                          grid_hw=parts.inputs.grid_hw)
 
 
 def _images(n, seed):
@@ -80,7 +80,7 @@ def test_layer_walk_reproduces_the_policy_forward(setup):
   _, parts, params = setup
   b = _batch(parts, _images(4, 1), CLICKS)
   toks, attn = jnp.asarray(b["tokens"]), jnp.asarray(b["attn_mask"])
-  pos = rope_positions(toks, attn, parts.hparams.image_token_id, parts.hparams.grid_hw)
+  pos = rope_positions(toks, attn, parts.inputs.image_token_id, parts.inputs.grid_hw)
   walk_fn = jax.jit(lambda p, *a: dict(layer_states(nnx.merge(parts.policy_gd, p), *a)))
   states = walk_fn(params, toks, pos, attn, jnp.asarray(b["pixel_values"]), jnp.asarray(b["image_mask"]))
   ref = _forward(parts, params, b, b["pixel_values"], b["image_mask"])

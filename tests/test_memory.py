@@ -433,7 +433,7 @@ def _check_trains_what_the_policy_saw(parts, params, calls, episodes, batch):
       np.testing.assert_array_equal(a, b.astype(np.float32) / 255.0)
   mask = batch["loss_mask"] > 0
   logp = np.asarray(ppo.reference_logp(params, {k: jnp.asarray(v) for k, v in batch.items()}, parts.table,
-                                       policy_gd=parts.policy_gd, hp=parts.hparams))
+                                       policy_gd=parts.policy_gd, hp=parts.hparams, inputs=parts.inputs))
   d = logp[mask] - batch["old_logp"][mask]
   assert np.abs(d).max() <= TOL, f"max |logp - old_logp| = {np.abs(d).max():.3g}"
   assert (batch["old_logp"][mask] < -1e-3).sum() >= len(episodes)  # real sampled decisions were compared
@@ -463,7 +463,7 @@ def _chained_advantages_are_one_rows(parts, state, batch, n_episodes):
   """The trainer's advantages on the chained rows (`ppo.prepare`: critic on the policy's prompts, GAE
   chained across rows) equal plain GAE over each episode's model tokens laid end to end."""
   jb = {k: jnp.asarray(v) for k, v in batch.items()}
-  values, _, ret, _ = ppo.prepare(state["critic"], jb, parts.table, critic_gd=parts.critic_gd, hp=parts.hparams)
+  values, _, ret, _ = ppo.prepare(state["critic"], jb, parts.table, critic_gd=parts.critic_gd, hp=parts.hparams, inputs=parts.inputs)
   free = ppo.free_decisions(parts.table, jb["states"], jb["loss_mask"])
   raw, _ = ppo.raw_advantages(values, jb, parts.hparams, free)
   hp, mask = parts.hparams, batch["loss_mask"] > 0
@@ -529,7 +529,7 @@ def test_working_memory_against_the_real_browser(server):
   state = parts.init_state(cfg.seed)
   rows = int((batch["row_episode"] >= 0).sum())
   _, m = ppo.ppo_update(state, batch, parts.table, policy_gd=parts.policy_gd, critic_gd=parts.critic_gd,
-                        popt=parts.popt, copt=parts.copt, hp=parts.hparams, epochs=1, minibatch_size=rows,
+                        popt=parts.popt, copt=parts.copt, hp=parts.hparams, inputs=parts.inputs, epochs=1, minibatch_size=rows,
                         rng=np.random.default_rng(0), n_real=len(episodes))
   assert abs(m["ratio_mean"] - 1.0) <= TOL and m["clipfrac"] == 0.0 and np.isfinite(m["value_loss"])
   kept = store.to_json()["miniwob/click-test-2"]

@@ -43,7 +43,7 @@ def test_first_minibatch_of_a_real_rollout_is_on_policy():
 
   # Every model token, all rows (the smoke config's first minibatch is the whole batch).
   logp = np.asarray(ppo.reference_logp(state["policy"], batch, parts.table, policy_gd=parts.policy_gd,
-                                       hp=parts.hparams))
+                                       hp=parts.hparams, inputs=parts.inputs))
   d = logp[mask] - batch["old_logp"][mask]
   assert np.abs(d).max() <= TOL, f"max |logp - old_logp| = {np.abs(d).max():.3g}"
   np.testing.assert_allclose(np.exp(d), 1.0, atol=TOL)  # ratio
@@ -59,14 +59,14 @@ def test_first_minibatch_of_a_real_rollout_is_on_policy():
   t = batch["tokens"].shape[1] - 1
   for b in (wide, cut):
     lp = np.asarray(ppo.reference_logp(state["policy"], b, parts.table, policy_gd=parts.policy_gd,
-                                       hp=parts.hparams))
+                                       hp=parts.hparams, inputs=parts.inputs))
     assert np.abs(lp[:, :t][mask] - batch["old_logp"][mask]).max() <= TOL
 
   # The trainer's own first minibatch step reports the same (its metrics are of that minibatch:
   # one epoch, one minibatch of all n rows).
   assert cfg.rl.minibatch_size == n
   _, m = ppo.ppo_update(state, batch, parts.table, policy_gd=parts.policy_gd, critic_gd=parts.critic_gd,
-                        popt=parts.popt, copt=parts.copt, hp=parts.hparams, epochs=1, minibatch_size=n,
+                        popt=parts.popt, copt=parts.copt, hp=parts.hparams, inputs=parts.inputs, epochs=1, minibatch_size=n,
                         rng=np.random.default_rng(0), n_real=len(episodes),
                         scores=np.array([e.shaped_return for e in episodes], np.float32),
                         group_ids=group_ids(episodes))

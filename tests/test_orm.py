@@ -190,7 +190,7 @@ def test_p_yes_is_the_softmax_of_the_models_logits_over_the_two_answers(tiny):
     tokens[i, :len(p.ids)], attn[i, :len(p.ids)] = p.ids, True
     pix[i, :len(p.images)] = np.asarray(p.images, np.float32) / 255.0
   fwd = jax.jit(lambda prm, t, a, x: nnx.merge(parts.policy_gd, prm)(
-      t, step_lib.positions(t, a, parts.hparams), a, x, np.ones((3, 2), bool)).logits)
+      t, step_lib.positions(t, a, parts.inputs), a, x, np.ones((3, 2), bool)).logits)
   logits = np.asarray(fwd(params, tokens, attn, pix), np.float64)
   for i, p in enumerate(ps):
     z = logits[i, len(p.ids) - 1, [ord("y"), ord("n")]]

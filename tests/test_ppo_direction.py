@@ -16,13 +16,15 @@ from experiments.configs import miniwob_ppo
 from tars_jax.models import Policy
 from tars_jax.train import ppo
 from tars_jax.train import state as state_lib
+from tars_jax.train.step import ModelInputs
 from _shared import TINY_CFG
 
 CFG = TINY_CFG
 # The main config's hyper-parameters (PPOHparams has no defaults), with only the clipped
 # policy-gradient term on.
-HP = dataclasses.replace(state_lib.hparams(miniwob_ppo.get_config(""), IMAGE, tuple(CFG.merged_grid)),
+HP = dataclasses.replace(state_lib.hparams(miniwob_ppo.get_config("")),
                          algo="grpo", ent_coef=0.0, aux_loss_coef=0.0, kl_coef=0.0)
+INPUTS = ModelInputs(IMAGE, tuple(CFG.merged_grid))
 
 
 def _batch(rng, n_rows=4, reply=6):
@@ -44,7 +46,7 @@ def _batch(rng, n_rows=4, reply=6):
 
 
 def _logp(params, gd, mb):
-  return np.asarray(ppo.reference_logp(params, mb, None, policy_gd=gd, hp=HP))
+  return np.asarray(ppo.reference_logp(params, mb, None, policy_gd=gd, hp=HP, inputs=INPUTS))
 
 
 # The trainer's optimiser (global-norm clip + AdamW), built once: it is a static jit argument.
@@ -56,7 +58,7 @@ def _step(gd, params, mb, adv_per_row):
   state = {"step": jnp.zeros((), jnp.int32), "policy": jax.tree.map(jnp.copy, params)}
   state["policy_opt"] = POPT.init(state["policy"])
   mb = dict(mb, advantages=jnp.asarray(adv_per_row, jnp.float32)[:, None] * mb["loss_mask"])
-  state, m = ppo.policy_step(state, mb, None, policy_gd=gd, popt=POPT, hp=HP)
+  state, m = ppo.policy_step(state, mb, None, policy_gd=gd, popt=POPT, hp=HP, inputs=INPUTS)
   return state["policy"], m
 
 

@@ -21,7 +21,7 @@ from tars_jax.train import state as state_lib
 def _hp(**overrides) -> ppo.PPOHparams:
   """The smoke config's hyper-parameters (PPOHparams has no defaults) with `overrides`; replace()
   runs the validation again."""
-  return dataclasses.replace(state_lib.hparams(miniwob_ppo.get_config("smoke"), 259, (8, 6)), **overrides)
+  return dataclasses.replace(state_lib.hparams(miniwob_ppo.get_config("smoke")), **overrides)
 
 # ---------------------------------------------------------------- GAE vs rlax's test numbers
 
@@ -87,7 +87,7 @@ def test_ppo_update_rejects_nan_rewards_before_training():
   batch = {"rewards": np.array([[0.0, np.nan]], np.float32), "old_logp": np.zeros((1, 2), np.float32)}
   with pytest.raises(NonFiniteError, match=r"rewards\[0,1\]=nan"):
     ppo.ppo_update({}, batch, None, policy_gd=None, critic_gd=None, popt=None, copt=None,
-                   hp=_hp(), epochs=1, minibatch_size=1, rng=np.random.default_rng(0), n_real=1)
+                   hp=_hp(), inputs=None, epochs=1, minibatch_size=1, rng=np.random.default_rng(0), n_real=1)
 
 
 @pytest.mark.parametrize("agg", L.AGG_MODES)

@@ -79,8 +79,8 @@ def test_loss_mask_covers_exactly_the_reply_tokens(parts):
 def test_loss_equals_numpy_constrained_cross_entropy(parts):
   eps, b = _batch(parts, [_episode(parts, REPLIES, seed=s) for s in range(2)])
   params = parts.init_state(0)["policy"]
-  loss, m = sft.loss_and_metrics(parts.policy_gd, params, b, parts.table, parts.hparams, aux_coef=0.0)
-  out = nnx.merge(parts.policy_gd, params)(b["tokens"], step_lib.positions(b["tokens"], b["attn_mask"], parts.hparams),
+  loss, m = sft.loss_and_metrics(params, b, parts.table, graphdef=parts.policy_gd, inputs=parts.inputs, aux_coef=0.0)
+  out = nnx.merge(parts.policy_gd, params)(b["tokens"], step_lib.positions(b["tokens"], b["attn_mask"], parts.inputs),
                                            b["attn_mask"], b["pixel_values"], b["image_mask"])
   logits = np.asarray(out.logits[:, :-1], np.float64)
   table = np.asarray(parts.grammar.table)
@@ -107,7 +107,7 @@ def test_train_step_memorises_a_batch(parts):
   first = None
   for _ in range(25):
     params, ost, m = sft.train_step(params, ost, b, parts.table, graphdef=parts.policy_gd, opt=opt,
-                                    hp=parts.hparams, aux_coef=0.01)
+                                    inputs=parts.inputs, aux_coef=0.01)
     first = first if first is not None else float(m["ce"])
   assert float(m["ce"]) < 0.3 * first
 

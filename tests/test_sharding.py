@@ -424,8 +424,12 @@ def _grpo_hp(cfg, aux_loss_coef=0.01, ent_coef=0.0):
   return ppo.PPOHparams(algo="grpo", gamma=1.0, lam_policy=0.95, lam_critic=1.0, length_adaptive_alpha=None,
                         whiten_advantages=True, clip_low=0.2, clip_high=0.28, clip_c=None, value_clip=0.2,
                         vf_coef=1.0, ent_coef=ent_coef, aux_loss_coef=aux_loss_coef, loss_agg="token-mean",
-                        kl_kind="k3", kl_coef=0.0, decoupled=False, temperature=1.0, image_token_id=cfg.image_token_id,
-                        grid_hw=cfg.merged_grid)
+                        kl_kind="k3", kl_coef=0.0, decoupled=False, temperature=1.0)
+
+
+def _inputs(cfg):
+  from tars_jax.train.step import ModelInputs
+  return ModelInputs(cfg.image_token_id, tuple(cfg.merged_grid))
 
 
 def _batch(cfg, b=8, t=12, seed=0):
@@ -465,19 +469,19 @@ def _worker(out_path, full: bool):
   results = {"runs": {}}
   cfg = _small_cfg()
   gd, params = nnx.split(Policy(cfg, nnx.Rngs(0)))
-  hp = _grpo_hp(cfg, aux_loss_coef=0.1, ent_coef=0.01)
+  hp, inputs = _grpo_hp(cfg, aux_loss_coef=0.1, ent_coef=0.01), _inputs(cfg)
   popt = ppo.make_optimizer(1e-3, 1, 1.0, 0.0)
   batch = {k: jnp.asarray(v) for k, v in _batch(cfg).items()}
 
   def loss_grad(gd_):
-    return jax.jit(lambda p, mb: jax.value_and_grad(ppo.policy_loss, has_aux=True)(p, gd_, None, mb, hp))
+    return jax.jit(lambda p, mb: jax.value_and_grad(ppo.policy_loss, has_aux=True)(p, gd_, None, mb, hp, inputs))
 
   t0 = time.time()
   (ref_loss, ref_m), ref_g = loss_grad(gd)(params, batch)
   print(f"reference loss/grad {time.time() - t0:.1f}s", flush=True)
   if full:
     ref_state = {"step": jnp.zeros((), jnp.int32), "policy": params, "policy_opt": popt.init(params)}
-    _, ref_step_m = ppo.policy_step(jax.tree.map(jnp.copy, ref_state), batch, None, policy_gd=gd, popt=popt, hp=hp)
+    _, ref_step_m = ppo.policy_step(jax.tree.map(jnp.copy, ref_state), batch, None, policy_gd=gd, popt=popt, hp=hp, inputs=inputs)
   runs = ([(i, m) for i in ("dense", "ragged") for m in MESHES] + [("blocked", "2,1,2,2"), ("a2a", "1,2,1,4")]
           if full else [("ragged", "2,1,2,2"), ("a2a", "2,1,2,2")])
   for impl, mesh_s in runs:
@@ -498,12 +502,12 @@ def _worker(out_path, full: bool):
       collectives = {op: compiled.as_text().count(f" {op}(") for op in ("all-to-all",)}
       # the activation constraints as lowered (Shardy): logits [B, T, V] over (batch axes, -, tensor)
       hlo = jax.jit(lambda p, mb: nnx.merge(gd_i, p)(
-          mb["tokens"], step_lib.positions(mb["tokens"], mb["attn_mask"], hp), mb["attn_mask"], mb["pixel_values"],
+          mb["tokens"], step_lib.positions(mb["tokens"], mb["attn_mask"], inputs), mb["attn_mask"], mb["pixel_values"],
           mb["image_mask"])[0]).lower(p_sh, mb).as_text()
       step_m = new = None
       if full:
         state = {"step": jnp.zeros((), jnp.int32), "policy": p_sh, "policy_opt": jax.jit(popt.init)(p_sh)}
-        new, step_m = ppo.policy_step(state, mb, None, policy_gd=gd_i, popt=popt, hp=hp)
+        new, step_m = ppo.policy_step(state, mb, None, policy_gd=gd_i, popt=popt, hp=hp, inputs=inputs)
       print(f"{impl}@{mesh_s}: loss/grad {t1 - t0:.1f}s, step {time.time() - t1:.1f}s", flush=True)
     def same_sh(tree):  # paths whose sharding differs from the rules' ([] = all as the rules say)
       got = jax.tree_util.tree_leaves_with_path(tree)
@@ -638,11 +642,11 @@ def test_ppo_metrics_report_the_fraction_of_moe_assignments_dropped():
   for factor in (0.5, None):
     cfg = _small_cfg(moe_impl="ragged", moe_capacity_factor=factor)
     gd, params = nnx.split(Policy(cfg, nnx.Rngs(0)))
-    hp = _grpo_hp(cfg)
+    hp, inputs = _grpo_hp(cfg), _inputs(cfg)
     mb = {k: jnp.asarray(v) for k, v in _batch(cfg).items()}
-    _, m = jax.jit(lambda p: ppo.policy_loss(p, gd, None, mb, hp))(params)
+    _, m = jax.jit(lambda p: ppo.policy_loss(p, gd, None, mb, hp, inputs))(params)
     pol = nnx.merge(gd, params)
-    pos = step_lib.positions(mb["tokens"], mb["attn_mask"], hp)
+    pos = step_lib.positions(mb["tokens"], mb["attn_mask"], inputs)
     *_, st = pol(mb["tokens"], pos, mb["attn_mask"], mb["pixel_values"], mb["image_mask"], moe_stats=True)
     # 8 rows x 12 tokens x top-2 in the one MoE layer
     assert float(st["moe_assignments"]) == 8 * 12 * 2

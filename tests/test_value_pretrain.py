@@ -48,7 +48,7 @@ def test_stop_rule_streak_and_hparams():
     vpt.StopRule(0.1, 0.5, patience=0)
   cfg = miniwob_ppo.get_config("smoke")
   cfg.rl.update(algo="grpo", group_size=2, lam_critic=0.9, value_clip=0.2)
-  hp = vpt.pretrain_hparams(state_lib.hparams(cfg, 259, (8, 6)))
+  hp = vpt.pretrain_hparams(state_lib.hparams(cfg))
   assert (hp.algo, hp.lam_critic, hp.value_clip) == ("ppo", 1.0, None)
 
 
@@ -59,7 +59,7 @@ def test_value_update_trains_only_the_critic_on_monte_carlo_returns(tmp_path):
   state = vpt.init_critic_state(full["critic"], parts.copt)
   batch = _batch(parts, cfg, [1.0, 1.0, 0.0, 0.0])
   hp = vpt.pretrain_hparams(parts.hparams)
-  kw = dict(critic_gd=parts.critic_gd, copt=parts.copt, hp=hp, epochs=2, minibatch_size=4,
+  kw = dict(critic_gd=parts.critic_gd, copt=parts.copt, hp=hp, inputs=parts.inputs, epochs=2, minibatch_size=4,
             rng=np.random.default_rng(0), n_real=4)
   state, m = vpt.value_update(state, batch, **kw)
   # zero-initialised value head: V = 0, returns (gamma = lambda = 1) are 1 on the 20 model tokens of
@@ -92,7 +92,7 @@ def test_kl_to_initial_policy_is_zero_first_then_positive():
   ref = jax.tree.map(jnp.copy, state["policy"])
   batch = _batch(parts, cfg, [1.0, 0.0, 1.0, 0.0])
   kw = dict(policy_gd=parts.policy_gd, critic_gd=parts.critic_gd, popt=parts.popt, copt=parts.copt,
-            hp=parts.hparams, epochs=1, minibatch_size=4, n_real=4)
+            hp=parts.hparams, inputs=parts.inputs, epochs=1, minibatch_size=4, n_real=4)
   with pytest.raises(ValueError, match="ref_params"):
     ppo.ppo_update(state, batch, None, rng=np.random.default_rng(0), **kw)
   state, m = ppo.ppo_update(state, batch, None, rng=np.random.default_rng(0), ref_params=ref, **kw)

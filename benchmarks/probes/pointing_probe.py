@@ -113,7 +113,7 @@ def main(argv):
     b = collate([eps[i] for i in idx], pad_id=tok.pad_id, max_images=1, image_hw=parts.image_hw,
                 length_multiple=config.length_multiple, batch_size=batch).as_dict()
     params, opt_state, m = sft.train_step(params, opt_state, b, parts.table, graphdef=parts.policy_gd, opt=opt,
-                                          hp=parts.hparams, aux_coef=config.rl.aux_loss_coef)
+                                          inputs=parts.inputs, aux_coef=config.rl.aux_loss_coef)
     if step == 1:  # compilation is not a step's cost
       jax.block_until_ready(params)
       t_mark = time.time()

@@ -24,7 +24,6 @@ from ml_collections import config_flags
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from PIL import Image, ImageDraw
 
 from tars_jax.agent import prompts
@@ -32,7 +31,7 @@ from tars_jax.agent.grammar import walk
 from tars_jax.agent.images import preprocess
 from tars_jax.agent.trajectory import Episode, Turn, collate
 from tars_jax.analysis.image_dependence import format_row, image_dependence
-from tars_jax.train import step as step_lib
+from tars_jax.train import sft
 from tars_jax.train.state import build
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config (its model, grammar, optimiser).")
@@ -110,30 +109,20 @@ def main(argv):
   params, opt = state["policy"], state["policy_opt"]
   digits = jnp.asarray([ord(c) for c in "0123456789"])
 
-  def logp_fn(p, mb):
-    out = step_lib.forward(gd, p, mb, hp)
-    allowed = step_lib.allowed_tokens(table, mb["states"], mb["loss_mask"])
-    return step_lib.target_logp(out.logits, mb["tokens"], allowed)[0], out.aux_loss
-
-  def loss_fn(p, mb):
-    logp, aux = logp_fn(p, mb)
-    return -(logp * mb["loss_mask"]).sum() / mb["loss_mask"].sum() + hp.aux_loss_coef * aux
-
-  @jax.jit
-  def step(p, o, mb):
-    loss, g = jax.value_and_grad(loss_fn)(p, mb)
-    u, o = parts.popt.update(g, o, p)
-    return optax.apply_updates(p, u), o, loss
+  def step(p, o, mb):  # the SFT update (train/sft.py) with the RL optimiser
+    p, o, m = sft.train_step(p, o, mb, table, graphdef=gd, opt=parts.popt, inputs=parts.inputs,
+                             aux_coef=hp.aux_loss_coef)
+    return p, o, m["loss"]
 
   @jax.jit
   def digit_ce(p, mb):
-    logp, _ = logp_fn(p, mb)
+    logp = sft.token_logp(p, mb, table, graphdef=gd, inputs=parts.inputs)[0]
     free = jnp.isin(mb["tokens"][:, 1:], digits) & (mb["loss_mask"] > 0) & (logp < -1e-6)
     return (-(logp * free).sum(-1) / free.sum(-1)).mean()
 
   def dependence(p):
     return format_row(image_dependence(gd, p, test, table, temperature=config.sampling.temperature,
-                                       image_token_id=hp.image_token_id, grid_hw=hp.grid_hw))
+                                       image_token_id=parts.inputs.image_token_id, grid_hw=parts.inputs.grid_hw))
 
   print(f"[pointing] prior CE {prior_ce(_CONTRAST.value):.3f} nats (uniform {np.log(10):.3f}); "
         f"at init: digit CE {float(digit_ce(params, test)):.3f} | {dependence(params)}", flush=True)

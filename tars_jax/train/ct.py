@@ -30,17 +30,14 @@ Replies are kept as recorded (`prepare`): the ids the model wrote, thoughts incl
 from __future__ import annotations
 
 import dataclasses
-import functools
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 
 from tars_jax.agent.tokenizer import ByteTokenizer
 from tars_jax.agent.trajectory import Episode
-from tars_jax.train import ppo
+from tars_jax.train import sft
 from tars_jax.train import step as step_lib
+from tars_jax.train.step import ModelInputs
 
 
 def prepare(ep: Episode, *, tokenizer: ByteTokenizer) -> Episode:
@@ -78,31 +75,26 @@ def with_text_mask(batch: dict, image_id: int) -> dict:
   return dict(batch, text_mask=text_mask(batch["tokens"], batch["attn_mask"], image_id))
 
 
-def loss_and_metrics(graphdef, params, batch: dict, hp: ppo.PPOHparams, aux_coef: float):
-  """(loss, metrics): token-mean full-vocabulary cross-entropy over `batch["text_mask"]` +
-  aux_coef * MoE load-balance loss (module docstring).
+def loss_and_metrics(params, batch: dict, *, graphdef, inputs: ModelInputs, aux_coef: float):
+  """(loss, metrics): the SFT loss (`sft.loss_and_metrics`) with `batch["text_mask"]` as its mask and
+  no grammar (full-vocabulary softmax) + aux_coef * MoE load-balance loss (module docstring).
 
   batch: a collated `trajectory.Batch` dict with `text_mask` [B, T-1] float32 (`with_text_mask`).
   metrics (float32 scalars): ct_ce (per CT text token, nats), ct_acc (arg-max = target on text
   tokens), ct_tokens (text tokens), ct_aux.
   """
-  out = step_lib.forward(graphdef, params, batch, hp)
-  logp, logp_all = step_lib.target_logp(out.logits, batch["tokens"])  # float32, every token of the vocabulary
-  target = batch["tokens"][:, 1:]
-  mask = batch["text_mask"]
-  n = jnp.maximum(mask.sum(), 1.0)
-  ce = -(logp * mask).sum() / n
-  acc = ((jnp.argmax(logp_all, -1) == target) * mask).sum() / n
-  return ce + aux_coef * out.aux_loss, {"ct_ce": ce, "ct_acc": acc, "ct_tokens": mask.sum(), "ct_aux": out.aux_loss}
+  loss, m = sft.loss_and_metrics(params, dict(batch, loss_mask=batch["text_mask"]), None, graphdef=graphdef,
+                                 inputs=inputs, aux_coef=aux_coef)
+  # without a grammar every masked token is a free decision: acc_free is the accuracy on text tokens
+  return loss, {"ct_ce": m["ce"], "ct_acc": m["acc_free"], "ct_tokens": m["tokens"], "ct_aux": m["aux"]}
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "opt", "hp", "aux_coef"))
-def train_step(params, opt_state, batch: dict, *, graphdef, opt, hp: ppo.PPOHparams, aux_coef: float):
-  """One CT update (same optimiser and state as `sft.train_step`). Returns (params, opt_state,
-  metrics of `loss_and_metrics` + ct_loss, ct_grad_norm): every name `ct_`-prefixed, so a log row
-  can hold an SFT and a CT step's metrics side by side."""
-  (loss, m), g = jax.value_and_grad(
-      lambda p: loss_and_metrics(graphdef, p, batch, hp, aux_coef), has_aux=True)(params)
-  updates, opt_state = opt.update(g, opt_state, params)
-  return optax.apply_updates(params, updates), opt_state, dict(m, ct_loss=loss, ct_grad_norm=optax.global_norm(g))
-
+def train_step(params, opt_state, batch: dict, *, graphdef, opt, inputs: ModelInputs, aux_coef: float):
+  """One CT update (`step.update`; same optimiser and state as `sft.train_step`). Returns (params,
+  opt_state, metrics of `loss_and_metrics` + ct_loss, ct_grad_norm): every name `ct_`-prefixed, so a
+  log row can hold an SFT and a CT step's metrics side by side."""
+  loss_fn = step_lib.bind(loss_and_metrics, graphdef=graphdef, inputs=inputs, aux_coef=aux_coef)
+  params, opt_state, m = step_lib.update(params, opt_state, batch, loss_fn=loss_fn, opt=opt)
+  m = dict(m)
+  m["ct_loss"], m["ct_grad_norm"] = m.pop("loss"), m.pop("grad_norm")
+  return params, opt_state, m

@@ -57,8 +57,8 @@ from tars_jax.agent.memory import shrink_oldest, strip_vision, turns_length
 from tars_jax.agent.trajectory import Context, Episode, pad_rows
 from tars_jax.rl import rewards as reward_lib
 from tars_jax.rl.rewards import RewardConfig
-from tars_jax.train import ppo
 from tars_jax.train import step as step_lib
+from tars_jax.train.step import ModelInputs
 from tars_jax.train.sft import reply_text
 
 QUESTION = "Did the agent complete the task? Answer yes or no."
@@ -263,10 +263,10 @@ def collate(prompts_: Sequence[OrmPrompt], answers: Sequence[Sequence[int]] | No
 
 # -------------------------------------------------------------------------------------------------- scoring
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "hp"))
-def answer_logits(params, batch: dict, answer_pos, *, graphdef, hp: ppo.PPOHparams):
+@functools.partial(jax.jit, static_argnames=("graphdef", "inputs"))
+def answer_logits(params, batch: dict, answer_pos, *, graphdef, inputs: ModelInputs):
   """[B, V] float32: the logits at `answer_pos` ([B] int32) of each row of a `collate` batch."""
-  out = step_lib.forward(graphdef, params, batch, hp)
+  out = step_lib.forward(graphdef, params, batch, inputs)
   logits = jnp.take_along_axis(out.logits, answer_pos[:, None, None], axis=1)[:, 0]
   return logits.astype(jnp.float32)
 
@@ -286,9 +286,9 @@ class OrmScorer:
   the budget); a call that had to cut logs one warning.
   """
 
-  def __init__(self, graphdef, params, *, tokenizer, hparams: ppo.PPOHparams, settings: OrmSettings, system: str,
+  def __init__(self, graphdef, params, *, tokenizer, inputs: ModelInputs, settings: OrmSettings, system: str,
                image_hw: tuple[int, int], n_img_tokens: int, batch_size: int = 8, length_multiple: int = 64):
-    self.graphdef, self.params, self.tokenizer, self.hparams = graphdef, params, tokenizer, hparams
+    self.graphdef, self.params, self.tokenizer, self.inputs = graphdef, params, tokenizer, inputs
     self.settings, self.system, self.image_hw, self.n_img_tokens = settings, system, tuple(image_hw), n_img_tokens
     self.batch_size, self.length_multiple = batch_size, length_multiple
     self.yes_id, self.no_id = answer_token_ids(tokenizer, settings)
@@ -298,7 +298,7 @@ class OrmScorer:
   def from_parts(cls, parts, params, settings: OrmSettings, batch_size: int = 8) -> "OrmScorer":
     """A scorer of `params` with the model, tokenizer, system prompt and image size of `parts`
     (`train.state.build` of the ORM's config)."""
-    return cls(parts.policy_gd, params, tokenizer=parts.tokenizer, hparams=parts.hparams, settings=settings,
+    return cls(parts.policy_gd, params, tokenizer=parts.tokenizer, inputs=parts.inputs, settings=settings,
                system=parts.loop_cfg.system, image_hw=parts.image_hw, n_img_tokens=parts.loop_cfg.n_img_tokens,
                batch_size=batch_size, length_multiple=parts.config.length_multiple)
 
@@ -349,7 +349,7 @@ class OrmScorer:
                            max_images=image_slots(chunk, self.settings.screenshots), image_hw=self.image_hw,
                            length_multiple=self.length_multiple, batch_size=self.batch_size)
       out.append(np.asarray(answer_logits(self.params, batch, pos, graphdef=self.graphdef,
-                                          hp=self.hparams))[:len(chunk)])
+                                          inputs=self.inputs))[:len(chunk)])
     return np.concatenate(out) if out else np.zeros((0, 0), np.float32)
 
   def p_yes(self, episodes: Sequence[Episode]) -> np.ndarray:

@@ -46,6 +46,7 @@ from tars_jax.rl import losses
 from tars_jax.rl import metrics as rl_metrics
 from tars_jax.rl.checks import check_finite
 from tars_jax.train import step as step_lib
+from tars_jax.train.step import ModelInputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,8 +86,6 @@ class PPOHparams:
   kl_coef: float
   decoupled: bool
   temperature: float
-  image_token_id: int
-  grid_hw: tuple[int, int]
 
   def __post_init__(self):
     if self.algo not in ALGOS:
@@ -132,12 +131,12 @@ def free_decisions(table, states, mask) -> jax.Array:
   return losses.decision_mask(mask, num_allowed[states])
 
 
-def critic_values(critic_gd, critic_params, batch: dict, hp: PPOHparams) -> jax.Array:
+def critic_values(critic_gd, critic_params, batch: dict, inputs: ModelInputs) -> jax.Array:
   """Values of the prefix ending at each input token j, i.e. V(s) before target token j+1.
 
   Returns [B, T-1] float32.
   """
-  values, _ = step_lib.forward(critic_gd, critic_params, batch, hp)
+  values, _ = step_lib.forward(critic_gd, critic_params, batch, inputs)
   return values[:, :-1]
 
 
@@ -185,12 +184,12 @@ def compute_advantages(values: jax.Array, batch: dict, hp: PPOHparams, free: jax
   return _whiten(adv, batch["loss_mask"], free, hp), ret
 
 
-def _token_logp(params, gd, table, mb, hp: PPOHparams):
+def _token_logp(params, gd, table, mb, hp: PPOHparams, inputs: ModelInputs):
   """(log-probs [B,T-1] float32 of the target tokens under the distribution the sampler drew from
   (`sampler.token_logprobs`: grammar-masked, temperature-scaled), logits [B,T-1,V] float32, allowed
   [B,T-1,V] bool or None, MoE aux loss, fraction of MoE top-k assignments dropped over expert
   capacity (0 unless `moe_capacity_factor`))."""
-  logits, aux, _, st = step_lib.forward(gd, params, mb, hp, moe_stats=True)
+  logits, aux, _, st = step_lib.forward(gd, params, mb, inputs, moe_stats=True)
   dropped = st["moe_dropped"] / jnp.maximum(st["moe_assignments"], 1.0)
   logits = logits[:, :-1].astype(jnp.float32)
   allowed = step_lib.allowed_tokens(table, mb["states"], mb["loss_mask"])
@@ -199,10 +198,10 @@ def _token_logp(params, gd, table, mb, hp: PPOHparams):
   return logp, logits, allowed, aux, dropped
 
 
-def policy_loss(params, gd, table, mb, hp: PPOHparams):
+def policy_loss(params, gd, table, mb, hp: PPOHparams, inputs: ModelInputs):
   """(loss scalar, metrics) of one PPO / GRPO minibatch: the clipped (or decoupled) surrogate on free
   decisions, minus ent_coef * entropy, plus the MoE aux loss and the KL-to-reference term."""
-  logp, logits, allowed, aux, dropped = _token_logp(params, gd, table, mb, hp)
+  logp, logits, allowed, aux, dropped = _token_logp(params, gd, table, mb, hp, inputs)
   # Forced tokens have zero gradient anyway; leaving them out of the mask keeps them out of the
   # token-mean denominators, the entropy mean and the clip / KL statistics.
   free = free_decisions(table, mb["states"], mb["loss_mask"])
@@ -222,46 +221,52 @@ def policy_loss(params, gd, table, mb, hp: PPOHparams):
   return loss, m
 
 
-@functools.partial(jax.jit, static_argnames=("policy_gd", "hp"))
-def reference_logp(ref_params, batch: dict, table, *, policy_gd, hp: PPOHparams) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("policy_gd", "hp", "inputs"))
+def reference_logp(ref_params, batch: dict, table, *, policy_gd, hp: PPOHparams, inputs: ModelInputs) -> jax.Array:
   """[B, T-1] log-probs of the batch's target tokens under the policy `ref_params` (jitted): the KL
   reference, or the proximal policy of the decoupled objective (the params before the update)."""
-  return _token_logp(ref_params, policy_gd, table, batch, hp)[0] * batch["loss_mask"]
+  return _token_logp(ref_params, policy_gd, table, batch, hp, inputs)[0] * batch["loss_mask"]
 
 
-def critic_loss(params, gd, mb, hp: PPOHparams):
+def critic_loss(params, gd, mb, hp: PPOHparams, inputs: ModelInputs):
   """(vf_coef * clipped value loss + MoE aux loss, metrics) of one critic minibatch."""
-  values, aux = step_lib.forward(gd, params, mb, hp)
+  values, aux = step_lib.forward(gd, params, mb, inputs)
   vl, m = losses.value_loss(values[:, :-1], mb["old_values"], mb["returns"], mb["loss_mask"],
                             hp.value_clip, hp.loss_agg)
   return hp.vf_coef * vl + hp.aux_loss_coef * aux, dict(m, value_loss=vl)
 
 
-@functools.partial(jax.jit, static_argnames=("policy_gd", "critic_gd", "popt", "copt", "hp"),
+def _policy_update(state: dict, mb: dict, table, policy_gd, popt, hp: PPOHparams, inputs: ModelInputs) -> tuple[dict, dict]:
+  loss_fn = lambda p: policy_loss(p, policy_gd, table, mb, hp, inputs)  # noqa: E731
+  params, opt_state, _, pm, gnorm = step_lib.apply_gradients(loss_fn, state["policy"], state["policy_opt"], popt)
+  return dict(state, policy=params, policy_opt=opt_state), dict(pm, policy_grad_norm=gnorm)
+
+
+def critic_update(state: dict, mb: dict, critic_gd, copt, hp: PPOHparams, inputs: ModelInputs) -> tuple[dict, dict]:
+  """The critic's `step_lib.apply_gradients` on one minibatch (needs mb old_values, returns): (state
+  with new critic and critic_opt, metrics + critic_grad_norm). Traced inside the caller's jit."""
+  loss_fn = lambda p: critic_loss(p, critic_gd, mb, hp, inputs)  # noqa: E731
+  params, opt_state, _, vm, gnorm = step_lib.apply_gradients(loss_fn, state["critic"], state["critic_opt"], copt)
+  return dict(state, critic=params, critic_opt=opt_state), dict(vm, critic_grad_norm=gnorm)
+
+
+@functools.partial(jax.jit, static_argnames=("policy_gd", "critic_gd", "popt", "copt", "hp", "inputs"),
                    donate_argnames=("state",))
-def minibatch_step(state: dict, mb: dict, table, *, policy_gd, critic_gd, popt, copt, hp: PPOHparams):
-  """One PPO step on a minibatch: returns (new state, metrics dict of scalars).
-
-  `state` = {"step", "policy", "critic", "policy_opt", "critic_opt"} (nnx.State / optax pytrees).
-  """
-  (_, pm), pg = jax.value_and_grad(policy_loss, has_aux=True)(state["policy"], policy_gd, table, mb, hp)
-  (_, vm), vg = jax.value_and_grad(critic_loss, has_aux=True)(state["critic"], critic_gd, mb, hp)
-  pu, popt_state = popt.update(pg, state["policy_opt"], state["policy"])
-  cu, copt_state = copt.update(vg, state["critic_opt"], state["critic"])
-  new = dict(state, step=state["step"] + 1, policy=optax.apply_updates(state["policy"], pu),
-             critic=optax.apply_updates(state["critic"], cu), policy_opt=popt_state, critic_opt=copt_state)
-  metrics = dict(pm, **vm, policy_grad_norm=optax.global_norm(pg), critic_grad_norm=optax.global_norm(vg))
-  return new, metrics
+def minibatch_step(state: dict, mb: dict, table, *, policy_gd, critic_gd, popt, copt, hp: PPOHparams,
+                   inputs: ModelInputs):
+  """One PPO step on a minibatch, policy and critic in one program: returns (new state, metrics dict
+  of scalars). `state` = {"step", "policy", "critic", "policy_opt", "critic_opt"} (nnx.State / optax
+  pytrees)."""
+  new, pm = _policy_update(state, mb, table, policy_gd, popt, hp, inputs)
+  new, vm = critic_update(new, mb, critic_gd, copt, hp, inputs)
+  return dict(new, step=state["step"] + 1), dict(pm, **vm)
 
 
-@functools.partial(jax.jit, static_argnames=("policy_gd", "popt", "hp"), donate_argnames=("state",))
-def policy_step(state: dict, mb: dict, table, *, policy_gd, popt, hp: PPOHparams):
+@functools.partial(jax.jit, static_argnames=("policy_gd", "popt", "hp", "inputs"), donate_argnames=("state",))
+def policy_step(state: dict, mb: dict, table, *, policy_gd, popt, hp: PPOHparams, inputs: ModelInputs):
   """One clipped policy-gradient step without a critic (group-relative algos); (state, metrics)."""
-  (_, pm), pg = jax.value_and_grad(policy_loss, has_aux=True)(state["policy"], policy_gd, table, mb, hp)
-  pu, popt_state = popt.update(pg, state["policy_opt"], state["policy"])
-  new = dict(state, step=state["step"] + 1, policy=optax.apply_updates(state["policy"], pu),
-             policy_opt=popt_state)
-  return new, dict(pm, policy_grad_norm=optax.global_norm(pg))
+  new, pm = _policy_update(state, mb, table, policy_gd, popt, hp, inputs)
+  return dict(new, step=state["step"] + 1), pm
 
 
 def outcome_advantages(scores: np.ndarray, group_ids: np.ndarray, algo: str) -> np.ndarray:
@@ -282,8 +287,8 @@ def outcome_advantages(scores: np.ndarray, group_ids: np.ndarray, algo: str) -> 
   return np.asarray(a, np.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("critic_gd", "hp"))
-def prepare(critic_params, batch: dict, table=None, *, critic_gd, hp: PPOHparams):
+@functools.partial(jax.jit, static_argnames=("critic_gd", "hp", "inputs"))
+def prepare(critic_params, batch: dict, table=None, *, critic_gd, hp: PPOHparams, inputs: ModelInputs):
   """Values, advantages, returns [B,T-1] float32 and diagnostics of a rollout batch (jitted).
 
   table: the grammar table the batch was sampled under ([S, V] int32), or None (unconstrained, or a
@@ -292,7 +297,7 @@ def prepare(critic_params, batch: dict, table=None, *, critic_gd, hp: PPOHparams
   lam_policy_mean (over episodes); advantage_abs_mean (mean |A| before whitening over free
   decisions) and informative_fraction (`rl.metrics.informative_fraction` of the same advantages).
   """
-  values = critic_values(critic_gd, critic_params, batch, hp)
+  values = critic_values(critic_gd, critic_params, batch, inputs)
   mask = batch["loss_mask"]
   free = free_decisions(table, batch["states"], mask)
   raw, ret = raw_advantages(values, batch, hp, free)
@@ -374,7 +379,7 @@ def trim_padding(mb: dict, lengths: np.ndarray, images: np.ndarray) -> dict:
 
 
 def ppo_update(state: dict, batch: dict[str, np.ndarray], table, *, policy_gd, critic_gd, popt, copt,
-               hp: PPOHparams, epochs: int, minibatch_size: int, rng: np.random.Generator,
+               hp: PPOHparams, inputs: ModelInputs, epochs: int, minibatch_size: int, rng: np.random.Generator,
                n_real: int, scores: np.ndarray | None = None, group_ids: np.ndarray | None = None,
                ref_params=None, minibatch_by_length: bool = False) -> tuple[dict, dict[str, float]]:
   """Full update on one rollout batch; returns (state, mean metrics over minibatch steps, plus
@@ -404,21 +409,21 @@ def ppo_update(state: dict, batch: dict[str, np.ndarray], table, *, policy_gd, c
   if hp.kl_coef > 0:
     if ref_params is None:
       raise ValueError("rl.kl_coef > 0 needs ref_params (the reference policy)")
-    batch["ref_logp"] = reference_logp(ref_params, batch, table, policy_gd=policy_gd, hp=hp)
+    batch["ref_logp"] = reference_logp(ref_params, batch, table, policy_gd=policy_gd, hp=hp, inputs=inputs)
   if hp.decoupled:  # the proximal policy: this update's starting point (one extra forward pass)
-    batch["prox_logp"] = reference_logp(state["policy"], batch, table, policy_gd=policy_gd, hp=hp)
+    batch["prox_logp"] = reference_logp(state["policy"], batch, table, policy_gd=policy_gd, hp=hp, inputs=inputs)
   attn = to_host(batch["attn_mask"])  # also a batch of global arrays over several processes
   lengths, images = attn.sum(-1), to_host(batch["image_mask"]).sum(-1)
   batch = trim_padding(batch, lengths, images)  # screenshot slots no episode of the batch used
   row_ep = to_host(batch["row_episode"]) if "row_episode" in batch else None
   real = np.nonzero(row_ep >= 0)[0] if row_ep is not None else np.arange(n_real)
   if hp.algo == "ppo":
-    values, adv, ret, diag = prepare(state["critic"], batch, table, critic_gd=critic_gd, hp=hp)
+    values, adv, ret, diag = prepare(state["critic"], batch, table, critic_gd=critic_gd, hp=hp, inputs=inputs)
     check_finite(values=values)
     batch.update(old_values=values, advantages=adv, returns=ret)
     rows = real
     step = functools.partial(minibatch_step, policy_gd=policy_gd, critic_gd=critic_gd, popt=popt,
-                             copt=copt, hp=hp)
+                             copt=copt, hp=hp, inputs=inputs)
   else:
     if scores is None or group_ids is None:
       raise ValueError(f"algo {hp.algo!r} needs episode scores and group_ids")
@@ -441,7 +446,7 @@ def ppo_update(state: dict, batch: dict[str, np.ndarray], table, *, policy_gd, c
     diag = {"informative_fraction": informative / max(1, n_real), "advantage_abs_mean":
             float(np.abs(ep_adv).mean()) if n_real else 0.0,
             "groups_dropped_singleton": int(single.sum())}  # a singleton group is one episode
-    step = functools.partial(policy_step, policy_gd=policy_gd, popt=popt, hp=hp)
+    step = functools.partial(policy_step, policy_gd=policy_gd, popt=popt, hp=hp, inputs=inputs)
   collected: list[dict] = []
   tokens = 0.0
   for _ in range(epochs if len(rows) else 0):

@@ -30,8 +30,8 @@ from tars_jax.agent.grammar import Grammar, walk
 from tars_jax.agent.tokenizer import ByteTokenizer
 from tars_jax.agent.trajectory import Episode
 from tars_jax.data import records
-from tars_jax.train import ppo
 from tars_jax.train import step as step_lib
+from tars_jax.train.step import ModelInputs
 
 _REPLY = re.compile(r"^Thought: (?P<thought>[^\n]*)\nAction: (?P<action>.*)$", re.S)
 
@@ -101,14 +101,15 @@ def make_optimizer(lr: float, warmup_steps: int, total_steps: int, final_fractio
                      optax.adamw(lambda s: sched(s + 1), b1=0.9, b2=0.999, weight_decay=weight_decay))
 
 
-def token_logp(graphdef, params, batch: dict, table, hp: ppo.PPOHparams):
-  """Log-probs of the target tokens under the grammar-constrained distribution at temperature 1.
+def token_logp(params, batch: dict, table, *, graphdef, inputs: ModelInputs):
+  """Log-probs of the target tokens under the grammar-constrained distribution at temperature 1
+  (the full vocabulary where `table` is None).
 
   batch: a collated `trajectory.Batch` dict (tokens [B, T] int32, loss_mask / states [B, T-1], images).
   Returns (logp [B, T-1] float32, allowed_count [B, T-1] int32 (tokens the grammar allows; 1 = forced),
   correct [B, T-1] bool (the target is the arg-max), aux_loss scalar).
   """
-  out = step_lib.forward(graphdef, params, batch, hp)
+  out = step_lib.forward(graphdef, params, batch, inputs)
   allowed = step_lib.allowed_tokens(table, batch["states"], batch["loss_mask"])
   logp, logp_all = step_lib.target_logp(out.logits, batch["tokens"], allowed)
   target = batch["tokens"][:, 1:]
@@ -116,14 +117,16 @@ def token_logp(graphdef, params, batch: dict, table, hp: ppo.PPOHparams):
   return logp, n_allowed, jnp.argmax(logp_all, -1) == target, out.aux_loss
 
 
-def loss_and_metrics(graphdef, params, batch: dict, table, hp: ppo.PPOHparams, aux_coef: float):
-  """(loss, metrics): token-mean cross-entropy over reply tokens + aux_coef * MoE load-balance loss.
+def loss_and_metrics(params, batch: dict, table, *, graphdef, inputs: ModelInputs, aux_coef: float):
+  """(loss, metrics): token-mean cross-entropy over the `loss_mask` tokens + aux_coef * MoE
+  load-balance loss. SFT: the reply tokens under the grammar `table`; CT (`ct.loss_and_metrics`):
+  every text token, table None (the full vocabulary).
 
-  metrics (float32 scalars): ce (per reply token, nats), ce_free (per free decision: positions where
+  metrics (float32 scalars): ce (per masked token, nats), ce_free (per free decision: positions where
   the grammar allows more than one token), acc_free (arg-max = target at free decisions), tokens
-  (reply tokens), free (free decisions), aux.
+  (masked tokens), free (free decisions), aux.
   """
-  logp, n_allowed, correct, aux = token_logp(graphdef, params, batch, table, hp)
+  logp, n_allowed, correct, aux = token_logp(params, batch, table, graphdef=graphdef, inputs=inputs)
   mask = batch["loss_mask"]
   free = mask * (n_allowed > 1)
   n, nf = jnp.maximum(mask.sum(), 1.0), jnp.maximum(free.sum(), 1.0)
@@ -133,16 +136,14 @@ def loss_and_metrics(graphdef, params, batch: dict, table, hp: ppo.PPOHparams, a
   return ce + aux_coef * aux, m
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "opt", "hp", "aux_coef"))
-def train_step(params, opt_state, batch: dict, table, *, graphdef, opt, hp: ppo.PPOHparams, aux_coef: float):
-  """One SFT update. Returns (params, opt_state, metrics incl. loss and grad_norm)."""
-  (loss, m), g = jax.value_and_grad(
-      lambda p: loss_and_metrics(graphdef, p, batch, table, hp, aux_coef), has_aux=True)(params)
-  updates, opt_state = opt.update(g, opt_state, params)
-  return optax.apply_updates(params, updates), opt_state, dict(m, loss=loss, grad_norm=optax.global_norm(g))
+def train_step(params, opt_state, batch: dict, table, *, graphdef, opt, inputs: ModelInputs, aux_coef: float):
+  """One SFT update (`step.update` of `loss_and_metrics`; table None = the full vocabulary, as the
+  ORM trains). Returns (params, opt_state, metrics incl. loss and grad_norm)."""
+  loss_fn = step_lib.bind(loss_and_metrics, graphdef=graphdef, inputs=inputs, aux_coef=aux_coef)
+  return step_lib.update(params, opt_state, batch, table, loss_fn=loss_fn, opt=opt)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "hp"))
-def eval_metrics(params, batch: dict, table, *, graphdef, hp: ppo.PPOHparams) -> dict[str, Any]:
+@functools.partial(jax.jit, static_argnames=("graphdef", "inputs"))
+def eval_metrics(params, batch: dict, table, *, graphdef, inputs: ModelInputs) -> dict[str, Any]:
   """The metrics of `loss_and_metrics` without an update (held-out records)."""
-  return loss_and_metrics(graphdef, params, batch, table, hp, 0.0)[1]
+  return loss_and_metrics(params, batch, table, graphdef=graphdef, inputs=inputs, aux_coef=0.0)[1]

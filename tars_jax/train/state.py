@@ -28,6 +28,7 @@ from tars_jax.rl.rewards import RewardConfig
 from tars_jax.rollout.agent_loop import LoopConfig
 from tars_jax.rollout.inference_server import BatchedPolicy, InferenceService, max_reply_tokens
 from tars_jax.train import checkpoint, ppo
+from tars_jax.train.step import ModelInputs
 
 
 @dataclasses.dataclass
@@ -42,6 +43,7 @@ class Parts:
   popt: Any
   copt: Any
   hparams: ppo.PPOHparams
+  inputs: ModelInputs  # how a batch's tokens become the model's inputs (IMAGE id, screenshot grid)
   loop_cfg: LoopConfig
   eval_loop_cfg: LoopConfig  # loop_cfg with the held-out evaluation's `env.eval_data_mode`
   image_hw: tuple[int, int]
@@ -192,11 +194,14 @@ def load_policy(state: dict, path: str, popt) -> tuple[dict, str]:
   """
   if hf_tokenizer.hf_dir(path) is not None:  # `hf:<dir>`: Parts.init_state already holds its weights
     return state, f"{path} (transformers checkpoint, loaded by Parts.init_state)"
-  policy, _, src = restore_policy(state, path)
+  try:
+    policy, _, src = restore_policy(state, path)
+  except FileNotFoundError as e:  # name the setting that pointed there
+    raise FileNotFoundError(f"policy.init={path!r}: {e}") from None
   return dict(state, policy=policy, policy_opt=popt.init(policy)), src
 
 
-def hparams(config, image_token_id: int, grid_hw: tuple[int, int]) -> ppo.PPOHparams:
+def hparams(config) -> ppo.PPOHparams:
   """`PPOHparams` from `config.rl` and `config.sampling.temperature`; every field must be set.
 
   `rl.value_clip <= 0` disables value clipping; `rl.clip_c` / `rl.length_adaptive_alpha` unset (None)
@@ -215,8 +220,7 @@ def hparams(config, image_token_id: int, grid_hw: tuple[int, int]) -> ppo.PPOHpa
                         whiten_advantages=r.whiten_advantages, clip_low=r.clip_low, clip_high=r.clip_high,
                         clip_c=r.clip_c, value_clip=vclip, vf_coef=r.vf_coef, ent_coef=r.ent_coef,
                         aux_loss_coef=r.aux_loss_coef, loss_agg=r.loss_agg, kl_kind=r.kl_kind,
-                        kl_coef=r.kl_coef, decoupled=r.decoupled, temperature=config.sampling.temperature,
-                        image_token_id=image_token_id, grid_hw=grid_hw)
+                        kl_coef=r.kl_coef, decoupled=r.decoupled, temperature=config.sampling.temperature)
 
 
 def reward_config(r) -> RewardConfig:
@@ -284,7 +288,8 @@ def build(config) -> Parts:
   copt = ppo.make_optimizer(r.critic_lr, r.warmup_steps, r.max_grad_norm, r.weight_decay)
   image_hw = (config.model.image_h, config.model.image_w) if hf is None else hf.image_hw
   grid_hw = mcfg.merged_grid
-  hp = hparams(config, tok.image_id, tuple(grid_hw))
+  hp = hparams(config)
+  inputs = ModelInputs(tok.image_id, tuple(grid_hw))
   actions = tuple(g.actions) if g.constrained else None
   loop_cfg = LoopConfig(max_turns=config.env.max_turns, image_hw=image_hw,
                         n_img_tokens=grid_hw[0] * grid_hw[1],
@@ -294,5 +299,5 @@ def build(config) -> Parts:
   max_new = max_reply_tokens(grammar) if g.constrained else 64
   table = jnp.asarray(grammar.table)
   eval_loop_cfg = dataclasses.replace(loop_cfg, data_mode=config.env.get("eval_data_mode", "train"))
-  return Parts(config, tok, mcfg, grammar, table, policy_gd, critic_gd, popt, copt, hp, loop_cfg,
+  return Parts(config, tok, mcfg, grammar, table, policy_gd, critic_gd, popt, copt, hp, inputs, loop_cfg,
                eval_loop_cfg, image_hw, max_new, mesh, rules, hf)

@@ -1,26 +1,44 @@
-"""The model call every update shares: a collated batch through the policy (or critic) and the
-log-probs of its target tokens. PPO (train/ppo.py), SFT (train/sft.py), CT (train/ct.py), the ORM
-(train/orm.py) and the pointing probe call these instead of each assembling the call themselves.
+"""The model call and the optimiser step every update shares. PPO (train/ppo.py), SFT (train/sft.py),
+CT (train/ct.py), value pretraining (train/value_pretrain.py), the ORM (train/orm.py) and the pointing
+probe call these instead of each assembling the call and the step themselves.
 
 A batch is a `trajectory.Batch` dict: tokens / attn_mask [B, T] int32, pixel_values
-[B, M, H, W, 3] float32, image_mask [B, M] bool, loss_mask / states [B, T-1].
+[B, M, H, W, 3] float32, image_mask [B, M] bool, loss_mask / states [B, T-1]. How its tokens become
+the model's inputs (the IMAGE placeholder id, the screenshot's merged-patch grid) is a `ModelInputs`,
+apart from the RL hyper-parameters (`ppo.PPOHparams`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from typing import Any, Callable
+
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 
 from tars_jax.models import rope_positions
-
 from tars_jax.models.inference import sampler
 
 
-def positions(tokens: jax.Array, attn_mask: jax.Array, hp) -> jax.Array:
-  """M-RoPE position ids of a batch (`models.rope_positions`; image tokens on the screenshot grid).
-  hp: anything with `image_token_id` and `grid_hw` (e.g. `ppo.PPOHparams`)."""
-  return rope_positions(tokens, attn_mask, hp.image_token_id, hp.grid_hw)
+@dataclasses.dataclass(frozen=True)
+class ModelInputs:
+  """How a collated batch becomes the model's inputs (hashable: a static jit argument).
+
+  image_token_id: the IMAGE placeholder token id (int); grid_hw: merged patches per screenshot,
+  (rows, cols), where M-RoPE places the image tokens (`models.rope_positions`).
+  """
+
+  image_token_id: int
+  grid_hw: tuple[int, int]
+
+
+def positions(tokens: jax.Array, attn_mask: jax.Array, inputs: ModelInputs) -> jax.Array:
+  """M-RoPE position ids [3, B, T] int32 of a batch (`models.rope_positions`; image tokens on the
+  screenshot grid). tokens, attn_mask: [B, T]."""
+  return rope_positions(tokens, attn_mask, inputs.image_token_id, inputs.grid_hw)
 
 
 def allowed_tokens(table, states: jax.Array, mask: jax.Array) -> jax.Array | None:
@@ -32,10 +50,10 @@ def allowed_tokens(table, states: jax.Array, mask: jax.Array) -> jax.Array | Non
   return jnp.where(mask[..., None] > 0, allowed, True)
 
 
-def forward(graphdef, params, batch: dict, hp, **kwargs):
+def forward(graphdef, params, batch: dict, inputs: ModelInputs, **kwargs):
   """The model (`nnx.merge(graphdef, params)`: a policy or a critic) on a collated batch; kwargs go to
   the model's call (e.g. `moe_stats=True`). Returns what the model returns."""
-  return nnx.merge(graphdef, params)(batch["tokens"], positions(batch["tokens"], batch["attn_mask"], hp),
+  return nnx.merge(graphdef, params)(batch["tokens"], positions(batch["tokens"], batch["attn_mask"], inputs),
                                      batch["attn_mask"], batch["pixel_values"], batch["image_mask"], **kwargs)
 
 
@@ -46,3 +64,30 @@ def target_logp(logits: jax.Array, tokens: jax.Array, allowed: jax.Array | None 
   (`sampler.constrained_log_softmax`; temperature 0 = 1). logits: [B, T, V] of the whole sequence; allowed: [B, T-1, V]."""
   logp_all = sampler.constrained_log_softmax(logits[:, :-1], allowed, temperature)
   return jnp.take_along_axis(logp_all, tokens[:, 1:, None].astype(jnp.int32), axis=-1)[..., 0], logp_all
+
+
+def apply_gradients(loss_fn: Callable, params, opt_state, opt: optax.GradientTransformation, *args
+                    ) -> tuple[Any, Any, jax.Array, dict, jax.Array]:
+  """One optimiser step on `loss_fn(params, *args) -> (loss scalar, metrics dict)`, traced inside the
+  caller's jit: (new params, new opt_state, loss, metrics, global norm of the gradient before
+  clipping). Every update of the project is this step (PPO's joint policy + critic step makes two)."""
+  (loss, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(params, *args)
+  updates, opt_state = opt.update(g, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state, loss, metrics, optax.global_norm(g)
+
+
+@functools.cache
+def bind(loss_fn: Callable, **static) -> Callable:
+  """`loss_fn` with its static keyword arguments (graphdef, `ModelInputs`, constants: all hashable)
+  bound, one object per distinct binding: `update`'s jit cache is keyed on it, so each binding
+  compiles once per batch shape."""
+  return functools.partial(loss_fn, **static)
+
+
+@functools.partial(jax.jit, static_argnames=("loss_fn", "opt"))
+def update(params, opt_state, *args, loss_fn: Callable, opt: optax.GradientTransformation):
+  """One jitted update of the supervised stages (SFT, CT, the ORM): `apply_gradients` of
+  `loss_fn(params, *args)` (a `bind` of a loss with its static arguments; args are arrays, e.g. the
+  batch and the grammar table). Returns (params, opt_state, metrics + loss, grad_norm)."""
+  params, opt_state, loss, m, gnorm = apply_gradients(loss_fn, params, opt_state, opt, *args)
+  return params, opt_state, dict(m, loss=loss, grad_norm=gnorm)

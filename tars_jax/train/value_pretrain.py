@@ -23,6 +23,7 @@ import optax
 from tars_jax.rl import advantages as adv_lib
 from tars_jax.rl.checks import check_finite
 from tars_jax.train import ppo
+from tars_jax.train.step import ModelInputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,18 +61,16 @@ def init_critic_state(critic_params, copt: optax.GradientTransformation) -> dict
   return {"step": jnp.zeros((), jnp.int32), "critic": critic_params, "critic_opt": copt.init(critic_params)}
 
 
-@functools.partial(jax.jit, static_argnames=("critic_gd", "copt", "hp"), donate_argnames=("state",))
-def critic_step(state: dict, mb: dict, *, critic_gd, copt, hp: ppo.PPOHparams):
-  """One critic-only step on a minibatch (needs mb old_values, returns); (state, metrics)."""
-  (_, vm), vg = jax.value_and_grad(ppo.critic_loss, has_aux=True)(state["critic"], critic_gd, mb, hp)
-  cu, copt_state = copt.update(vg, state["critic_opt"], state["critic"])
-  new = dict(state, step=state["step"] + 1, critic=optax.apply_updates(state["critic"], cu),
-             critic_opt=copt_state)
-  return new, dict(vm, critic_grad_norm=optax.global_norm(vg))
+@functools.partial(jax.jit, static_argnames=("critic_gd", "copt", "hp", "inputs"), donate_argnames=("state",))
+def critic_step(state: dict, mb: dict, *, critic_gd, copt, hp: ppo.PPOHparams, inputs: ModelInputs):
+  """One critic-only step on a minibatch (`ppo.critic_update`; needs mb old_values, returns); (state,
+  metrics)."""
+  new, vm = ppo.critic_update(state, mb, critic_gd, copt, hp, inputs)
+  return dict(new, step=state["step"] + 1), vm
 
 
 def value_update(state: dict, batch: dict[str, np.ndarray], *, critic_gd, copt, hp: ppo.PPOHparams,
-                 epochs: int, minibatch_size: int, rng: np.random.Generator, n_real: int,
+                 inputs: ModelInputs, epochs: int, minibatch_size: int, rng: np.random.Generator, n_real: int,
                  minibatch_by_length: bool = False) -> tuple[dict, dict[str, float]]:
   """Critic update on one rollout batch of the fixed policy; returns (state, metrics).
 
@@ -85,7 +84,7 @@ def value_update(state: dict, batch: dict[str, np.ndarray], *, critic_gd, copt, 
   check_finite(rewards=batch["rewards"])
   lengths, images = np.asarray(batch["attn_mask"]).sum(-1), np.asarray(batch["image_mask"]).sum(-1)
   batch = ppo.trim_padding({k: jnp.asarray(v) for k, v in batch.items()}, lengths, images)
-  values, _, ret, diag = ppo.prepare(state["critic"], batch, critic_gd=critic_gd, hp=hp)
+  values, _, ret, diag = ppo.prepare(state["critic"], batch, critic_gd=critic_gd, hp=hp, inputs=inputs)
   check_finite(values=values)
   mask = batch["loss_mask"]
   fresh = 0.5 * adv_lib.masked_mean((values - ret) ** 2, mask)
@@ -95,7 +94,7 @@ def value_update(state: dict, batch: dict[str, np.ndarray], *, critic_gd, copt, 
   collected = []
   for _ in range(epochs if n_real else 0):
     for _, mb in ppo.minibatches(batch, rows, lengths, images, minibatch_size, rng, minibatch_by_length):
-      state, m = critic_step(state, mb, critic_gd=critic_gd, copt=copt, hp=hp)
+      state, m = critic_step(state, mb, critic_gd=critic_gd, copt=copt, hp=hp, inputs=inputs)
       collected.append(m)
   out = {k: float(np.mean([float(m[k]) for m in collected])) for k in collected[0]} if collected else {}
   out.update(fresh_value_loss=float(fresh), explained_variance=float(diag["explained_variance"]),

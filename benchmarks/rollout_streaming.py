@@ -29,7 +29,8 @@ from envs_bridge.launch import env_fleet
 from experiments.configs import miniwob_ppo
 from tars_jax.agent.trajectory import collate
 from tars_jax.rollout import pool as pool_lib
-from tars_jax.rollout.agent_loop import RolloutStats, run_episodes
+from tars_jax.rollout.agent_loop import run_episodes
+from tars_jax.rollout.episode import RolloutStats
 from tars_jax.rollout.jobs import group_ids, rollout_jobs
 from tars_jax.train import ppo
 from tars_jax.train import state as state_lib

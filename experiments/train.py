@@ -40,7 +40,8 @@ from tars_jax.analysis.image_dependence import image_dependence
 from tars_jax.data import records
 from tars_jax.rollout import evaluation
 from tars_jax.rollout import pool as pool_lib
-from tars_jax.rollout.agent_loop import RolloutStats, run_episodes, trainable
+from tars_jax.rollout.agent_loop import run_episodes, trainable
+from tars_jax.rollout.episode import RolloutStats
 from tars_jax.rollout.jobs import group_ids, rollout_jobs
 from tars_jax.train import orm as orm_lib
 from tars_jax.train import checkpoint as ckpt

@@ -29,7 +29,8 @@ import numpy as np
 
 from envs_bridge.launch import env_fleet
 from tars_jax.agent.trajectory import collate
-from tars_jax.rollout.agent_loop import RolloutStats, run_episodes, trainable
+from tars_jax.rollout.agent_loop import run_episodes, trainable
+from tars_jax.rollout.episode import RolloutStats
 from tars_jax.rollout.jobs import rollout_jobs
 from tars_jax.train import checkpoint as ckpt
 from tars_jax.train import ppo

@@ -228,7 +228,8 @@ def test_agent_loop_and_evaluation_run_unchanged_on_the_desktop(desk):
   """The trainer's rollout loop and the evaluator's summary, as they are, against the desktop server
   (a scripted policy in place of the model: it reads the word from its prompt tokens)."""
   from tars_jax.agent.tokenizer import ByteTokenizer
-  from tars_jax.rollout.agent_loop import LoopConfig, run_episodes
+  from tars_jax.rollout.agent_loop import run_episodes
+  from tars_jax.rollout.episode import LoopConfig
   from tars_jax.rollout.evaluation import summarize
   tok = ByteTokenizer()
 

@@ -84,7 +84,7 @@ def test_blocks_partition_the_jobs_in_order():
 def test_one_process_changes_nothing():
   import ml_collections as mlc
   from tars_jax import distributed as dist
-  from tars_jax.rollout.agent_loop import RolloutStats
+  from tars_jax.rollout.episode import RolloutStats
   cfg = mlc.ConfigDict(dict(num_processes=1, process_id=-1, coordinator_address="", heartbeat_timeout_s=100,
                             initialization_timeout_s=300, cpu_collectives="gloo"))
   assert dist.initialize(cfg) == (0, 1)

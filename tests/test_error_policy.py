@@ -15,7 +15,8 @@ from envs_bridge.client import SandboxClient, SessionPool
 from envs_bridge.launch import free_port, launch_server
 from tars_jax.agent.tokenizer import ByteTokenizer
 from tars_jax.agent.trajectory import collate
-from tars_jax.rollout.agent_loop import LoopConfig, RolloutStats, run_episodes, trainable
+from tars_jax.rollout.agent_loop import run_episodes, trainable
+from tars_jax.rollout.episode import LoopConfig, RolloutStats
 from tars_jax.rollout.evaluation import summarize
 from _shared import run
 

@@ -27,7 +27,7 @@ from experiments.configs import miniwob_ppo
 from tars_jax.data.sources import demos
 from tars_jax.data.sources import experts as E
 from tars_jax.rollout import step_budget as SB
-from tars_jax.rollout.agent_loop import LoopConfig
+from tars_jax.rollout.episode import LoopConfig
 from tars_jax.rollout.evaluation import summarize
 from tars_jax.train.state import build
 from tests.test_demos import demo_config

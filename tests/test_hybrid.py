@@ -221,7 +221,8 @@ def test_agent_loop_shows_sdk_output_to_the_policy_next_turn(desk):
   import numpy as np
 
   from tars_jax.agent.tokenizer import ByteTokenizer
-  from tars_jax.rollout.agent_loop import LoopConfig, run_episodes
+  from tars_jax.rollout.agent_loop import run_episodes
+  from tars_jax.rollout.episode import LoopConfig
   tok = ByteTokenizer()
   seen = []
 

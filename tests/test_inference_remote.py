@@ -14,9 +14,13 @@ import jax
 import numpy as np
 import pytest
 
+from envs_bridge.client import SandboxClient
+from envs_bridge.launch import launch_server
 from experiments.configs import miniwob_ppo
 from tars_jax.rollout.inference_remote import RemoteInference
+from tars_jax.rollout.episode import InferenceFailed
 from tars_jax.rollout.inference_server import ContextTooLong
+from tars_jax.rollout.pool import PoolConfig, RolloutPool, job_groups
 from tars_jax.train import checkpoint as ckpt
 from tars_jax.train import state as state_lib
 
@@ -31,11 +35,11 @@ def _free_port():
     return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server():
+def _start_server(slots: int) -> tuple[subprocess.Popen, str]:
+  """An inference server process of the smoke config on a free port, once it answers /health."""
   port = _free_port()
   cmd = [sys.executable, "-m", "tars_jax.rollout.inference_remote", "--config",
-         os.path.join(ROOT, "experiments/configs/miniwob_ppo.py:smoke"), "--port", str(port), "--slots", "3"]
+         os.path.join(ROOT, "experiments/configs/miniwob_ppo.py:smoke"), "--port", str(port), "--slots", str(slots)]
   proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
   url = f"http://127.0.0.1:{port}"
@@ -48,6 +52,12 @@ def server():
       time.sleep(0.5)
     if proc.poll() is not None:
       pytest.fail(proc.stdout.read())
+  return proc, url
+
+
+@pytest.fixture(scope="module")
+def server():
+  proc, url = _start_server(3)
   yield url
   proc.terminate()
   proc.wait(timeout=30)
@@ -99,3 +109,34 @@ def test_remote_equals_in_process_and_swaps_weights(server, tmp_path):
       remote.submit(list(range(200)) * 40, []).result(timeout=60)
     assert e.value.prompt_tokens >= 8000 and e.value.capacity < e.value.prompt_tokens
     assert httpx.get(server + "/health").json()["requests"] == 6  # 4 + 1 + 1 replies; the refused one never ran
+
+
+@pytest.mark.slow  # ~60 s: its own server process compiles the smoke model; real Chromium
+@pytest.mark.browser
+def test_a_dead_inference_server_stops_the_pool_as_an_inference_failure_not_a_lost_session():
+  """The pool's episodes meet a killed inference server: `take` raises InferenceFailed naming the
+  service at once; no sandbox session is counted lost or replayed, and every session the pool opened
+  on the sandbox server is closed."""
+  cfg = miniwob_ppo.get_config("smoke")
+  parts = state_lib.build(cfg)
+  proc, url = _start_server(2)
+  remote = RemoteInference(url, timeout_s=30)
+  proc.kill()
+  proc.wait(timeout=30)
+
+  async def go(sandbox_url):
+    async with SandboxClient(sandbox_url) as c:
+      pool = RolloutPool(remote, [c], job_groups(["miniwob/click-test"], 2, 1, 0), parts.loop_cfg, parts.tokenizer,
+                         PoolConfig(concurrency=2, min_batch=2))
+      await pool.start()
+      with pytest.raises(InferenceFailed, match=r"inference service \(RemoteInference\) failed on miniwob/click-test"):
+        await pool.take()
+      await pool.close()
+      return pool.ledger, await c.health()
+
+  with launch_server() as h:
+    ledger, health = run(go(h.url))
+  remote.close()
+  assert ledger.lost_attempts == 0 and ledger.retried == 0 and ledger.failed >= 1
+  assert health["opened"] >= 1 and health["lost"] == 0
+  assert health["opened"] == health["closed"] + health["expired"] + health["sessions"] and health["sessions"] == 0

@@ -22,7 +22,8 @@ from tars_jax.agent import memory as M
 from tars_jax.agent.tokenizer import ByteTokenizer
 from tars_jax.agent.trajectory import Episode, Turn, collate, episode_arrays, episode_rows
 from tars_jax.rl import advantages as adv_lib
-from tars_jax.rollout.agent_loop import LoopConfig, run_episodes, turn_context
+from tars_jax.rollout.agent_loop import run_episodes
+from tars_jax.rollout.episode import LoopConfig, turn_context
 from tars_jax.train import ppo
 from tars_jax.train import state as state_lib
 from _shared import run

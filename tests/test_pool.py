@@ -21,7 +21,7 @@ from tars_jax.agent.grammar import build_grammar
 from tars_jax.agent.tokenizer import ByteTokenizer
 from tars_jax.agent.trajectory import Episode, Turn, episode_arrays
 from tars_jax.models import Policy
-from tars_jax.rollout.agent_loop import LoopConfig
+from tars_jax.rollout.episode import LoopConfig
 from tars_jax.rollout.inference_server import InferenceService, Reply, max_reply_tokens
 from tars_jax.rollout.pool import (PoolConfig, RolloutPool, SandboxesUnreachable, job_groups, mask_stale_tokens,
                                    staleness)

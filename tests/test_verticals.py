@@ -17,7 +17,8 @@ from tars_jax.agent.tokenizer import ByteTokenizer
 from tars_jax.analysis import merge_eval as ME
 from tars_jax.data import records
 from tars_jax.data.sources import demos
-from tars_jax.rollout.agent_loop import LoopConfig, run_episodes
+from tars_jax.rollout.agent_loop import run_episodes
+from tars_jax.rollout.episode import LoopConfig
 from tars_jax.train import state as state_lib
 
 TOK = ByteTokenizer()

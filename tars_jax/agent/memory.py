@@ -135,7 +135,7 @@ def build_context(ep: Episode, obs_ids: Sequence[int], image: np.ndarray, *, cfg
   the `Context` that records it).
 
   ep: the episode so far (its turns, `prefix_ids`, `instruction`, `memory`); obs_ids: this turn's
-  observation ids (`rollout.agent_loop.observation_ids`); image: this turn's screenshot [H, W, 3]
+  observation ids (`rollout.episode.observation_ids`); image: this turn's screenshot [H, W, 3]
   uint8; system: the system prompt the prefix was built with. With `cfg.enabled` False the result is
   `ep.token_ids() + obs_ids` and every screenshot.
   Raises: ContextBudgetError when the parts never left out exceed the budget.

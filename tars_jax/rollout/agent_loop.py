@@ -1,23 +1,20 @@
-"""Multi-turn episodes against sandbox sessions: observe -> think/act -> step, many episodes in lockstep.
+"""Multi-turn episodes against sandbox sessions, many in lockstep: observe -> think/act -> step.
 
-Each turn, every live episode's full history (prefix, past turns, new screenshot) is sent to the
-policy in one batch; the replies go to their sessions concurrently over HTTP. An episode ends when
-the page says done, or after `max_turns` (truncated, step-budget penalty). An episode whose session
-cannot be opened or dies (`envs_bridge.protocol.is_retryable`: SessionLost, LeaseExpired, ServerBusy,
-an unreachable server) is lost: it is retried from the same seed, counted, and returned with
-`lost=True` when every attempt was lost — nothing disappears silently. Any other sandbox error (an
-unknown task, a wrong token, ...) is raised at once: no replay would fix it (docs/ARCHITECTURE.md, "Sandbox protocol").
+Each turn, every live episode's prompt (`episode.turn_context`) goes to the policy in one batch; the
+replies go to their sessions concurrently over HTTP; `episode.record_turn` appends each Turn with its
+shaped reward (the turn mechanics of `rollout/episode.py`, which one-at-a-time paths play through
+`episode.play`). An episode ends when the page says done, or after `max_turns` (truncated, step-budget
+penalty). An episode whose session cannot be opened or dies (`envs_bridge.protocol.is_retryable`:
+SessionLost, LeaseExpired, ServerBusy, an unreachable server) is lost: the lost episodes of a round
+are played again from their seeds as the next round, counted, and returned with `lost=True` when
+every attempt was lost — nothing disappears silently. Any other sandbox error (an unknown task, a
+wrong token, ...) is raised at once: no replay would fix it (docs/ARCHITECTURE.md, "Sandbox protocol").
 A malformed action is not an error: the server answers it with an observation (`info.error`).
-
-Each turn's prompt comes from `turn_context` (the full history without memory; working / episodic
-memory and the token budget of `agent/memory.py` when `LoopConfig.memory` turns them on, the prompt
-then recorded in `Turn.context` so training sees exactly it).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from typing import Callable, Sequence
@@ -27,40 +24,13 @@ import numpy as np
 from envs_bridge import protocol
 from envs_bridge.client import SandboxClient, client_for
 from tars_jax.agent import memory as memory_lib
-from tars_jax.agent import prompts
-from tars_jax.agent.images import preprocess
 from tars_jax.agent.tokenizer import ByteTokenizer
-from tars_jax.agent.trajectory import Context, Episode, Turn
-from tars_jax.rl.rewards import RewardConfig, thought_of, turn_reward_terms
+from tars_jax.agent.trajectory import Context, Episode
+from tars_jax.rollout.episode import (LoopConfig, RolloutStats, close_quietly, next_view, open_episode, record_turn,
+                                      turn_context)
 
 # act(prompts, images) -> [(reply_ids incl. EOS, logprobs [n], states [n])], one per prompt.
 ActFn = Callable[[list[list[int]], list[list[np.ndarray]]], list[tuple[list[int], np.ndarray, np.ndarray]]]
-
-
-@dataclasses.dataclass
-class LoopConfig:
-  max_turns: int = 3
-  image_hw: tuple[int, int] = (224, 168)  # (H, W) the policy sees
-  n_img_tokens: int = 48
-  system: str = ""
-  rewards: RewardConfig = dataclasses.field(default_factory=RewardConfig)
-  max_retries: int = 2
-  data_mode: str = "train"  # the sandbox's split of task instances ('test': held-out browse questions)
-  # working / episodic memory and the context budget (agent/memory.py); the default is off: full history
-  memory: memory_lib.MemoryConfig = dataclasses.field(default_factory=memory_lib.MemoryConfig)
-
-
-@dataclasses.dataclass
-class RolloutStats:
-  episodes: int = 0  # episodes finished (not lost)
-  episodes_lost: int = 0  # attempts that lost their session (or could not open one)
-  episodes_retried: int = 0  # replays from the seed after a loss
-  episodes_failed: int = 0  # lost on every attempt: returned with lost=True
-  env_steps: int = 0
-  env_time_s: float = 0.0
-  policy_time_s: float = 0.0
-  generated_tokens: int = 0
-  reward_terms: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 class _Live:
@@ -73,68 +43,6 @@ class _Live:
     self.pending_context: Context | None = None
 
 
-async def open_episode(client: SandboxClient, task: str, seed: int, tok: ByteTokenizer, cfg: LoopConfig,
-                       version: int = 0, memory: Sequence[str] = ()) -> tuple[str, Episode, np.ndarray]:
-  """Opens a session of `task`/`seed`; returns (session id, the empty Episode with its prefix ids, the
-  first screenshot preprocessed to cfg.image_hw: [H, W, 3] uint8). `memory`: episodic summaries of
-  earlier episodes of the task for the prefix (`memory.EpisodicMemory.summaries`). Raises: as
-  SandboxClient.open."""
-  sid, obs = await client.open(task, seed, data_mode=cfg.data_mode)
-  instruction = obs.info.get("instruction", "")
-  prefix = prompts.encode_episode_prefix(tok, instruction, cfg.system, memory=memory)
-  ep = Episode(task=task, seed=seed, instruction=instruction, prefix_ids=prefix, policy_version=version,
-               memory=list(memory))
-  return sid, ep, preprocess(obs.image(), cfg.image_hw)
-
-
-def observation_ids(tok: ByteTokenizer, cfg: LoopConfig, ep: Episode, obs_text: str | None) -> list[int]:
-  """Observation ids before the next reply of `ep` (`prompts.encode_observation`). The previous
-  reply's TURN_END is environment-written, so it opens this observation (none before the first)."""
-  return ([tok.turn_end_id] if ep.turns else []) + prompts.encode_observation(tok, cfg.n_img_tokens, obs_text)
-
-
-def turn_context(tok: ByteTokenizer, cfg: LoopConfig, ep: Episode, image: np.ndarray, obs_text: str | None
-                 ) -> tuple[list[int], list[np.ndarray], list[int], Context | None]:
-  """The prompt of the next reply of `ep`, the one function every rollout path builds it with.
-
-  image: this turn's screenshot [H, W, 3] uint8 (cfg.image_hw); obs_text: observation text or None.
-  Returns (prompt ids, screenshots in IMAGE-block order — what the act function gets —, this turn's
-  observation ids `observation_ids`, the `Context` to record in the Turn: None when cfg.memory is
-  off, where the prompt is the full history `ep.token_ids() + obs_ids` with every screenshot).
-  Raises: memory.ContextBudgetError when the prompt cannot fit cfg.memory's budget.
-  """
-  obs_ids = observation_ids(tok, cfg, ep, obs_text)
-  ids, images, ctx = memory_lib.build_context(ep, obs_ids, image, cfg=cfg.memory, tok=tok, system=cfg.system)
-  return ids, images, obs_ids, (ctx if cfg.memory.enabled else None)
-
-
-def record_turn(ep: Episode, out: protocol.Observation, *, image: np.ndarray, obs_ids: list[int],
-                reply_ids: list[int], logprobs, states, text: str, last_turn: bool, cfg: LoopConfig,
-                tok: ByteTokenizer, context: Context | None = None) -> dict[str, float]:
-  """Appends the Turn of one reply (`text`, its ids ending with EOS) and the sandbox's answer `out`
-  to `ep`, with the shaped reward of `rl.rewards.turn_reward_terms`; sets `ep.truncated` (last turn
-  of the step budget and not done). `context`: the reply's prompt from `turn_context` (None without
-  memory). Returns the reward terms (for the rollout stats)."""
-  error = out.info.get("error")
-  truncated = last_turn and not out.done
-  terms = turn_reward_terms(out.reward, error is not None, truncated, cfg.rewards,
-                            thought_tokens=len(tok.encode(thought_of(text))))
-  ep.turns.append(Turn(image=image, obs_ids=obs_ids, reply_ids=list(reply_ids),
-                       logprobs=np.asarray(logprobs, np.float32), states=np.asarray(states, np.int32),
-                       text=text, reward=terms["total"], env_reward=float(out.reward),
-                       done=bool(out.done), error=error,
-                       info={k: v for k, v in out.info.items() if k != "instruction"}, context=context))
-  ep.truncated = truncated
-  return terms
-
-
-def next_view(out: protocol.Observation, cfg: LoopConfig) -> tuple[np.ndarray, str | None]:
-  """What the next turn sees after `out`: (screenshot at cfg.image_hw [H, W, 3] uint8, observation
-  text or None). SDK results (desktop/hybrid sandboxes) and errors are observations too."""
-  return (preprocess(out.image(), cfg.image_hw),
-          "\n".join(filter(None, [out.info.get("tool_output"), out.info.get("error")])) or None)
-
-
 async def _open(client: SandboxClient, task: str, seed: int, tok: ByteTokenizer, cfg: LoopConfig,
                 version: int, episodic: memory_lib.EpisodicMemory | None) -> _Live:
   sid, ep, image = await open_episode(client, task, seed, tok, cfg, version,
@@ -143,10 +51,7 @@ async def _open(client: SandboxClient, task: str, seed: int, tok: ByteTokenizer,
 
 
 async def _safe_close(live: _Live) -> None:
-  try:
-    await live.client.close(live.sid)
-  except Exception:  # closing a dead session is best-effort; the server reclaims it by lease anyway
-    pass
+  await close_quietly(live.client, live.sid)
 
 
 async def run_episodes(act: ActFn, clients: Sequence[SandboxClient], jobs: Sequence[tuple[str, int]],

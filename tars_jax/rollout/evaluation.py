@@ -10,7 +10,8 @@ import numpy as np
 from tqdm import tqdm
 
 from tars_jax.agent.trajectory import Episode
-from tars_jax.rollout.agent_loop import RolloutStats, run_episodes
+from tars_jax.rollout.agent_loop import run_episodes
+from tars_jax.rollout.episode import RolloutStats
 
 
 def eval_jobs(tasks: list[str], episodes: int, seed_offset: int) -> list[tuple[str, int]]:

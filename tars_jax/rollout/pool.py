@@ -1,11 +1,11 @@
 """Streaming rollouts: a pool of episodes that run continuously against the sandboxes while the trainer
 updates (report section 2.5.3: asynchronous rollout with partial rollouts and a bounded staleness).
 
-Every episode is an asyncio task on the caller's event loop: it opens its session, builds each turn's
-prompt with `agent_loop.turn_context`, awaits a reply from the `InferenceService` (which batches it
-with whatever other episodes are decoding), steps its session and records the turn with
-`agent_loop.record_turn` — the same functions the lockstep loop uses, so the trajectories are the same
-kind. The pool keeps `concurrency` episodes in flight, starting a new group of episodes (same task
+Every episode is an asyncio task on the caller's event loop, played by `episode.play` with the
+policy behind the `InferenceService` (`episode.PolicyAgent`: the service batches its turns with
+whatever other episodes are decoding) — the turn functions the lockstep loop uses too, so the
+trajectories are the same kind; a lost session is replayed by `episode.with_retries`, a failed
+inference service stops the pool (`episode.InferenceFailed`, at the next `take`). The pool keeps `concurrency` episodes in flight, starting a new group of episodes (same task
 and seed: the group of a group baseline) as soon as a group's worth of room frees. `take(min_batch)`
 returns finished groups as soon as they hold `min_batch` episodes; unfinished episodes keep running
 and continue under the newer weights the trainer swaps into the service (partial rollouts).
@@ -30,19 +30,16 @@ import asyncio
 import collections
 import dataclasses
 import itertools
-import logging
 import time
-import uuid
 from typing import Iterator, Sequence
 
 import numpy as np
 
-from envs_bridge import protocol
 from envs_bridge.client import SandboxClient, client_for
 from tars_jax.agent.tokenizer import ByteTokenizer
 from tars_jax.agent.trajectory import Episode
-from tars_jax.rollout import agent_loop
-from tars_jax.rollout.agent_loop import LoopConfig, RolloutStats
+from tars_jax.rollout import episode as episode_lib
+from tars_jax.rollout.episode import LoopConfig, RolloutStats
 from tars_jax.rollout.jobs import rollout_jobs
 
 STALE_MODES = ("drop", "mask")
@@ -125,48 +122,12 @@ def mask_stale_tokens(ep: Episode, min_version: int) -> int:
 
 async def play_episode(service, client: SandboxClient, task: str, seed: int, cfg: LoopConfig,
                        tok: ByteTokenizer, stats: RolloutStats, memory: Sequence[str] = ()) -> Episode:
-  """One attempt at an episode, turn by turn at its own pace: the streaming counterpart of
-  `agent_loop.run_episodes`'s lockstep round (same prompt, reward and trajectory functions).
-
-  service: an `InferenceService` or `RemoteInference` (`async generate(ids, images, session=) ->
-  Reply`, `release(session)`, `version`). The episode is one inference session: its later turns run
-  only their new tokens into the slot that holds its context (multi-turn KV reuse). Each Turn carries
-  the reply's per-token policy versions. Raises: the sandbox's errors (the caller retries
-  `protocol.is_retryable` ones); the sandbox session and the inference session end in any case.
-  """
-  session = uuid.uuid4().hex
-  t0 = time.perf_counter()
-  sid, ep, image = await agent_loop.open_episode(client, task, seed, tok, cfg, service.version, memory)
-  stats.env_time_s += time.perf_counter() - t0
-  obs_text = None
-  try:
-    for turn in range(cfg.max_turns):
-      ids, images, obs_ids, ctx = agent_loop.turn_context(tok, cfg, ep, image, obs_text)
-      t0 = time.perf_counter()
-      reply = await service.generate(ids, images, session=session)
-      stats.policy_time_s += time.perf_counter() - t0
-      stats.generated_tokens += len(reply.tokens)
-      text = tok.decode(reply.tokens)
-      t0 = time.perf_counter()
-      out = await client.step(sid, text)
-      stats.env_time_s += time.perf_counter() - t0
-      stats.env_steps += 1
-      last = turn == cfg.max_turns - 1
-      terms = agent_loop.record_turn(ep, out, image=image, obs_ids=obs_ids, reply_ids=reply.tokens,
-                                     logprobs=reply.logprobs, states=reply.states, text=text, last_turn=last,
-                                     cfg=cfg, tok=tok, context=ctx)
-      ep.turns[-1].versions = np.asarray(reply.versions, np.int32)
-      for k, v in terms.items():
-        stats.reward_terms[k] = stats.reward_terms.get(k, 0.0) + v
-      if out.done or last:
-        break
-      image, obs_text = agent_loop.next_view(out, cfg)
-  finally:
-    service.release(session)
-    try:
-      await client.close(sid)
-    except Exception:  # best-effort: the server reclaims a dead session by its lease
-      pass
+  """One attempt at an episode, turn by turn at its own pace: `episode.play` with the policy behind
+  `service` (`episode.PolicyAgent`: an `InferenceService` or `RemoteInference`, one inference session
+  per episode, multi-turn KV reuse). Each Turn carries the reply's per-token policy versions.
+  Raises: the sandbox's errors (the caller retries the retryable ones), `episode.InferenceFailed`."""
+  ep, _ = await episode_lib.play(client, task, seed, episode_lib.PolicyAgent(service, tok), cfg=cfg, tok=tok,
+                                 version=service.version, memory=memory, stats=stats)
   return ep
 
 
@@ -177,7 +138,7 @@ class RolloutPool:
     service: the `InferenceService` whose weights the trainer swaps (`set_params(params, version)`).
     clients: sandbox clients (`client_for` routes each task to a server that serves it).
     jobs: endless iterator of groups [(task, seed)] * group_size (`job_groups`).
-    cfg, tok: the rollout loop's config and tokenizer (`agent_loop.LoopConfig`).
+    cfg, tok: the rollout loop's config and tokenizer (`episode.LoopConfig`).
     pool: `PoolConfig`. stats: a `RolloutStats` the episodes add to (cumulative; `stats_since`).
     episodic: a `memory.EpisodicMemory` whose summaries of a task go into each new episode's prefix
       (the caller writes them, e.g. `memory.remember` on the episodes of each take), or None.
@@ -249,22 +210,23 @@ class RolloutPool:
     self._fill()
 
   async def _run_one(self, task: str, seed: int, k: int) -> Episode:
-    for attempt in range(self.cfg.max_retries + 1):
-      client = client_for(self.clients, task, k)
-      try:
-        memory = self.episodic.summaries(task) if self.episodic is not None else ()
-        return await play_episode(self.service, client, task, seed, self.cfg, self.tok, self.stats, memory)
-      except Exception as e:
-        if not protocol.is_retryable(e):
-          raise
-        self.ledger.lost_attempts += 1
-        self.stats.episodes_lost += 1
-        self._last_loss = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
-        logging.warning("episode %s/%d lost (attempt %d): %s: %s", task, seed, attempt, type(e).__name__,
-                        getattr(e, "reason", e))
-        if attempt < self.cfg.max_retries:
-          self.ledger.retried += 1
-          self.stats.episodes_retried += 1
+    async def attempt(_: int) -> Episode:
+      memory = self.episodic.summaries(task) if self.episodic is not None else ()
+      return await play_episode(self.service, client_for(self.clients, task, k), task, seed, self.cfg, self.tok,
+                                self.stats, memory)
+
+    def lost(i: int, e: BaseException) -> None:
+      self.ledger.lost_attempts += 1
+      self.stats.episodes_lost += 1
+      self._last_loss = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
+      if i < self.cfg.max_retries:
+        self.ledger.retried += 1
+        self.stats.episodes_retried += 1
+
+    ep = await episode_lib.with_retries(attempt, retries=self.cfg.max_retries, what=f"episode {task}/{seed}",
+                                        on_loss=lost)
+    if ep is not None:
+      return ep
     self.stats.episodes_failed += 1
     return Episode(task=task, seed=seed, instruction="", prefix_ids=[], lost=True, policy_version=self.service.version)
 

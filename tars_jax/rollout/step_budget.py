@@ -8,7 +8,8 @@ import dataclasses
 from typing import Callable, Sequence
 
 from tars_jax.agent.trajectory import Episode
-from tars_jax.rollout.agent_loop import ActFn, LoopConfig
+from tars_jax.rollout.agent_loop import ActFn
+from tars_jax.rollout.episode import LoopConfig
 from tars_jax.rollout.evaluation import play
 
 

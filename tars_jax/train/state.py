@@ -25,7 +25,7 @@ from tars_jax.agent.memory import MemoryConfig
 from tars_jax.agent.tokenizer import ByteTokenizer
 from tars_jax.models import ModelConfig, Policy, ValueModel
 from tars_jax.rl.rewards import RewardConfig
-from tars_jax.rollout.agent_loop import LoopConfig
+from tars_jax.rollout.episode import LoopConfig
 from tars_jax.rollout.inference_server import BatchedPolicy, InferenceService, max_reply_tokens
 from tars_jax.train import checkpoint, ppo
 from tars_jax.train.step import ModelInputs

@@ -25,11 +25,16 @@ import sys
 import time
 from typing import Sequence
 
+import numpy as np
+
 from envs_bridge.browser import browse_tasks as bt
 from envs_bridge.browser import browsing
 from envs_bridge.client import client_for
 from tars_jax.agent import actions as A
+from tars_jax.agent.tokenizer import ByteTokenizer
 from tars_jax.data.sources import experts as E
+from tars_jax.rollout import episode as episode_lib
+from tars_jax.rollout.episode import LoopConfig, Reply, StopEpisode, TurnView
 
 NAV_BAR_PX = 40  # the narrow Sphinx layout's fixed top bar: elements under it cannot be clicked
 LINE_PX = 24  # taller link boxes wrap over several lines
@@ -132,37 +137,47 @@ class Result:
   stopped: str | None = None
 
 
+class _Solver:
+  """The expert as an agent of `episode.play` (its replies in the tasks' own "int" coordinates)."""
+
+  prompt = False
+
+  def __init__(self, q: browsing.Question):
+    self.q, self.ex, self.page, self.tok = q, BrowseExpert(q), q.start, ByteTokenizer()
+
+  async def reply(self, view: TurnView) -> Reply:
+    if view.turn == 0 and view.ep.instruction != self.q.question:
+      raise E.ExpertError(f"{view.ep.task} seed {view.ep.seed}: the server asks {view.ep.instruction!r}, this "
+                          f"process generated {self.q.question!r} (different corpus?)")
+    self.page = view.info.get("page") or self.page
+    try:
+      text = self.ex.reply(await view.client.elements(view.sid), self.page)
+    except E.ExpertError as e:
+      raise StopEpisode(str(e)) from e
+    ids = self.tok.encode(text) + [self.tok.eos_id]
+    return Reply(text, ids, np.zeros(len(ids), np.float32), np.zeros(len(ids), np.int32))
+
+  def close(self) -> None:
+    pass
+
+
 async def solve(client, task: str, seed: int, data_mode: str = "test", max_turns: int = 60) -> Result:
-  """Plays one episode of `task` with the expert through `client` (an envs_bridge SandboxClient).
+  """Plays one episode of `task` with the expert through `client` (an envs_bridge SandboxClient):
+  `episode.play`, the loop every agent plays.
 
   Raises: ExpertError when the server asks another question than this process generates (another
   corpus); the client's sandbox errors.
   """
-  q = bt.question(task, seed, data_mode)
-  sid, obs = await client.open(task, seed, data_mode=data_mode)
-  try:
-    if obs.info.get("instruction") != q.question:
-      raise E.ExpertError(f"{task} seed {seed}: the server asks {obs.info.get('instruction')!r}, this process "
-                          f"generated {q.question!r} (different corpus?)")
-    ex = BrowseExpert(q)
-    page, answer = q.start, None
-    for turn in range(max_turns):
-      try:
-        text = ex.reply(await client.elements(sid), obs.info.get("page") or page)
-      except E.ExpertError as e:
-        return Result(task, seed, data_mode, 0.0, turn, None, str(e))
-      if "finished(" in text:
-        answer = A.parse(text).content
-      obs = await client.step(sid, text)
-      page = obs.info.get("page") or page
-      if obs.done:
-        return Result(task, seed, data_mode, float(obs.reward), turn + 1, answer)
-    return Result(task, seed, data_mode, 0.0, max_turns, answer, f"no answer in {max_turns} turns")
-  finally:
-    try:
-      await client.close(sid)
-    except Exception:  # best effort: the lease reclaims it
-      pass
+  agent = _Solver(bt.question(task, seed, data_mode))
+  ep, stopped = await episode_lib.play(client, task, seed, agent, cfg=LoopConfig(max_turns=max_turns, data_mode=data_mode),
+                                       tok=agent.tok)
+  if stopped is not None:
+    return Result(task, seed, data_mode, 0.0, len(ep.turns), None, stopped)
+  answers = [A.parse(t.text).content for t in ep.turns if "finished(" in t.text]
+  answer = answers[-1] if answers else None
+  if ep.turns and ep.turns[-1].done:
+    return Result(task, seed, data_mode, float(ep.turns[-1].env_reward), len(ep.turns), answer)
+  return Result(task, seed, data_mode, 0.0, max_turns, answer, f"no answer in {max_turns} turns")
 
 
 async def evaluate(clients: Sequence, tasks: Sequence[str], split: str = "test", limit: int | None = None,

@@ -1,12 +1,12 @@
 """Expert demonstrations collected through the sandbox, in the policy's own trajectory format.
 
-An expert (`data/experts.py`) plays an episode through the same protocol as the agent: every turn it
-reads the privileged view of its session (`SandboxClient.elements`, or `game_state` for games; never
-part of the episode; a GUI-Browsing expert also knows its question's plan, `browse_expert.py`), decides a reply `Thought: …\\nAction: …` and sends it with `client.step`.
-The episode is built by the agent loop's own functions (`rollout.agent_loop.open_episode`,
-`observation_ids`, `record_turn`, `next_view`), so it is exactly the Episode `run_episodes` builds
-when the policy samples the same replies: same prefix and observation ids, preprocessed screenshots
-at the policy's image size, reply ids = reply bytes + EOS, shaped reward, env reward, done and
+An expert (`data/sources/experts.py`) plays an episode through the same protocol as the agent: every
+turn it reads the privileged view of its session (`SandboxClient.elements`, or `game_state` for games;
+never part of the episode; a GUI-Browsing expert also knows its question's plan, `browse_expert.py`),
+decides a reply `Thought: …\\nAction: …` and sends it with `client.step`. The expert is another agent
+of the one episode loop (`rollout.episode.play` with an `ExpertAgent`), so the episode is exactly the
+Episode `run_episodes` builds when the policy samples the same replies: same prefix and observation
+ids, preprocessed screenshots at the policy's image size, reply ids = reply bytes + EOS, shaped reward, env reward, done and
 truncation of the step budget (tests/test_demos.py replays demos through `run_episodes` and compares).
 Logprobs are 0 (no behaviour policy sampled them); states are the grammar states before each reply
 token (`grammar.walk`), as the constrained sampler records them.
@@ -28,7 +28,6 @@ from typing import Any, Sequence
 import numpy as np
 from tqdm import tqdm
 
-from envs_bridge import protocol
 from envs_bridge.browser import browse_tasks
 from envs_bridge.client import SandboxClient, client_for
 from tars_jax.agent import actions as A
@@ -38,8 +37,8 @@ from tars_jax.agent.trajectory import Episode
 from tars_jax.data import records
 from tars_jax.data.sources import browse_expert
 from tars_jax.data.sources import experts as E
-from tars_jax.rollout import agent_loop
-from tars_jax.rollout.agent_loop import LoopConfig
+from tars_jax.rollout import episode as episode_lib
+from tars_jax.rollout.episode import LoopConfig, Reply, StopEpisode, TurnView
 
 SOURCE = "expert"  # provenance of demonstrations in the records (`RecordWriter.write(source=)`)
 
@@ -145,57 +144,57 @@ async def _view(client: SandboxClient, sid: str, expert: E.Expert) -> Any:
   return await client.elements(sid)
 
 
+class ExpertAgent:
+  """A scripted expert as an agent of `episode.play`: each turn it reads its session's privileged view,
+  decides (an ExpertError ends the episode where it is: StopEpisode), checks that the run's grammar
+  accepts the reply (ReplyNotInGrammar otherwise) and answers with its ids, zero log-probs and the
+  grammar states (`grammar.walk`)."""
+
+  prompt = False  # the expert reads the sandbox, not the policy's prompt
+
+  def __init__(self, task: str, seed: int, spec: DemoSpec, expert: E.Expert):
+    self.task, self.seed, self.spec, self.expert = task, seed, spec, expert
+    self.browse = None
+    if expert.reads == "browse":  # follows the plan of the question this (seed, data mode) asks
+      question = browse_tasks.question(task, seed, spec.loop.data_mode)
+      self.browse, self.page = browse_expert.BrowseExpert(question, spec.coord_format), question.start
+
+  async def reply(self, view: TurnView) -> Reply:
+    spec, tok = self.spec, self.spec.tokenizer
+    state = await _view(view.client, view.sid, self.expert)
+    try:
+      if self.browse is not None:
+        self.page = view.info.get("page") or self.page
+        thought, act = self.browse.decide(state, self.page)
+        thought = E.clean_thought(thought) if spec.thoughts else ""
+        action = E.render(act, spec.coord_format, browse_tasks.WIDTH, browse_tasks.HEIGHT)
+      else:
+        thought, action = E.decide(self.task, view.ep.instruction, state, view.turn, coord_format=spec.coord_format,
+                                   thoughts=spec.thoughts, max_turns=spec.loop.max_turns, expert=self.expert)
+    except E.ExpertError as e:
+      raise StopEpisode(f"ExpertError: {e}") from e
+    text = E.reply_text(thought, action)
+    if not accepts(spec.grammar, text, tok):
+      raise ReplyNotInGrammar(f"{self.task} seed {self.seed}: the expert's reply {text!r} is not in the configured "
+                              "grammar (grammar.actions, max_thought_bytes, max_content_bytes, coord_format)")
+    ids = tok.encode(text) + [tok.eos_id]
+    return Reply(text, ids, np.zeros(len(ids), np.float32), walk(spec.grammar, ids))
+
+  def close(self) -> None:
+    pass
+
+
 async def play(client: SandboxClient, task: str, seed: int, spec: DemoSpec, expert: E.Expert
                ) -> tuple[Episode, str | None]:
-  """Plays one episode of `task`/`seed` with `expert`; returns (episode, why it stopped early or
-  None). An ExpertError ends the episode where it is (not done: a failure).
+  """Plays one episode of `task`/`seed` with `expert` (`episode.play` with an `ExpertAgent`); returns
+  (episode, why it stopped early or None). An ExpertError ends the episode where it is (not done: a
+  failure).
 
   Raises: ReplyNotInGrammar (the config cannot express the expert's reply); the sandbox errors of
   the client (the caller retries the retryable ones).
   """
-  cfg, tok = spec.loop, spec.tokenizer
-  browse = None
-  if expert.reads == "browse":  # follows the plan of the question this (seed, data mode) asks
-    question = browse_tasks.question(task, seed, cfg.data_mode)
-    browse, page = browse_expert.BrowseExpert(question, spec.coord_format), question.start
-  sid, ep, image = await agent_loop.open_episode(client, task, seed, tok, cfg)
-  obs_text, stopped = None, None
-  try:
-    for turn in range(cfg.max_turns):
-      view = await _view(client, sid, expert)
-      try:
-        if browse is not None:
-          thought, act = browse.decide(view, page)
-          thought = E.clean_thought(thought) if spec.thoughts else ""
-          action = E.render(act, spec.coord_format, browse_tasks.WIDTH, browse_tasks.HEIGHT)
-        else:
-          thought, action = E.decide(task, ep.instruction, view, turn, coord_format=spec.coord_format,
-                                     thoughts=spec.thoughts, max_turns=cfg.max_turns, expert=expert)
-      except E.ExpertError as e:
-        stopped = f"ExpertError: {e}"
-        break
-      text = E.reply_text(thought, action)
-      if not accepts(spec.grammar, text, tok):
-        raise ReplyNotInGrammar(f"{task} seed {seed}: the expert's reply {text!r} is not in the configured "
-                                "grammar (grammar.actions, max_thought_bytes, max_content_bytes, coord_format)")
-      reply_ids = tok.encode(text) + [tok.eos_id]
-      obs_ids = agent_loop.observation_ids(tok, cfg, ep, obs_text)
-      out = await client.step(sid, text)
-      last_turn = turn == cfg.max_turns - 1
-      agent_loop.record_turn(ep, out, image=image, obs_ids=obs_ids, reply_ids=reply_ids,
-                             logprobs=np.zeros(len(reply_ids), np.float32), states=walk(spec.grammar, reply_ids),
-                             text=text, last_turn=last_turn, cfg=cfg, tok=tok)
-      if out.done or last_turn:
-        break
-      image, obs_text = agent_loop.next_view(out, cfg)
-      if browse is not None:
-        page = out.info.get("page") or page
-  finally:
-    try:
-      await client.close(sid)
-    except Exception:  # best effort, as the loop's: the lease reclaims the rest
-      pass
-  return ep, stopped
+  return await episode_lib.play(client, task, seed, ExpertAgent(task, seed, spec, expert), cfg=spec.loop,
+                                tok=spec.tokenizer)
 
 
 async def collect(clients: Sequence[SandboxClient], jobs: Sequence[tuple[str, int]], spec: DemoSpec,
@@ -237,16 +236,9 @@ async def collect(clients: Sequence[SandboxClient], jobs: Sequence[tuple[str, in
       bar.update(1)
       return
     async with sem:
-      res = None
-      for attempt in range(spec.loop.max_retries + 1):
-        try:
-          res = await play(client_for(clients, task, k + attempt), task, seed, spec, chosen[task])
-          break
-        except Exception as e:
-          if not protocol.is_retryable(e):
-            raise
-          logging.warning("expert episode %s/%d lost (attempt %d): %s: %s", task, seed, attempt + 1,
-                          type(e).__name__, getattr(e, "reason", e))
+      res = await episode_lib.with_retries(
+          lambda attempt: play(client_for(clients, task, k + attempt), task, seed, spec, chosen[task]),
+          retries=spec.loop.max_retries, what=f"expert episode {task}/{seed}")
       # Written as each episode ends (in completion order): nothing piles up in memory.
       record(task, seed, res)
       bar.update(1)

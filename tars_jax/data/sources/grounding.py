@@ -37,13 +37,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import logging
 import math
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from envs_bridge import protocol
 from envs_bridge.client import client_for
 from tars_jax.agent import actions as A
 from tars_jax.agent import prompts
@@ -51,6 +49,7 @@ from tars_jax.agent.grammar import CONTENT_CHARSET, Grammar, walk
 from tars_jax.agent.images import preprocess
 from tars_jax.agent.tokenizer import ByteTokenizer
 from tars_jax.agent.trajectory import Episode, Turn
+from tars_jax.rollout.episode import with_retries
 
 KINDS = ("where", "what")
 # Grid of each coord_format (agent/grammar.py): (largest value, step) on the 0..1000 relative grid.
@@ -466,7 +465,7 @@ async def collect_pages(clients: Sequence, jobs: Sequence[tuple[str, int]], *, c
   at a time over `clients` (`envs_bridge.client.SandboxClient`, round-robin); in job order, lost
   pages left out (counted in `stats`). `on_page` is called as each page arrives (a progress bar).
 
-  A page whose session fails retryably (`protocol.is_retryable`) is retried up to max_retries times.
+  A page whose session fails retryably is retried up to max_retries times (`episode.with_retries`).
   Raises: other sandbox errors at once (UnknownTask for a misspelt task, Unauthorized, ...).
   """
   if not clients:
@@ -474,21 +473,18 @@ async def collect_pages(clients: Sequence, jobs: Sequence[tuple[str, int]], *, c
   stats = stats if stats is not None else CollectStats()
   sem = asyncio.Semaphore(max(1, concurrency))
 
+  def lost(attempt: int, _: BaseException) -> None:
+    if attempt < max_retries:
+      stats.retries += 1
+
   async def one(k: int, task: str, seed: int) -> Page | None:
     async with sem:
-      for attempt in range(max_retries + 1):
-        try:
-          page = await _page(client_for(clients, task, k + attempt), task, seed)
-          break
-        except Exception as e:
-          if not protocol.is_retryable(e):
-            raise
-          logging.warning("page %s/%d lost (attempt %d): %s", task, seed, attempt + 1, e)
-          if attempt == max_retries:
-            stats.lost += 1
-            stats.lost_jobs.append((task, seed))
-            return None
-          stats.retries += 1
+      page = await with_retries(lambda attempt: _page(client_for(clients, task, k + attempt), task, seed),
+                                retries=max_retries, what=f"page {task}/{seed}", on_loss=lost)
+      if page is None:
+        stats.lost += 1
+        stats.lost_jobs.append((task, seed))
+        return None
     stats.pages += 1
     if on_page:
       on_page(page)

@@ -291,5 +291,4 @@ def _main(mode: str, out: str, procs: int, pid: int, port: int) -> None:
 
 
 if __name__ == "__main__":
-  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   _main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))

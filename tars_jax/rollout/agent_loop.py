@@ -50,10 +50,6 @@ async def _open(client: SandboxClient, task: str, seed: int, tok: ByteTokenizer,
   return _Live(ep, client, sid, image, None)
 
 
-async def _safe_close(live: _Live) -> None:
-  await close_quietly(live.client, live.sid)
-
-
 async def run_episodes(act: ActFn, clients: Sequence[SandboxClient], jobs: Sequence[tuple[str, int]],
                        cfg: LoopConfig, tok: ByteTokenizer, version: int = 0,
                        stats: RolloutStats | None = None,
@@ -169,7 +165,7 @@ async def _run_round(act, clients, jobs, idxs, cfg, tok, version, stats, results
       if out.done or last_turn:
         results[i] = lv.ep
         del live[i]
-        await _safe_close(lv)
+        await close_quietly(lv.client, lv.sid)
       else:
         lv.image, lv.obs_text = next_view(out, cfg)
     if on_turn:
@@ -178,4 +174,4 @@ async def _run_round(act, clients, jobs, idxs, cfg, tok, version, stats, results
 
 
 async def _close_all(lives) -> None:
-  await asyncio.gather(*[_safe_close(lv) for lv in lives])
+  await asyncio.gather(*[close_quietly(lv.client, lv.sid) for lv in lives])

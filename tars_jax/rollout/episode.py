@@ -220,15 +220,11 @@ async def play(client: SandboxClient, task: str, seed: int, agent: Agent, *, cfg
   agent's own errors (e.g. ReplyNotInGrammar).
   """
   stats = stats if stats is not None else RolloutStats()
-  t0 = time.perf_counter()
+  sid, obs_text, info, stopped = None, None, {}, None
   try:
+    t0 = time.perf_counter()
     sid, ep, image = await open_episode(client, task, seed, tok, cfg, version, memory)
-  except BaseException:
-    agent.close()
-    raise
-  stats.env_time_s += time.perf_counter() - t0
-  obs_text, info, stopped = None, {}, None
-  try:
+    stats.env_time_s += time.perf_counter() - t0
     for turn in range(cfg.max_turns):
       if agent.prompt:
         ids, images, obs_ids, ctx = turn_context(tok, cfg, ep, image, obs_text)
@@ -259,7 +255,8 @@ async def play(client: SandboxClient, task: str, seed: int, agent: Agent, *, cfg
       info = out.info
   finally:
     agent.close()
-    await close_quietly(client, sid)
+    if sid is not None:
+      await close_quietly(client, sid)
   return ep, stopped
 
 

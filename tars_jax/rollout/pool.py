@@ -120,17 +120,6 @@ def mask_stale_tokens(ep: Episode, min_version: int) -> int:
   return masked
 
 
-async def play_episode(service, client: SandboxClient, task: str, seed: int, cfg: LoopConfig,
-                       tok: ByteTokenizer, stats: RolloutStats, memory: Sequence[str] = ()) -> Episode:
-  """One attempt at an episode, turn by turn at its own pace: `episode.play` with the policy behind
-  `service` (`episode.PolicyAgent`: an `InferenceService` or `RemoteInference`, one inference session
-  per episode, multi-turn KV reuse). Each Turn carries the reply's per-token policy versions.
-  Raises: the sandbox's errors (the caller retries the retryable ones), `episode.InferenceFailed`."""
-  ep, _ = await episode_lib.play(client, task, seed, episode_lib.PolicyAgent(service, tok), cfg=cfg, tok=tok,
-                                 version=service.version, memory=memory, stats=stats)
-  return ep
-
-
 class RolloutPool:
   """Episodes in flight on the caller's event loop; `take` hands finished groups to the trainer.
 
@@ -210,10 +199,12 @@ class RolloutPool:
     self._fill()
 
   async def _run_one(self, task: str, seed: int, k: int) -> Episode:
-    async def attempt(_: int) -> Episode:
+    async def attempt(_k: int) -> Episode:  # the policy behind the service, one inference session per episode
       memory = self.episodic.summaries(task) if self.episodic is not None else ()
-      return await play_episode(self.service, client_for(self.clients, task, k), task, seed, self.cfg, self.tok,
-                                self.stats, memory)
+      ep, _ = await episode_lib.play(client_for(self.clients, task, k), task, seed,
+                                     episode_lib.PolicyAgent(self.service, self.tok), cfg=self.cfg, tok=self.tok,
+                                     version=self.service.version, memory=memory, stats=self.stats)
+      return ep
 
     def lost(i: int, e: BaseException) -> None:
       self.ledger.lost_attempts += 1

@@ -103,7 +103,7 @@ class Run:
       raise CorruptRun(f"[{self.stage}] finish() without a checkpoint in {self.mngr.directory}")
     fname = f"{name or self.stage}.json"
     done = _read_done(self.workdir)
-    if done and int(done["checkpoint"]) == int(step) and os.path.exists(os.path.join(self.workdir, fname)):
+    if done and done.get("checkpoint") == int(step) and os.path.exists(os.path.join(self.workdir, fname)):
       return  # a re-run that trained nothing: keep its summary
     write_json(os.path.join(self.workdir, fname), summary)
     write_json(os.path.join(self.workdir, DONE_FILE), {"stage": self.stage, "checkpoint": int(step),

@@ -197,7 +197,7 @@ def load_policy(state: dict, path: str, popt) -> tuple[dict, str]:
   try:
     policy, _, src = restore_policy(state, path)
   except FileNotFoundError as e:  # name the setting that pointed there
-    raise FileNotFoundError(f"policy.init={path!r}: {e}") from None
+    raise FileNotFoundError(f"policy.init: {e}") from None
   return dict(state, policy=policy, policy_opt=popt.init(policy)), src
 
 

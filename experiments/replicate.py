@@ -4,7 +4,7 @@ result rows, intervals (rliable) and curves. `scripts/replicate.sh` runs it; the
 experiments/configs/replication.py.
 
   python -m experiments.replicate --workdir runs/replication --seeds 0,1,2 \
-      --variants ppo,grpo,ppo_novpt,ppo_coupled,ppo_lenadapt,ppo_thoughts
+      --variants ppo,grpo,ppo_novpt,ppo_coupled,ppo_lenadapt,ppo_kl,ppo_thoughts
   python -m experiments.replicate --workdir /tmp/rep --seeds 0,1,2 --variants ppo,grpo --suffix +smoke
   python -m experiments.replicate --workdir runs/replication --report   # tables again, nothing run
 

@@ -11,7 +11,7 @@ bash scripts/setup.sh
 source scripts/env.sh
 RUN=${RUN:-runs/replication}
 SEEDS=${SEEDS:-0,1,2}
-VARIANTS=${VARIANTS:-ppo,grpo,ppo_novpt,ppo_coupled,ppo_lenadapt,ppo_thoughts}
+VARIANTS=${VARIANTS:-ppo,grpo,ppo_novpt,ppo_coupled,ppo_lenadapt,ppo_kl,ppo_thoughts}
 MOD=${MOD:-}
 mkdir -p "$RUN"
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$(realpath -m "$RUN")/jax_cache}

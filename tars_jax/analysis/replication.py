@@ -145,8 +145,10 @@ COMPARISONS = (
     (2, "ppo", "grpo", "PPO beats GRPO"),
     (2, "grpo", "sft", "GRPO improves on its SFT start"),
     (3, "ppo", "ppo_novpt", "value pretraining helps PPO"),
-    (4, "ppo", "ppo_coupled", "decoupled GAE (lam_critic 1, lam_policy 0.95) beats coupled lam 0.95"),
-    (4, "ppo_lenadapt", "ppo", "length-adaptive GAE helps"),
+    (1, "ppo_kl", "sft", "PPO with a KL penalty to the SFT policy improves on its SFT start"),
+    (1, "ppo_kl", "ppo", "the KL penalty to the SFT policy helps PPO"),
+    ("3b", "ppo", "ppo_coupled", "decoupled GAE (lam_critic 1, lam_policy 0.95) beats coupled lam 0.95"),
+    ("3b", "ppo_lenadapt", "ppo", "length-adaptive GAE helps"),
 )
 
 

@@ -21,13 +21,12 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from envs_bridge import protocol
 from envs_bridge.client import SandboxClient, client_for
 from tars_jax.agent import memory as memory_lib
 from tars_jax.agent.tokenizer import ByteTokenizer
 from tars_jax.agent.trajectory import Context, Episode
-from tars_jax.rollout.episode import (LoopConfig, RolloutStats, close_quietly, next_view, open_episode, record_turn,
-                                      turn_context)
+from tars_jax.rollout.episode import (LoopConfig, RolloutStats, close_quietly, next_view, note_loss, open_episode,
+                                      record_turn, turn_context)
 
 # act(prompts, images) -> [(reply_ids incl. EOS, logprobs [n], states [n])], one per prompt.
 ActFn = Callable[[list[list[int]], list[list[np.ndarray]]], list[tuple[list[int], np.ndarray, np.ndarray]]]
@@ -114,10 +113,11 @@ async def _run_round(act, clients, jobs, idxs, cfg, tok, version, stats, results
   lost: list[int] = []
   for i, o in zip(idxs, opened):
     if isinstance(o, BaseException):
-      if not protocol.is_retryable(o):
+      try:
+        note_loss(o, f"episode {jobs[i][0]}/{jobs[i][1]} (open)")
+      except BaseException:
         await _close_all(live.values())
-        raise o
-      logging.warning("open %s failed: %s: %s", jobs[i], type(o).__name__, getattr(o, "reason", o))
+        raise
       task, seed = jobs[i]
       results[i] = Episode(task=task, seed=seed, instruction="", prefix_ids=[], lost=True, policy_version=version)
       lost.append(i)
@@ -148,11 +148,11 @@ async def _run_round(act, clients, jobs, idxs, cfg, tok, version, stats, results
     for i, (ids, lp, st), txt, out in zip(order, replies, texts, outs):
       lv = live[i]
       if isinstance(out, BaseException):
-        if not protocol.is_retryable(out):
+        try:
+          note_loss(out, f"episode {jobs[i][0]}/{jobs[i][1]} (turn {turn_idx})")
+        except BaseException:
           await _close_all(live.values())
-          raise out
-        logging.warning("episode %s lost at turn %d: %s: %s", jobs[i], turn_idx, type(out).__name__,
-                        getattr(out, "reason", out))
+          raise
         lv.ep.lost = True
         results[i] = lv.ep
         lost.append(i)

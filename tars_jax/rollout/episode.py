@@ -14,7 +14,8 @@ The turn mechanics every rollout path shares, and the one loop that plays an epi
   (`envs_bridge.protocol.is_retryable`: SessionLost, LeaseExpired, ServerBusy, an unreachable sandbox
   server) loses the attempt and replays the seed; the inference service's (`InferenceFailed`) and
   every other error (an unknown task, a wrong token, a reply outside the grammar) propagate at once,
-  naming their component: no replay would fix them.
+  naming their component: no replay would fix them. `note_loss` is that test; the lockstep loop uses
+  it too and replays its lost episodes together in the next batched round.
 A malformed action is not an error: the sandbox answers it with an observation (`info.error`).
 """
 
@@ -272,10 +273,18 @@ async def with_retries(attempt: Callable[[int], Awaitable[T]], *, retries: int, 
     try:
       return await attempt(k)
     except Exception as e:
-      if not protocol.is_retryable(e):
-        raise
-      logging.warning("%s lost (attempt %d of %d): %s: %s", what, k + 1, retries + 1, type(e).__name__,
-                      getattr(e, "reason", None) or e)
+      note_loss(e, f"{what} (attempt {k + 1} of {retries + 1})")
       if on_loss is not None:
         on_loss(k, e)
   return None
+
+
+def note_loss(error: BaseException, what: str) -> None:
+  """The one test of "lost to the sandbox, replay it": logs a sandbox failure
+  (`protocol.is_retryable`) as `what` lost; raises `error` itself for every other failure (the
+  inference service's InferenceFailed, a non-retryable sandbox error, the caller's own). Used by
+  `with_retries` and by the lockstep loop (`rollout/agent_loop.py`), which replays its lost episodes
+  as one batch."""
+  if not protocol.is_retryable(error):
+    raise error
+  logging.warning("%s lost: %s: %s", what, type(error).__name__, getattr(error, "reason", None) or error)

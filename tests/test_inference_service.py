@@ -4,6 +4,7 @@
 others (joining and leaving between decode steps) draw what they draw alone; weights swap between
 decode steps with versions per token; typed errors."""
 
+import asyncio
 import threading
 
 import jax
@@ -14,7 +15,7 @@ from flax import nnx
 from tars_jax.agent.grammar import build_grammar
 from tars_jax.agent.tokenizer import BOS, IMAGE, VISION_END, VISION_START, ByteTokenizer
 from tars_jax.models import Policy
-from tars_jax.rollout.inference_server import BatchedPolicy, ContextTooLong, InferenceService
+from tars_jax.rollout.inference_server import BatchedPolicy, ContextTooLong, InferenceService, ServiceBusy
 
 from _shared import TINY_CFG, assert_close_f32, forward_terms
 
@@ -145,6 +146,28 @@ def test_typed_errors(split):
       assert "closed" in str(err)
   with pytest.raises(RuntimeError, match="closed"):
     svc.submit([BOS], [])
+
+
+def test_the_queue_is_bounded(split):
+  """max_pending: submit beyond it raises ServiceBusy (typed, with the counts); asyncio callers of
+  generate wait for room instead, and every one of them gets its reply."""
+  g = build_grammar(actions=("click",), max_thought_bytes=20, coord_format="fixed3")
+  prompts = [_prompt(np.random.default_rng(i), 10, 1) for i in range(8)]
+  with _service(split, g, slots=1, max_pending=2) as svc:
+    futs, busy = [], []
+    for ids, ims in prompts[:5]:  # one slot decodes, two wait: the rest are refused
+      try:
+        futs.append(svc.submit(ids, ims))
+      except ServiceBusy as e:
+        busy.append(e)
+    assert busy and len(futs) <= 3 and all(e.max_pending == 2 and e.pending == 2 for e in busy)
+    assert all(f.result(timeout=300).tokens for f in futs)
+
+    async def many():
+      return await asyncio.gather(*[svc.generate(ids, ims) for ids, ims in prompts])
+
+    replies = asyncio.run(many())
+  assert len(replies) == 8 and all(r.tokens[-1] == TOK.eos_id for r in replies)
 
 
 def test_multi_turn_session_extends_its_slot_like_a_full_prefill(split):

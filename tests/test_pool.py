@@ -151,6 +151,72 @@ def test_a_fleet_that_is_down_stops_the_pool_instead_of_retrying_forever():
   assert L.lost_attempts == 3 * L.failed and L.retried == 2 * L.failed
 
 
+def test_a_group_larger_than_the_pool_is_refused_at_start():
+  """rollout.concurrency < rl.group_size: no group could ever start and `take` would wait forever."""
+  rng = np.random.default_rng(0)
+  pool = RolloutPool(_ScriptedService(rng), [_ScriptedSandbox(rng, 0.0)], job_groups(["t/a"], 8, 4, 0),
+                     LoopConfig(max_turns=3, image_hw=(8, 8), n_img_tokens=2), TOK,
+                     PoolConfig(concurrency=2, min_batch=2))
+  with pytest.raises(ValueError, match=r"group of 4 episodes.*concurrency=2"):
+    run(pool.start())
+
+
+class _BrokenTaskSandbox(_ScriptedSandbox):
+  """Episodes of task t/broken fail on their 4th step with a non-retryable error (a page that throws);
+  the other tasks' episodes run 1-12 steps."""
+
+  def __init__(self, rng, p_lost):
+    super().__init__(rng, p_lost)
+    self.broken, self.closed_sids = {}, set()  # broken sid -> steps taken
+
+  async def open(self, task, seed, data_mode="train"):
+    sid, obs = await super().open(task, seed, data_mode)
+    if task == "t/broken":
+      self.broken[sid] = 0
+    return sid, obs
+
+  async def step(self, sid, text):
+    if sid not in self.broken:
+      return await super().step(sid, text)
+    self.broken[sid] += 1
+    if self.broken[sid] == 4:
+      raise P.TaskError("the page threw")
+    for _ in range(int(self.rng.integers(0, 8))):  # siblings still mid-episode when the first one fails
+      await asyncio.sleep(0)
+    return _Obs(False, 0.0)
+
+  async def close(self, sid):
+    self.closed += 1
+    self.closed_sids.add(sid)
+
+
+def test_a_failed_group_cancels_its_siblings_and_take_returns_what_it_held():
+  """A non-retryable error in one episode of a group: the group's other members are cancelled (their
+  sessions closed, counted), the trainer gets the error at `take`, and the finished groups that take
+  had already collected go back to the queue: counted queued, not taken, handed out by no one."""
+  rng = np.random.default_rng(1)
+  sb = _BrokenTaskSandbox(rng, 0.0)
+  cfg = LoopConfig(max_turns=12, image_hw=(8, 8), n_img_tokens=2, max_retries=1)
+  # groups of 4 in job order: iteration 0's t/a groups finish first, then t/broken's group fails
+  jobs = job_groups(["t/a", "t/broken"], 16, 4, 0)
+
+  async def go():
+    pool = RolloutPool(_ScriptedService(rng), [sb], jobs, cfg, TOK, PoolConfig(concurrency=16, min_batch=16))
+    await pool.start()
+    with pytest.raises(P.TaskError, match="the page threw"):
+      await pool.take(min_batch=64)  # more than finish before the broken group fails
+    held = sum(len(g) for g in pool._done)
+    await pool.close()
+    return pool, held
+
+  pool, held = run(go())
+  L = pool.ledger
+  L.check()
+  assert L.taken == 0 and L.queued == held > 0  # nothing counted taken that the trainer did not get
+  assert L.failed == 4 and L.cancelled >= 1  # the broken group: one failed, its still-running siblings cancelled
+  assert set(sb.broken) <= sb.closed_sids  # every broken-group session closed (the failed one and by close())
+
+
 def _episode(versions_per_turn, reward=1.0):
   turns = []
   for v in versions_per_turn:

@@ -81,15 +81,14 @@ def make_app(service, restore_params=None):
   async def generate(body: dict):
     images = [_unpng(x) for x in body.get("images", [])]
     key = body.get("key")
-    try:
-      fut = service.submit(body["ids"], images, None if key is None else np.asarray(key, np.uint32),
-                           body.get("max_new_tokens"), body.get("session"))
+    try:  # a full queue: the request waits for room (InferenceService.generate)
+      r: Reply = await service.generate(body["ids"], images, None if key is None else np.asarray(key, np.uint32),
+                                        body.get("max_new_tokens"), body.get("session"))
     except ContextTooLong as e:
       return JSONResponse(status_code=413, content={"error": "ContextTooLong", "prompt_tokens": e.prompt_tokens,
                                                     "max_new_tokens": e.max_new_tokens, "capacity": e.capacity})
     except ValueError as e:
       raise HTTPException(status_code=422, detail=str(e))
-    r: Reply = await asyncio.wrap_future(fut)
     return {"tokens": r.tokens, "logprobs": r.logprobs.tolist(), "states": r.states.tolist(),
             "versions": r.versions.tolist(), "request_id": r.request_id}
 

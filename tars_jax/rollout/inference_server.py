@@ -167,6 +167,15 @@ class ContextTooLong(ValueError):
                      f"not fit the service's {capacity}-slot KV cache (context_len)")
 
 
+class ServiceBusy(RuntimeError):
+  """The service's queue of requests not yet admitted holds `max_pending` already: `submit` refuses the
+  request instead of queueing without bound (asyncio callers of `generate` wait for room instead)."""
+
+  def __init__(self, pending: int, max_pending: int):
+    self.pending, self.max_pending = pending, max_pending
+    super().__init__(f"inference service busy: {pending} requests queued (max_pending={max_pending})")
+
+
 @dataclasses.dataclass
 class Reply:
   """One generated reply. tokens: ids up to and including EOS; logprobs [n] float32 behaviour
@@ -223,7 +232,9 @@ class InferenceService:
   APIs (the same for `act`'s lockstep callers and for streaming ones): `submit` (thread-safe,
   returns a `concurrent.futures.Future[Reply]`), `await generate(...)` (asyncio), and
   `act(prompts, images)` (the `agent_loop.ActFn` of `BatchedPolicy`). Use as a context manager or
-  call `close()`: the decode thread stops and pending requests fail with RuntimeError.
+  call `close()`: the decode thread stops and pending requests fail with RuntimeError. The queue of
+  requests waiting for a slot is bounded (`max_pending`): `submit` beyond it raises ServiceBusy,
+  `generate` waits until the decode thread admits some.
 
   Multi-turn KV reuse: requests that name a `session` (one episode) keep their slot after the reply,
   holding the keys / values of prompt + reply; the episode's next prompt, if it extends that context,
@@ -242,9 +253,11 @@ class InferenceService:
   def __init__(self, graphdef, params, *, tokenizer: ByteTokenizer, grammar: Grammar | None, slots: int,
                context_len: int, max_images: int, image_hw: tuple[int, int], max_new_tokens: int,
                temperature: float = 1.0, top_p: float = 1.0, length_multiple: int = 64,
-               jump_forward: int = 1, seed: int = 0, version: int = 0, quantize: str | None = None):
-    if slots < 1 or jump_forward < 1:
-      raise ValueError(f"slots and jump_forward must be >= 1, got {slots}, {jump_forward}")
+               jump_forward: int = 1, seed: int = 0, version: int = 0, quantize: str | None = None,
+               max_pending: int = 4096):
+    if slots < 1 or jump_forward < 1 or max_pending < 1:
+      raise ValueError(f"slots, jump_forward and max_pending must be >= 1, got {slots}, {jump_forward}, {max_pending}")
+    self.max_pending = max_pending
     self.graphdef, self.tokenizer, self.grammar = graphdef, tokenizer, grammar
     self.n_slots, self.context_len, self.max_images, self.image_hw = slots, context_len, max_images, image_hw
     self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
@@ -295,7 +308,8 @@ class InferenceService:
     session: any hashable naming the episode (multi-turn KV reuse, class docstring), or None.
 
     Raises: ContextTooLong (prompt bucket + max new tokens + chunk > context_len); ValueError (more
-    images than max_images); RuntimeError (service closed or its decode thread failed).
+    images than max_images); ServiceBusy (`max_pending` requests queued); RuntimeError (service closed
+    or its decode thread failed).
     """
     budget = self.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
     p = bucket(len(prompt_ids), self.length_multiple)
@@ -306,6 +320,8 @@ class InferenceService:
     with self._cv:
       if self._closed or self._error is not None:
         raise RuntimeError("inference service is closed") from self._error
+      if len(self._pending) >= self.max_pending:
+        raise ServiceBusy(len(self._pending), self.max_pending)
       rid = self._next_id
       self._next_id += 1
       if key is None:
@@ -317,8 +333,16 @@ class InferenceService:
 
   async def generate(self, prompt_ids: list[int], images: list[np.ndarray], key=None,
                      max_new_tokens: int | None = None, session=None) -> Reply:
-    """`submit` for asyncio callers: awaits the `Reply` without blocking the event loop."""
-    return await asyncio.wrap_future(self.submit(prompt_ids, images, key, max_new_tokens, session))
+    """`submit` for asyncio callers: awaits the `Reply` without blocking the event loop; while the
+    queue is full (ServiceBusy) it waits for the decode thread to admit requests (polling every 5 ms:
+    the queue drains at every decode step, or submit raises once the service has failed)."""
+    while True:
+      try:
+        fut = self.submit(prompt_ids, images, key, max_new_tokens, session)
+        break
+      except ServiceBusy:
+        await asyncio.sleep(0.005)
+    return await asyncio.wrap_future(fut)
 
   def release(self, session) -> None:
     """The episode `session` ended: its slot's context is dropped (thread-safe; unknown: no-op)."""

@@ -5,8 +5,10 @@ Every episode is an asyncio task on the caller's event loop, played by `episode.
 policy behind the `InferenceService` (`episode.PolicyAgent`: the service batches its turns with
 whatever other episodes are decoding) — the turn functions the lockstep loop uses too, so the
 trajectories are the same kind; a lost session is replayed by `episode.with_retries`, a failed
-inference service stops the pool (`episode.InferenceFailed`, at the next `take`). The pool keeps `concurrency` episodes in flight, starting a new group of episodes (same task
-and seed: the group of a group baseline) as soon as a group's worth of room frees. `take(min_batch)`
+inference service stops the pool (`episode.InferenceFailed`, at the next `take`). The pool keeps
+`concurrency` episodes in flight, starting a new group of episodes (same task and seed: the group of a
+group baseline) as soon as a group's worth of room frees; a group larger than `concurrency` is refused
+at `start`. When one episode of a group fails for good, its siblings are cancelled. `take(min_batch)`
 returns finished groups as soon as they hold `min_batch` episodes; unfinished episodes keep running
 and continue under the newer weights the trainer swaps into the service (partial rollouts).
 
@@ -20,7 +22,8 @@ optimization", as AReaL (Fu et al. 2025) applies it to stale rollouts).
 
 Accounting (`PoolLedger`): every started episode is, at any moment, exactly one of running, queued
 (finished, not yet taken), taken (handed to the trainer), dropped for staleness, or failed (its
-session lost on every attempt); lost attempts and retries are counted on the side. Nothing leaves
+session lost on every attempt, or its group failed); lost attempts, retries and the members of a failed
+group that were cancelled are counted on the side. Nothing leaves
 silently and nothing is handed out twice (tests/test_pool.py).
 """
 
@@ -82,6 +85,7 @@ class PoolLedger:
   failed: int = 0
   lost_attempts: int = 0
   retried: int = 0
+  cancelled: int = 0  # members of a failed group still running when it failed (cancelled, counted failed)
   masked_tokens: int = 0
 
   def check(self) -> None:
@@ -153,7 +157,8 @@ class RolloutPool:
     self._last_loss = ""  # the cause of the latest lost attempt, for SandboxesUnreachable
 
   async def start(self) -> None:
-    """Fills the pool to `concurrency` episodes, as tasks of the running event loop."""
+    """Fills the pool to `concurrency` episodes, as tasks of the running event loop. Raises ValueError
+    when a group (`rl.group_size` episodes) is larger than `concurrency`: none could ever start."""
     self._changed = asyncio.Event()
     self._fill()
 
@@ -161,6 +166,9 @@ class RolloutPool:
     while self._error is None:
       if self._next is None:
         self._next = next(self.jobs)
+      if len(self._next) > self.pool.concurrency:  # at start: no group could ever begin, take would wait forever
+        raise ValueError(f"a group of {len(self._next)} episodes (rl.group_size) cannot start with "
+                         f"rollout.concurrency={self.pool.concurrency}: set concurrency >= the group size")
       if self.ledger.running + len(self._next) > self.pool.concurrency:
         break
       group, self._next = self._next, None
@@ -172,12 +180,20 @@ class RolloutPool:
       task.add_done_callback(self._tasks.discard)
 
   async def _run_group(self, group: list[tuple[str, int]], first: int) -> None:
+    loop = asyncio.get_running_loop()
+    members = [loop.create_task(self._run_one(task, seed, first + j)) for j, (task, seed) in enumerate(group)]
     try:
-      eps = await asyncio.gather(*[self._run_one(task, seed, first + j) for j, (task, seed) in enumerate(group)])
-    except asyncio.CancelledError:  # close(): the group stays counted as running, never trained
-      raise
-    except BaseException as e:  # non-retryable: the trainer sees it at its next take
-      if self._error is None:
+      eps = await asyncio.gather(*members)
+    except BaseException as e:
+      # gather leaves the other members running: cancel them (their sessions close) and count them
+      for t in members:
+        if not t.done():
+          t.cancel()
+          self.ledger.cancelled += 1
+      await asyncio.gather(*members, return_exceptions=True)
+      if isinstance(e, asyncio.CancelledError):  # close(): the group stays counted as running, never trained
+        raise
+      if self._error is None:  # non-retryable: the trainer sees it at its next take
         self._error = e
       self.ledger.running -= len(group)
       self.ledger.failed += len(group)
@@ -227,29 +243,42 @@ class RolloutPool:
     counted in the ledger). Episodes still running keep running."""
     need = self.pool.min_batch if min_batch is None else min_batch
     out: list[Episode] = []
-    while len(out) < need:
-      if self._error is not None:
-        raise self._error
-      if not self._done:
-        self._changed.clear()
-        await self._changed.wait()
-        continue
-      group = self._done.popleft()
-      self.ledger.queued -= len(group)
-      version = self.service.version
-      kept = []
-      for ep in group:
-        if staleness(ep, version) <= self.pool.max_staleness:
-          kept.append(ep)
-        elif self.pool.stale == "drop":
-          self.ledger.dropped_stale += 1
-        else:
-          self.ledger.masked_tokens += mask_stale_tokens(ep, version - self.pool.max_staleness)
-          kept.append(ep)
-      self.ledger.taken += len(kept)
-      self.stats.episodes += len(kept)
-      out += kept
+    try:
+      while len(out) < need:
+        if self._error is not None:
+          raise self._error
+        if not self._done:
+          self._changed.clear()
+          await self._changed.wait()
+          continue
+        out += self._take_group()
+    except BaseException:
+      # the episodes this take already held go back to the queue's front: counted queued, not taken
+      if out:
+        self._done.appendleft(out)
+        self.ledger.queued += len(out)
+        self.ledger.taken -= len(out)
+        self.stats.episodes -= len(out)
+      raise
     return out
+
+  def _take_group(self) -> list[Episode]:
+    """The oldest finished group, its stale episodes dropped or masked (counted); counted taken."""
+    group = self._done.popleft()
+    self.ledger.queued -= len(group)
+    version = self.service.version
+    kept = []
+    for ep in group:
+      if staleness(ep, version) <= self.pool.max_staleness:
+        kept.append(ep)
+      elif self.pool.stale == "drop":
+        self.ledger.dropped_stale += 1
+      else:
+        self.ledger.masked_tokens += mask_stale_tokens(ep, version - self.pool.max_staleness)
+        kept.append(ep)
+    self.ledger.taken += len(kept)
+    self.stats.episodes += len(kept)
+    return kept
 
   async def close(self) -> None:
     """Cancels the episodes in flight (their sessions are closed) and waits for them; they count as

@@ -8,6 +8,7 @@ r"""Held-out evaluation of a run's policy: per-task success over seeds never use
   python -m experiments.eval --run runs/main/sft --json runs/main/eval_sft.json   # one stage
   python -m experiments.eval --run runs/main --max_turns 2,4,8,16 --json runs/main/eval_budgets.json \
       --plot runs/main/eval_budgets.png   # success against the step budget
+  python -m experiments.eval --run runs/main --inference http://127.0.0.1:8800   # sampled by experiments/serve.py
 
 Actions are the policy's own samples (same temperature and constrained grammar as in training).
 Game tasks ('games/<name>') also get their normalised score: 100 x mean over episodes of the game's
@@ -40,6 +41,7 @@ from tars_jax.agent.trajectory import Episode
 from tars_jax.analysis.game_scores import format_games, game_episode_records, game_scores, summarize_with_games
 from tars_jax.rollout.agent_loop import ActFn
 from tars_jax.rollout.evaluation import eval_jobs, format_table, resolve_run
+from tars_jax.rollout.inference_remote import RemoteInference
 from tars_jax.rollout.step_budget import (budget_loop_cfgs, budgets_json, format_budget_table, parse_budgets,
                                           play_budgets, plot_budgets)
 from tars_jax.train import checkpoint as ckpt
@@ -59,13 +61,15 @@ _MAX_TURNS = flags.DEFINE_list("max_turns", None, "Step budgets (turns per episo
                                "run's config.env.max_turns).")
 _TEMPERATURE = flags.DEFINE_float("temperature", None, "Sampling temperature (default: the run's "
                                    "config.sampling.temperature); 0 = greedy decoding.")
+_INFERENCE = flags.DEFINE_string("inference", None, "URL of an experiments/serve.py process of the same model "
+                                 "that samples the episodes (it is sent the evaluated weights); default: this process.")
 _PLOT = flags.DEFINE_string("plot", None, "With several --max_turns: write success against budget here (PNG).")
 
 
 def evaluate(run: str, tasks: list[str] | None, episodes: int, step: int | None = None,
              servers: list[str] | None = None, sessions: int | None = None,
              episodes_out: list | None = None, max_turns: int | None = None,
-             temperature: float | None = None) -> tuple[int, dict]:
+             temperature: float | None = None, inference: str | None = None) -> tuple[int, dict]:
   """Returns (checkpoint step, {task: {success, episodes, ...}}) for the run's policy; game tasks
   also get normalized_score, mean_score and reference_score (`game_scores`). `episodes_out`, if
   given, receives every evaluated Episode. `step = 0` with no checkpoint 0 evaluates the policy the
@@ -73,6 +77,9 @@ def evaluate(run: str, tasks: list[str] | None, episodes: int, step: int | None 
   baseline the trained checkpoints are compared with. `max_turns`: the step budget (turns per
   episode; default the run's config.env.max_turns). `temperature`: the sampler's (default the run's
   config.sampling.temperature; 0 = greedy, how much of a policy's failure is sampling noise).
+  `inference`: the URL of an `experiments/serve.py` process of the same model that samples instead of
+  this process; it is sent the evaluated weights (it serves them afterwards: do not share it with a
+  running trainer).
 
   Episodes lost on every attempt (the sandbox went away: `rollout.agent_loop.run_episodes`) are not
   scored: each task's `lost` counts them and `episodes` counts only the scored ones.
@@ -80,12 +87,14 @@ def evaluate(run: str, tasks: list[str] | None, episodes: int, step: int | None 
   Raises:
     FileNotFoundError: the run has no config.json or no checkpoint.
     ValueError: max_turns is not a positive int.
+    inference_remote.ModelMismatch: the `inference` server builds another model (or temperature).
     envs_bridge.protocol.SandboxError: a sandbox error no retry fixes, at once (UnknownTask for a
       misspelt task name, Unauthorized for a wrong token, ...).
   """
   out = {} if episodes_out is not None else None
   step, summaries = evaluate_budgets(run, tasks, episodes, None if max_turns is None else [max_turns], step,
-                                     servers, sessions, episodes_out=out, temperature=temperature)
+                                     servers, sessions, episodes_out=out, temperature=temperature,
+                                     inference=inference)
   (summary,) = summaries.values()
   if episodes_out is not None:
     (eps,) = out.values()
@@ -95,8 +104,8 @@ def evaluate(run: str, tasks: list[str] | None, episodes: int, step: int | None 
 
 def evaluate_budgets(run: str, tasks: list[str] | None, episodes: int, budgets: Sequence[int] | None,
                      step: int | None = None, servers: list[str] | None = None, sessions: int | None = None,
-                     episodes_out: dict | None = None, temperature: float | None = None
-                     ) -> tuple[int, dict[int, dict]]:
+                     episodes_out: dict | None = None, temperature: float | None = None,
+                     inference: str | None = None) -> tuple[int, dict[int, dict]]:
   """`evaluate` once per step budget (turns per episode; report section 3, step-budget scaling), the
   same held-out seeds at every budget: returns (checkpoint step, {budget: {task: summary}}), budgets
   in the given order (None: the run's config.env.max_turns alone). The policy's sampler starts from
@@ -114,18 +123,29 @@ def evaluate_budgets(run: str, tasks: list[str] | None, episodes: int, budgets: 
   if step == 0 and 0 not in ckpt.manager(run).all_steps():
     params = init["policy"]  # the initial policy: a run's evaluation before its first update
   else:
-    params, step, _ = state_lib.restore_policy(init, run if step is None else os.path.join(run, "checkpoints", str(step)))
+    path = run if step is None else os.path.join(run, "checkpoints", str(step))
+    params, step, _ = state_lib.restore_policy(init, path)
   tasks = tasks or list(config.tasks)
   sessions = sessions or config.env.num_sessions
   jobs = eval_jobs(tasks, episodes, config.env.eval_seed_offset)
   policy = parts.batched_policy(params, batch_size=sessions, seed=config.seed + 7)
+  remote = None
+  if inference:
+    remote = RemoteInference(inference, expect_model=parts.served_model_id())
+    remote.set_params(params, step or 0, reset=True)
 
   def act_for(budget: int) -> ActFn:  # image slots: the config's (as in training), or more for a longer budget
+    if remote is not None:  # the server's image slots are its config's env.max_turns
+      return remote.act
     return dataclasses.replace(policy, max_images=max(budget, policy.max_images)).act
 
-  with env_fleet(config.env, urls=servers or ()) as (loop, clients):
-    results = play_budgets(loop, act_for, clients, jobs, parts.eval_loop_cfg, parts.tokenizer, budgets,
-                           sessions=sessions, version=step, progress="eval")
+  try:
+    with env_fleet(config.env, urls=servers or ()) as (loop, clients):
+      results = play_budgets(loop, act_for, clients, jobs, parts.eval_loop_cfg, parts.tokenizer, budgets,
+                             sessions=sessions, version=step, progress="eval")
+  finally:
+    if remote is not None:
+      remote.close()
   if episodes_out is not None:
     episodes_out.update(results)
   return step, {b: summarize_with_games(eps) for b, eps in results.items()}
@@ -146,7 +166,7 @@ def main(argv):
   eps: list = []
   step, summary = evaluate(_RUN.value, tasks, _EPISODES.value, _CKPT.value, _SERVERS.value,
                            _SESSIONS.value, episodes_out=eps, max_turns=budgets[0] if budgets else None,
-                           temperature=_TEMPERATURE.value)
+                           temperature=_TEMPERATURE.value, inference=_INFERENCE.value)
   print(f"checkpoint {step} of {resolve_run(_RUN.value)}, {_EPISODES.value} held-out seeds per task"
         + (f", step budget {budgets[0]} turns" if budgets else ""))
   print(format_table(summary))
@@ -169,7 +189,7 @@ def main_budgets(tasks: list[str] | None, budgets: list[int]) -> None:
   """`main` with several step budgets: the table of `format_budget_table`, `--json` as
   `budgets_json`, `--plot` as `plot_budgets`."""
   step, summaries = evaluate_budgets(_RUN.value, tasks, _EPISODES.value, budgets, _CKPT.value, _SERVERS.value,
-                                     _SESSIONS.value, temperature=_TEMPERATURE.value)
+                                     _SESSIONS.value, temperature=_TEMPERATURE.value, inference=_INFERENCE.value)
   run = resolve_run(_RUN.value)
   print(f"checkpoint {step} of {run}, {_EPISODES.value} held-out seeds per task (the same at every budget)")
   print(format_budget_table(summaries))

@@ -81,16 +81,21 @@ def resolved(config: str, args: list[str]) -> dict[str, dict]:
   return {a: _flat(json.loads(load_config(config, a).to_json_best_effort())) for a in args}
 
 
-def check_same(old: dict, new: dict) -> None:
-  """Raises ConfigMismatch naming the differing fields of the stage args both plans hold."""
-  diffs = []
+def check_same(old: dict, new: dict) -> list[str]:
+  """Raises ConfigMismatch naming the differing fields of the stage args both plans hold. Returns the
+  fields only one side has (a setting added to or removed from the code since the work dir's plan:
+  not compared, listed for the log)."""
+  diffs, one_sided = [], set()
   for arg in sorted(set(old) & set(new)):
     for k in sorted(set(old[arg]) | set(new[arg])):
-      if old[arg].get(k, "<absent>") != new[arg].get(k, "<absent>"):
-        diffs.append(f"{arg}: {k} = {old[arg].get(k, '<absent>')!r} there, {new[arg].get(k, '<absent>')!r} now")
+      if (k in old[arg]) != (k in new[arg]):
+        one_sided.add(k)
+      elif old[arg][k] != new[arg][k]:
+        diffs.append(f"{arg}: {k} = {old[arg][k]!r} there, {new[arg][k]!r} now")
   if diffs:
     raise ConfigMismatch("the work dir holds runs of another config; use another --workdir. Differing fields: "
                          + "; ".join(diffs[:12]) + (f" (and {len(diffs) - 12} more)" if len(diffs) > 12 else ""))
+  return sorted(one_sided)
 
 
 def sft_name(variant: str) -> str:
@@ -242,7 +247,10 @@ def main(argv):
   if os.path.exists(manifest_path):
     with open(manifest_path) as f:
       old = json.load(f)
-    check_same(old.get("configs", {}), conf)
+    one_sided = check_same(old.get("configs", {}), conf)
+    if one_sided:
+      print(f"[replicate] settings the work dir's plan does not have, or no longer has (not compared): "
+            f"{', '.join(one_sided)}")
   manifest = {"config": config, "suffix": F.suffix, "configs": {**old.get("configs", {}), **conf},
               "seeds": sorted(set(old.get("seeds", [])) | set(seeds)),
               "variants": sorted(set(old.get("variants", [])) | set(variants))}

@@ -6,6 +6,8 @@ r"""PPO trainer for GUI agents against sandbox servers (one linear script; big_v
       --config.critic.init=runs/vpt/critic      # critic from experiments/value_pretrain.py
   python -m experiments.train --config experiments/configs/miniwob_pipeline.py --workdir runs/x/ppo \
       --config.policy.init=runs/x/sft --config.critic.init=runs/x/vpt/critic   # from the SFT policy
+  python -m experiments.train --config experiments/configs/miniwob_ppo.py --workdir runs/ppo \
+      --config.rollout.inference=http://127.0.0.1:8800   # the policy served by experiments/serve.py
 
 Re-running the same command resumes from the last complete checkpoint in `--workdir`.
 Layout of the run dir: config.json, metrics.jsonl, tensorboard/, checkpoints/, trajectories/ (a few
@@ -42,6 +44,7 @@ from tars_jax.rollout import evaluation
 from tars_jax.rollout import pool as pool_lib
 from tars_jax.rollout.agent_loop import run_episodes, trainable
 from tars_jax.rollout.episode import RolloutStats
+from tars_jax.rollout.inference_remote import RemoteInference
 from tars_jax.rollout.jobs import group_ids, rollout_jobs
 from tars_jax.train import orm as orm_lib
 from tars_jax.train import checkpoint as ckpt
@@ -62,8 +65,9 @@ def main(argv):
   # computation; one process (distributed.num_processes = 1, the default) changes nothing below.
   dist.initialize(config.distributed)
   dist.default_mesh(config)
-  if dist.is_multi() and config.rollout.streaming:
-    raise app.UsageError("rollout.streaming is not yet supported with distributed.num_processes > 1")
+  if dist.is_multi() and (config.rollout.streaming or config.rollout.inference):
+    raise app.UsageError("rollout.streaming and rollout.inference are not yet supported with "
+                         "distributed.num_processes > 1")
   if config.vpt.enabled and not config.critic.init:  # PPO alone would silently skip the stage
     raise app.UsageError("config has vpt.enabled=True: value pretraining must run before PPO; use "
                          "experiments/sweep.py (runs both stages), or run experiments/value_pretrain.py "
@@ -99,6 +103,15 @@ def main(argv):
   policy = parts.batched_policy(dist.local_replica(state["policy"]),
                                 batch_size=dist.share_size(config.env.num_sessions),
                                 seed=dist.process_seed(config.seed))
+  # rollout.inference=<url>: the policy is served by `experiments/serve.py` (another process or host);
+  # it must build the same model, gets this run's weights now (a resumed run may be behind it) and
+  # after every update. Its sampling keys are its own: such a run does not replay from the seed.
+  remote = None
+  if config.rollout.inference:
+    remote = RemoteInference(config.rollout.inference, expect_model=parts.served_model_id())
+    remote.set_params(state["policy"], start_iter, reset=True)
+    print(f"[train] policy served by {config.rollout.inference} (weights version {start_iter} pushed)")
+  act = remote.act if remote is not None else policy.act
   hp = parts.hparams
   # Outcome reward: the verifier's (the sandbox's reward), or a generative ORM's P(yes) with
   # rl.orm_run (tars_jax/train/orm.py; report 2.5.2), the verifier's still logged beside it.
@@ -122,7 +135,8 @@ def main(argv):
     if config.rollout.streaming:
       r = config.rollout
       conc = r.concurrency or n
-      service = parts.inference_service(state["policy"], slots=r.slots or conc, seed=config.seed, version=start_iter)
+      service = remote or parts.inference_service(state["policy"], slots=r.slots or conc, seed=config.seed,
+                                                  version=start_iter)
       pool = pool_lib.RolloutPool(
           service, clients, pool_lib.job_groups(tasks, n, config.rl.group_size, config.env.train_seed_offset,
                                                 start_iter), parts.loop_cfg, parts.tokenizer,
@@ -151,7 +165,7 @@ def main(argv):
           jobs = dist.share(rollout_jobs(tasks, n, config.rl.group_size, it, config.env.train_seed_offset))
           stats = RolloutStats()
           episodes = loop.run_until_complete(
-              run_episodes(policy.act, clients, jobs, parts.loop_cfg, parts.tokenizer, version=it, stats=stats,
+              run_episodes(act, clients, jobs, parts.loop_cfg, parts.tokenizer, version=it, stats=stats,
                            episodic=episodic))
           if dist.is_multi():  # every process gets every episode, in job order, and the summed counters
             episodes, stats = dist.allgather_list(episodes), dist.merge_counters(dist.allgather_list([stats]))
@@ -188,6 +202,8 @@ def main(argv):
           service.set_params(state["policy"], it + 1)
         else:
           state, train_m = update()
+          if remote is not None:
+            remote.set_params(state["policy"], it + 1)
         policy.params = dist.local_replica(state["policy"])
         t_train = time.perf_counter() - t1
         train_tokens = train_m.pop("tokens_trained")
@@ -213,7 +229,7 @@ def main(argv):
         if config.eval_every and (it + 1) % config.eval_every == 0:
           t2 = time.perf_counter()
           ev = dist.allgather_list(evaluation.play(
-              loop, policy.act, clients,
+              loop, act, clients,
               dist.share(evaluation.eval_jobs(list(tasks), config.eval_episodes, config.env.eval_seed_offset)),
               parts.eval_loop_cfg, parts.tokenizer, sessions=dist.share_size(n), version=it + 1))
           m.update(evaluation.metrics(evaluation.summarize(ev)))
@@ -243,7 +259,10 @@ def main(argv):
       bar.close()
       if pool is not None:  # episodes in flight are not trained: a resumed run starts new ones
         loop.run_until_complete(pool.close())
-        service.close()
+      if service is not None:
+        service.close()  # an in-process service's decode thread; a remote one's client only
+      elif remote is not None:
+        remote.close()
       writer.close()
   if tripped:
     raise guard.error(it)

@@ -1,8 +1,10 @@
-"""The inference service in its own process behind HTTP (`rollout/inference_remote.py`): the remote
-client draws what the in-process service draws for the same key and weights, weights pushed over the
-socket (msgpack) and from an Orbax checkpoint are served with their version, and a request that does
-not fit raises the same typed error."""
+"""The inference service in its own process behind HTTP (`experiments/serve.py`,
+`rollout/inference_remote.py`): the remote client draws what the in-process service draws for the same
+key and weights, weights pushed over the socket (msgpack) and from an Orbax checkpoint are served with
+their version, a stale push and a server of another model are refused, a request that does not fit
+raises the same typed error; a trainer and the evaluation sample through it."""
 
+import json
 import os
 import socket
 import subprocess
@@ -17,7 +19,7 @@ import pytest
 from envs_bridge.client import SandboxClient
 from envs_bridge.launch import launch_server
 from experiments.configs import miniwob_ppo
-from tars_jax.rollout.inference_remote import RemoteInference
+from tars_jax.rollout.inference_remote import ModelMismatch, RemoteInference, StaleWeights
 from tars_jax.rollout.episode import InferenceFailed
 from tars_jax.rollout.inference_server import ContextTooLong
 from tars_jax.rollout.pool import PoolConfig, RolloutPool, job_groups
@@ -38,7 +40,7 @@ def _free_port():
 def _start_server(slots: int) -> tuple[subprocess.Popen, str]:
   """An inference server process of the smoke config on a free port, once it answers /health."""
   port = _free_port()
-  cmd = [sys.executable, "-m", "tars_jax.rollout.inference_remote", "--config",
+  cmd = [sys.executable, "-m", "experiments.serve", "--config",
          os.path.join(ROOT, "experiments/configs/miniwob_ppo.py:smoke"), "--port", str(port), "--slots", str(slots)]
   proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
@@ -109,6 +111,15 @@ def test_remote_equals_in_process_and_swaps_weights(server, tmp_path):
       remote.submit(list(range(200)) * 40, []).result(timeout=60)
     assert e.value.prompt_tokens >= 8000 and e.value.capacity < e.value.prompt_tokens
     assert httpx.get(server + "/health").json()["requests"] == 6  # 4 + 1 + 1 replies; the refused one never ran
+    with pytest.raises(StaleWeights, match="weights version 1 refused .* serves version 2"):
+      remote.set_params(state2["policy"], 1)  # older than the served version
+    remote.set_params(state2["policy"], 1, reset=True)  # a resumed trainer's first push
+    assert httpx.get(server + "/health").json()["version"] == 1
+  assert httpx.get(server + "/health").json()["model"] == parts.served_model_id()
+  with pytest.raises(ModelMismatch, match=r"serves model '[0-9a-f]{16}', this config builds model '[0-9a-f]{16}'"):
+    other = miniwob_ppo.get_config("smoke")
+    other.sampling.temperature = 0.5  # another behaviour policy
+    RemoteInference(server, expect_model=state_lib.build(other).served_model_id())
 
 
 @pytest.mark.slow  # ~60 s: its own server process compiles the smoke model; real Chromium
@@ -140,3 +151,33 @@ def test_a_dead_inference_server_stops_the_pool_as_an_inference_failure_not_a_lo
   assert ledger.lost_attempts == 0 and ledger.retried == 0 and ledger.failed >= 1
   assert health["opened"] >= 1 and health["lost"] == 0
   assert health["opened"] == health["closed"] + health["expired"] + health["sessions"] and health["sessions"] == 0
+
+
+@pytest.mark.slow  # ~150 s: a server process, a streaming trainer and an evaluation, against real Chromium
+@pytest.mark.browser
+def test_a_trainer_and_the_evaluation_sample_through_a_separate_server(tmp_path):
+  """rollout.inference=<url>: the streaming trainer's episodes are sampled by the server process,
+  which gets each update's weights with its version; `eval --inference` samples through it too."""
+  proc, url = _start_server(4)
+  try:
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "experiments.train", "--config",
+           os.path.join(ROOT, "experiments/configs/miniwob_ppo.py:smoke"), "--workdir", str(run_dir),
+           f"--config.rollout.inference={url}", "--config.rollout.streaming=True", "--config.iterations=2",
+           "--config.rollout.concurrency=4", "--config.rollout.max_staleness=2"]
+    p = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert f"policy served by {url}" in p.stdout
+    health = httpx.get(url + "/health").json()
+    assert health["version"] == 2 and health["requests"] >= 8  # 2 updates pushed; every turn sampled there
+    rows = [json.loads(l) for l in open(run_dir / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2] and rows[-1]["pool/taken"] >= 8
+
+    from experiments.eval import evaluate
+    step, summary = evaluate(str(run_dir), ["miniwob/click-test"], 2, inference=url)
+    assert step == 2 and summary["miniwob/click-test"]["episodes"] == 2
+    assert httpx.get(url + "/health").json()["requests"] > health["requests"]
+  finally:
+    proc.terminate()
+    proc.wait(timeout=30)

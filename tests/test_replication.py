@@ -107,6 +107,8 @@ def test_a_workdir_of_another_config_is_refused_naming_the_fields():
   old = replicate.resolved(CONFIG, ["sft+smoke", "ppo+smoke"])
   new = json.loads(json.dumps(old))
   replicate.check_same(old, new)
+  new["ppo+smoke"]["rl.new_setting"] = 0  # a setting added to the code since: listed, not a mismatch
+  assert replicate.check_same(old, new) == ["rl.new_setting"]
   new["ppo+smoke"]["rl.lr"] = 1.0
   with pytest.raises(replicate.ConfigMismatch, match=r"ppo\+smoke: rl.lr"):
     replicate.check_same(old, new)

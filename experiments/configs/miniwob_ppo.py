@@ -229,6 +229,7 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.rollout.max_failed_in_a_row = 16  # episodes failing every attempt in a row: the fleet is down, stop
   c.rollout.slots = 0  # KV-cache slots of the inference service; 0 = concurrency
   c.rollout.context_len = 0  # cache positions per slot; 0 = Parts.context_capacity()
+  c.rollout.inference = ""  # "": the policy sampled in this process; "http://host:port": by experiments/serve.py
 
   # --- Model (tars_jax/models/config.py fields) -----------------------------------------------------
   c.model = mlc.ConfigDict()

@@ -1,8 +1,7 @@
 r"""The inference service as a separate process behind HTTP, with the in-process client API
 (report section 2.5.3: the policy served apart from the trainer; multi-host rollouts).
-
-  python -m tars_jax.rollout.inference_remote --config experiments/configs/miniwob_ppo.py:smoke \
-      --port 8800 [--init runs/x/sft] [--slots 16]
+`experiments/serve.py` starts the server; trainers and evaluation connect with
+`--config.rollout.inference=<url>` / `--inference <url>`.
 
 The server wraps one `InferenceService` (continuous batching over KV-cache slots) in FastAPI:
 
@@ -10,16 +9,19 @@ The server wraps one `InferenceService` (continuous batching over KV-cache slots
                   -> {"tokens", "logprobs", "states", "versions", "request_id"}
   POST /release   {"session": str}: the episode ended, its slot's context is dropped
   POST /weights   msgpack of the policy params' leaves in tree order (`params_to_bytes`), header
-                  `x-policy-version`: served from the next decode step on (`set_params`)
-  POST /weights/checkpoint {"path": run dir or step dir, "version": int}: the same from an Orbax
-                  checkpoint the server can read (large models: nothing crosses the socket)
-  GET  /health    {"version", "slots", "occupancy", "requests", "steps"}
+                  `x-policy-version`: served from the next decode step on (`set_params`); a version
+                  older than the one served is refused (409, StaleWeights) unless header
+                  `x-policy-reset: 1` (a trainer's first push: a resumed run may be behind)
+  POST /weights/checkpoint {"path": run dir or step dir, "version": int, "reset": bool}: the same from
+                  an Orbax checkpoint the server can read (large models: nothing crosses the socket)
+  GET  /health    {"version", "model" (`Parts.served_model_id`), "slots", "occupancy", "requests", "steps"}
 
 `RemoteInference(url)` has the service's client API — `submit` (a `concurrent.futures.Future`),
 `await generate(...)`, `act(prompts, images)`, `release(session)`, `set_params(params, version)`,
 `version` — so
 `rollout/pool.py` and `agent_loop.run_episodes` take either. A request that does not fit raises
-`ContextTooLong` on the client, as in process (HTTP 413 with the lengths).
+`ContextTooLong` on the client, as in process (HTTP 413 with the lengths). Given `expect_model`, the
+client refuses a server of another model at construction (`ModelMismatch`, naming both ids).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ import concurrent.futures
 import io
 
 import numpy as np
-from fastapi import Request  # module level: FastAPI resolves the (string) annotation from here
+from fastapi import FastAPI, HTTPException, Request  # module level: FastAPI resolves the annotation from here
+from fastapi.responses import JSONResponse
 
 from tars_jax.rollout.inference_server import ContextTooLong, Reply
 
@@ -69,11 +72,24 @@ def params_from_bytes(template, data: bytes):
   return jax.tree.unflatten(treedef, [jax.numpy.asarray(a) for a in new])  # template leaves may be ShapeDtypeStructs
 
 
-def make_app(service, restore_params=None):
+class ModelMismatch(ValueError):
+  """The inference server serves another model than the client's config builds."""
+
+
+class StaleWeights(ValueError):
+  """A weight push older than the version the server serves (without reset)."""
+
+
+def make_app(service, restore_params=None, model_id: str = ""):
   """FastAPI app serving `service` (an `InferenceService`). restore_params(path) -> params: how
-  POST /weights/checkpoint reads a checkpoint (None: that route answers 501)."""
-  from fastapi import FastAPI, HTTPException
-  from fastapi.responses import JSONResponse
+  POST /weights/checkpoint reads a checkpoint (None: that route answers 501). model_id: the served
+  model's `Parts.served_model_id()`, reported by /health for clients to compare."""
+
+  def stale(version: int, reset: bool):
+    if not reset and version < service.version:
+      return JSONResponse(status_code=409, content={"error": "StaleWeights", "version": version,
+                                                    "serving": service.version})
+    return None
 
   app = FastAPI(title="tars_jax inference service")
 
@@ -100,6 +116,9 @@ def make_app(service, restore_params=None):
   @app.post("/weights")
   async def weights(request: Request):
     version = int(request.headers["x-policy-version"])
+    refused = stale(version, request.headers.get("x-policy-reset") == "1")
+    if refused is not None:
+      return refused
     try:
       params = params_from_bytes(service.param_template, await request.body())
     except ValueError as e:
@@ -111,13 +130,16 @@ def make_app(service, restore_params=None):
   async def weights_checkpoint(body: dict):
     if restore_params is None:
       raise HTTPException(status_code=501, detail="this server was started without a checkpoint reader")
+    refused = stale(int(body["version"]), bool(body.get("reset", False)))
+    if refused is not None:
+      return refused
     service.set_params(await asyncio.to_thread(restore_params, body["path"]), int(body["version"]))
     return {"version": int(body["version"])}
 
   @app.get("/health")
   async def health():
     s = service.stats
-    return {"version": service.version, "slots": service.n_slots, "occupancy": s.occupancy,
+    return {"version": service.version, "model": model_id, "slots": service.n_slots, "occupancy": s.occupancy,
             "requests": s.requests, "steps": s.steps}
 
   return app
@@ -128,16 +150,23 @@ class RemoteInference:
 
   url: the server's base URL. The version it reports is the one it last set (`set_params`) or read
   from /health at construction; every reply carries the server's per-token versions.
+  expect_model: the client's `Parts.served_model_id()`; a server reporting another raises ModelMismatch.
   Raises (from submit / generate / act): ContextTooLong (HTTP 413), ValueError (422), httpx errors.
   """
 
-  def __init__(self, url: str, timeout_s: float = 600.0):
+  def __init__(self, url: str, timeout_s: float = 600.0, expect_model: str | None = None):
     import httpx
     self.url = url.rstrip("/")
     self._sync = httpx.Client(base_url=self.url, timeout=timeout_s)
     self._async = None
     self._timeout = timeout_s
-    self._version = int(self._sync.get("/health").raise_for_status().json()["version"])
+    health = self._sync.get("/health").raise_for_status().json()
+    if expect_model is not None and health.get("model") != expect_model:
+      self._sync.close()
+      raise ModelMismatch(f"the inference server at {self.url} serves model {health.get('model')!r}, this config "
+                          f"builds model {expect_model!r} (architecture, tokenizer, grammar, screenshot size or "
+                          "system prompt differ): start the server with the same config")
+    self._version = int(health["version"])
     self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=32)
 
   @property
@@ -181,20 +210,32 @@ class RemoteInference:
     futs = [self.submit(p, im) for p, im in zip(prompts, images)]
     return [(r.tokens, r.logprobs, r.states) for r in (f.result() for f in futs)]
 
-  def set_params(self, params, version: int) -> None:
+  def set_params(self, params, version: int, reset: bool = False) -> None:
     """Ships `params` (msgpack) to the server, served as `version` from its next decode step.
-    Raises ValueError (the server's reason) for weights of another model."""
-    resp = self._sync.post("/weights", content=params_to_bytes(params),
-                           headers={"x-policy-version": str(int(version)), "content-type": "application/octet-stream"})
+    reset: accept a version older than the served one (a resumed trainer's first push).
+    Raises ValueError (the server's reason) for weights of another model; StaleWeights for a version
+    older than the served one without reset."""
+    headers = {"x-policy-version": str(int(version)), "content-type": "application/octet-stream"}
+    if reset:
+      headers["x-policy-reset"] = "1"
+    resp = self._sync.post("/weights", content=params_to_bytes(params), headers=headers)
+    self._check_push(resp)
+    self._version = int(version)
+
+  def load_checkpoint(self, path: str, version: int, reset: bool = False) -> None:
+    """The server restores its params from an Orbax checkpoint at `path` (run or step dir).
+    Raises StaleWeights as `set_params`."""
+    self._check_push(self._sync.post("/weights/checkpoint", json={"path": path, "version": int(version),
+                                                                  "reset": bool(reset)}))
+    self._version = int(version)
+
+  def _check_push(self, resp) -> None:
+    if resp.status_code == 409:
+      b = resp.json()
+      raise StaleWeights(f"weights version {b['version']} refused by {self.url}: it serves version {b['serving']}")
     if resp.status_code == 422:
       raise ValueError(resp.json().get("detail"))
     resp.raise_for_status()
-    self._version = int(version)
-
-  def load_checkpoint(self, path: str, version: int) -> None:
-    """The server restores its params from an Orbax checkpoint at `path` (run or step dir)."""
-    self._sync.post("/weights/checkpoint", json={"path": path, "version": int(version)}).raise_for_status()
-    self._version = int(version)
 
   def close(self) -> None:
     self._executor.shutdown(wait=False)
@@ -205,46 +246,3 @@ class RemoteInference:
 
   def __exit__(self, *exc):
     self.close()
-
-
-def main(argv):
-  del argv
-  import jax
-  import uvicorn
-  from absl import flags
-
-  from tars_jax.train import state as state_lib
-  F = flags.FLAGS
-  config = F.config
-  jax.config.update("jax_default_matmul_precision", config.matmul_precision)
-  parts = state_lib.build(config)
-  state = parts.init_state(config.seed)
-  if F.init:
-    state, src = state_lib.load_policy(state, F.init, parts.popt)
-    print(f"[inference] policy from {src}")
-  template = dict(state)
-
-  def restore(path):
-    return state_lib.restore_policy(template, path)[0]
-
-  service = parts.inference_service(state["policy"], slots=F.slots or config.env.num_sessions, seed=config.seed,
-                                    version=F.version)
-  print(f"[inference] serving on http://{F.host}:{F.port} ({service.n_slots} slots, "
-        f"{service.context_len} cache positions each)", flush=True)
-  try:
-    uvicorn.run(make_app(service, restore), host=F.host, port=F.port, log_level="warning")
-  finally:
-    service.close()
-
-
-if __name__ == "__main__":
-  from absl import app, flags
-  from ml_collections import config_flags
-  config_flags.DEFINE_config_file("config", None, "Config file (get_config(arg)): the policy's model.")
-  flags.DEFINE_string("init", "", "Run dir or step dir whose policy to serve (default: the config's init).")
-  flags.DEFINE_string("host", "127.0.0.1", "Interface to bind.")
-  flags.DEFINE_integer("port", 8800, "Port.")
-  flags.DEFINE_integer("slots", 0, "KV-cache slots (0 = env.num_sessions).")
-  flags.DEFINE_integer("version", 0, "Version of the initial weights.")
-  flags.mark_flags_as_required(["config"])
-  app.run(main)

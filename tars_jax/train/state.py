@@ -10,11 +10,14 @@ overriding `sharding.DEFAULT_RULES`) give; without it (the default) nothing chan
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from tars_jax import sharding
@@ -110,6 +113,21 @@ class Parts:
       step = jax.device_put(step, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
     return {"step": step, "policy": pp, "critic": cp, "policy_opt": self.popt.init(pp),
             "critic_opt": self.copt.init(cp)}
+
+  def served_model_id(self) -> str:
+    """16 hex digits naming what a policy service and its clients must agree on: the architecture
+    (`model_cfg` without hf_tokenizer.RUNTIME_FIELDS: dtype, kernels), the tokenizer and its vocabulary,
+    the action grammar's table, the screenshot size, the system prompt and the sampling distribution
+    (temperature, top-p: the behaviour policy PPO's ratio divides by). A trainer refuses an inference
+    service whose id differs (`inference_remote.RemoteInference(expect_model=...)`)."""
+    m = {k: v for k, v in self.model_cfg.to_dict().items() if k not in hf_tokenizer.RUNTIME_FIELDS}
+    s = self.config.sampling
+    h = hashlib.sha256(json.dumps({"model": m, "tokenizer": type(self.tokenizer).__name__,
+                                   "vocab": self.tokenizer.vocab_size, "image_hw": list(self.image_hw),
+                                   "system": self.loop_cfg.system, "temperature": float(s.temperature),
+                                   "top_p": float(s.top_p)}, sort_keys=True, default=str).encode())
+    h.update(np.ascontiguousarray(np.asarray(self.grammar.table)).tobytes())
+    return h.hexdigest()[:16]
 
   def inference_service(self, params, slots: int, seed: int, version: int = 0) -> InferenceService:
     """The continuous-batching service of streaming rollouts (`rollout.streaming`), serving `params`

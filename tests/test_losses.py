@@ -289,3 +289,9 @@ def test_decoupled_ppo_loss_matches_hand_formula_and_reduces_to_ppo_on_policy():
   np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=1e-6)
   on = L.decoupled_ppo_policy_loss(logp, behav, behav, adv, mask, 0.2, 0.28)[0]
   np.testing.assert_allclose(float(on), float(L.ppo_policy_loss(logp, behav, adv, mask, 0.2, 0.28)[0]), rtol=1e-6)
+  # max_weight (AReaL's behav_imp_weight_cap): the first token (w = e^0.3 = 1.35) leaves the loss
+  capped, mc = L.decoupled_ppo_policy_loss(logp, prox, behav, adv, mask, 0.2, 0.28, max_weight=1.2)
+  want_capped = np.mean(np.maximum(-adv * w * r, -adv * w * np.clip(r, 0.8, 1.28))[:, 1:])
+  np.testing.assert_allclose(float(capped), want_capped, rtol=1e-6)
+  assert float(mc["behaviour_weight_filtered"]) == pytest.approx(0.25)
+  np.testing.assert_allclose(float(mc["behaviour_weight_mean"]), w.mean(), rtol=1e-6)  # over every token

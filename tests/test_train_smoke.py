@@ -84,11 +84,13 @@ def test_vpt_config_refused_without_pretrained_critic(tmp_path):
 @pytest.mark.slow  # ~100 s: the trainer and the inference service compile, against real Chromium
 @pytest.mark.browser
 def test_streaming_run_trains_on_pool_batches(tmp_path):
-  """rollout.streaming: the trainer takes finished episodes from the pool while others run on, the
-  inference service swaps in each update's weights, and every metrics row's ledger adds up."""
+  """rollout.streaming with the decoupled objective (rl.decoupled, the importance weight capped): the
+  trainer takes finished episodes from the pool while others run on, the inference service swaps in
+  each update's weights, and every metrics row's ledger adds up. (Streaming with the plain clipped
+  ratio: tests/test_inference_remote.py, through a separate server.)"""
   run = tmp_path / "run"
   p = _train(run, "--config.rollout.streaming=True", "--config.iterations=3", "--config.rollout.concurrency=6",
-             "--config.rollout.max_staleness=2")
+             "--config.rollout.max_staleness=2", "--config.rl.decoupled=True", "--config.rl.behaviour_weight_cap=2.0")
   assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
   rows = [json.loads(l) for l in open(run / "metrics.jsonl")]
   assert [r["step"] for r in rows] == [1, 2, 3]
@@ -97,5 +99,6 @@ def test_streaming_run_trains_on_pool_batches(tmp_path):
     assert parts == r["pool/started"] and r["pool/started"] >= r["pool/taken"] >= 4 * r["step"]
     assert 0 <= r["pool/trainer_idle_frac"] <= 1 and 0 < r["pool/slot_occupancy"] <= 1
     assert r["pool/staleness_mean"] <= 2 and r["train/entropy"] > 0
+    assert r["train/behaviour_weight_mean"] > 0 and 0 <= r["train/behaviour_weight_filtered"] <= 1
   assert rows[-1]["episodes_total"] == rows[-1]["pool/taken"]
   assert sorted(os.listdir(run / "checkpoints"))[-1] == "3"

@@ -325,6 +325,9 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   # Decoupled PPO (Hilton et al. 2022; AReaL): clip around the pre-update policy, behaviour log-probs as
   # an importance weight; meant for stale streaming rollouts (rollout.streaming). False: ratio to behaviour.
   c.rl.decoupled = False
+  # With decoupled: tokens whose weight pi_prox / pi_behaviour exceeds this leave the loss (AReaL's
+  # behav_imp_weight_cap, 5 in its examples); None keeps every token.
+  c.rl.behaviour_weight_cap = 5.0
   c.rl.epochs = 2
   c.rl.minibatch_size = 16
   # Minibatches of rows of similar length (tars_jax/train/ppo.py `minibatch_rows`): each is cut to its

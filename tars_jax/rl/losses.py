@@ -127,8 +127,8 @@ def ppo_policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array,
 
 def decoupled_ppo_policy_loss(logp: jax.Array, prox_logp: jax.Array, behav_logp: jax.Array,
                               advantages: jax.Array, mask: jax.Array, clip_low: float = 0.2,
-                              clip_high: float = 0.2, clip_c: float | None = None, agg: str = "token-mean"
-                              ) -> tuple[jax.Array, dict[str, jax.Array]]:
+                              clip_high: float = 0.2, clip_c: float | None = None, agg: str = "token-mean",
+                              max_weight: float | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Decoupled PPO objective for stale (off-policy) tokens: the trust region is centred on the
   proximal policy (the policy before this update), and the behaviour policy that sampled the token
   enters only through the importance weight w = pi_prox / pi_behav (no gradient):
@@ -136,20 +136,27 @@ def decoupled_ppo_policy_loss(logp: jax.Array, prox_logp: jax.Array, behav_logp:
     loss = max(-A w r, -A w clip(r, 1 - clip_low, 1 + clip_high)),  r = pi_theta / pi_prox
 
   i.e. `ppo_policy_loss(logp, prox_logp, w * A, ...)` (w > 0). With pi_prox = pi_behav (on-policy
-  tokens) this is the standard clipped objective.
+  tokens) this is the standard clipped objective. `max_weight`: tokens whose w exceeds it (sampled by
+  a behaviour policy far from the proximal one) are left out of the loss, as AReaL's
+  `behav_imp_weight_cap` filters them; None keeps every token.
 
   Args:
     logp, prox_logp, behav_logp: [B, T] float32 log-probs (nats) of the sampled tokens under the
       current, proximal and behaviour policies; advantages, mask: [B, T]; the rest as `ppo_policy_loss`.
-  Returns: (loss, metrics of `ppo_policy_loss` plus behaviour_weight_mean over masked tokens).
+  Returns: (loss, metrics of `ppo_policy_loss` over the kept tokens, plus behaviour_weight_mean over
+    `mask` and behaviour_weight_filtered, the fraction of `mask`'s tokens left out by max_weight).
   Source: Hilton, Cobbe & Schulman 2022, "Batch size-invariance for policy optimization" (arXiv
-  2110.00641), eq. 2; AReaL (Fu et al. 2025, arXiv 2505.24298) eq. 5 for asynchronous rollouts.
+  2110.00641), eq. 2; AReaL (Fu et al. 2025, arXiv 2505.24298) eq. 5 for asynchronous rollouts, and
+  its `behav_imp_weight_cap` (inclusionAI/AReaL, `areal/utils/functional.py`).
   """
   w = jax.lax.stop_gradient(jnp.exp(jnp.clip(jnp.asarray(prox_logp, jnp.float32)
                                              - jnp.asarray(behav_logp, jnp.float32), -20.0, 20.0)))
-  loss, m = ppo_policy_loss(logp, prox_logp, w * jnp.asarray(advantages, jnp.float32), mask, clip_low,
+  mask = jnp.asarray(mask, jnp.float32)
+  kept = mask if max_weight is None else mask * (w <= max_weight)
+  loss, m = ppo_policy_loss(logp, prox_logp, w * jnp.asarray(advantages, jnp.float32), kept, clip_low,
                             clip_high, clip_c, agg)
-  return loss, dict(m, behaviour_weight_mean=masked_mean(w, jnp.asarray(mask, jnp.float32)))
+  filtered = jnp.sum(mask - kept) / jnp.maximum(jnp.sum(mask), 1.0)
+  return loss, dict(m, behaviour_weight_mean=masked_mean(w, mask), behaviour_weight_filtered=filtered)
 
 
 def value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array, mask: jax.Array,

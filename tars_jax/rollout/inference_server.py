@@ -227,7 +227,8 @@ class InferenceService:
   slots between decode steps (`models/inference/slot_decode.py`: prefill, insert, step), so a request joins
   the running batch as soon as a slot frees and leaves it at its EOS, without waiting for the
   other rows. `set_params(params, version)` swaps the weights between two decode steps: every token
-  records the version that produced it (`Reply.versions`), and no token mixes two.
+  records a version (`Reply.versions`: the oldest weights its logits depend on), and no token's
+  logits mix two weight versions in one layer.
 
   APIs (the same for `act`'s lockstep callers and for streaming ones): `submit` (thread-safe,
   returns a `concurrent.futures.Future[Reply]`), `await generate(...)` (asyncio), and
@@ -243,7 +244,9 @@ class InferenceService:
   evicted least recently used when a new request needs a slot, and all of them at a weight swap (a
   new turn never reads keys / values of older weights). Tokens of a request in flight across a swap
   are computed by the new weights over its context's keys / values from the old ones (partial
-  rollouts without recomputation); each token's version is the weights that computed its logits.
+  rollouts without recomputation); each token carries the oldest version its logits depend on, the
+  context's, so staleness rules and the decoupled objective's behaviour policy never count such a
+  token as newer than it is.
 
   Shapes: `slots` rows of `context_len` cache positions; prompts are left-padded to a multiple of
   `length_multiple` and prefilled in groups of a power-of-two size, so jit compiles one step
@@ -358,8 +361,8 @@ class InferenceService:
 
   def set_params(self, params, version: int) -> None:
     """Serves `params` as `version` from the next decode step on (requests in flight continue with
-    them: their later tokens carry the new version). The service keeps a copy: the caller may donate
-    or change `params` afterwards."""
+    them over the keys / values of their context: their tokens keep the version of that context).
+    The service keeps a copy: the caller may donate or change `params` afterwards."""
     params = jax.tree.map(jnp.copy, params)
     params = self._quantizer.quantize(params)[1]  # `quantize` mode: its serving weights
     with self._cv:
@@ -541,7 +544,7 @@ class InferenceService:
       r.tokens += toks[s, :k].tolist()
       r.logprobs += lps[s, :k].tolist()
       r.states += sts[s, :k].tolist()
-      r.versions += [self._version] * k
+      r.versions += [min(self._version, r.kv_version)] * k  # the oldest weights its logits depend on
       self._cursor[s] += k
       self.stats.tokens += k
       if not active[s]:

@@ -61,6 +61,8 @@ class PPOHparams:
   decoupled: the decoupled PPO objective (`losses.decoupled_ppo_policy_loss`): ratio to the policy
     before this update, behaviour log-probs (`old_logp`) only in an importance weight; for stale
     streaming rollouts (`rollout/pool.py`). False: the clipped ratio pi_theta / pi_behaviour.
+  behaviour_weight_cap: with `decoupled`, tokens whose importance weight pi_prox / pi_behaviour
+    exceeds it leave the loss (AReaL's behav_imp_weight_cap); None keeps every token.
   kl_kind, kl_coef: KL(policy || reference) penalty added to the policy loss as
     kl_coef * aggregate(kl_penalty(logp, ref_logp, kl_kind)) (verl `use_kl_loss`); the reference is
     the initial policy (`ppo_update(ref_params=...)`); kl_coef = 0 turns it off.
@@ -85,6 +87,7 @@ class PPOHparams:
   kl_kind: str
   kl_coef: float
   decoupled: bool
+  behaviour_weight_cap: float | None
   temperature: float
 
   def __post_init__(self):
@@ -103,6 +106,8 @@ class PPOHparams:
         raise ValueError(f"rl.{name} must be in [0, 1], got {getattr(self, name)}")
     if self.kl_coef < 0:
       raise ValueError(f"rl.kl_coef must be >= 0, got {self.kl_coef}")
+    if self.behaviour_weight_cap is not None and self.behaviour_weight_cap <= 1.0:
+      raise ValueError(f"rl.behaviour_weight_cap must be > 1 (or None), got {self.behaviour_weight_cap}")
 
 
 ALGOS = ("ppo", "grpo", "drgrpo", "rloo")
@@ -207,7 +212,8 @@ def policy_loss(params, gd, table, mb, hp: PPOHparams, inputs: ModelInputs):
   free = free_decisions(table, mb["states"], mb["loss_mask"])
   if hp.decoupled:  # trust region around the pre-update policy; behaviour policy as importance weight
     pg, m = losses.decoupled_ppo_policy_loss(logp, mb["prox_logp"], mb["old_logp"], mb["advantages"], free,
-                                             hp.clip_low, hp.clip_high, hp.clip_c, hp.loss_agg)
+                                             hp.clip_low, hp.clip_high, hp.clip_c, hp.loss_agg,
+                                             hp.behaviour_weight_cap)
   else:
     pg, m = losses.ppo_policy_loss(logp, mb["old_logp"], mb["advantages"], free, hp.clip_low,
                                    hp.clip_high, hp.clip_c, hp.loss_agg)

@@ -238,7 +238,9 @@ def hparams(config) -> ppo.PPOHparams:
                         whiten_advantages=r.whiten_advantages, clip_low=r.clip_low, clip_high=r.clip_high,
                         clip_c=r.clip_c, value_clip=vclip, vf_coef=r.vf_coef, ent_coef=r.ent_coef,
                         aux_loss_coef=r.aux_loss_coef, loss_agg=r.loss_agg, kl_kind=r.kl_kind,
-                        kl_coef=r.kl_coef, decoupled=r.decoupled, temperature=config.sampling.temperature)
+                        kl_coef=r.kl_coef, decoupled=r.decoupled,
+                        behaviour_weight_cap=r.get("behaviour_weight_cap"),  # absent from older runs' configs
+                        temperature=config.sampling.temperature)
 
 
 def reward_config(r) -> RewardConfig:

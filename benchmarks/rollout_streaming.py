@@ -1,6 +1,7 @@
 r"""Streaming vs synchronous rollouts side by side in one run (issue #27 item 6; report section 2.5.3).
 
   .venv/bin/python -m benchmarks.rollout_streaming [--updates 6] [--sessions 8] [--max_turns 8]
+  .venv/bin/python -m benchmarks.rollout_streaming --smoke --latency_median_s 1.0   # remote-VM-like steps
 
 Both modes train the same model (the main job's config, `miniwob_ppo.py:ppo`, random init, or
 `--smoke` for the tiny one) with the same PPO update on the same long-tailed task mix against one
@@ -8,7 +9,11 @@ real Chromium sandbox server: one-step MiniWoB++ tasks, multi-step ones and game
 budget. Synchronous: each update waits for `sessions` lockstep episodes (`agent_loop.run_episodes`
 with `BatchedPolicy`). Streaming: `sessions` episodes in flight through the continuous-batching
 `InferenceService` (`rollout/pool.py`), each update takes the first finished groups holding
-`sessions` episodes and runs in a thread while the others play on. Each mode runs two untimed
+`sessions` episodes and runs in a thread while the others play on. `--latency_median_s`: the sandbox
+server waits a log-normal wall-clock delay (that median; `--latency_sigma` in log space) before each
+step answers (`envs_bridge.app.StepLatency`), standing in for remote desktop VMs, where asynchronous
+rollout is meant to pay (report 2.5.3; AReaL 2.77x, verl's fully asynchronous trainer 2.35-2.67x over
+synchronous). Each mode runs two untimed
 updates first (compilation), and every update batch is padded to one shape. Prints one table: trajectories trained per second, the trainer's idle
 fraction (time waiting for rollouts), generation batch occupancy (busy rows per decode call /
 slots per decode step), mean staleness of trained episodes (policy versions), episode lengths, and
@@ -40,6 +45,8 @@ _SESSIONS = flags.DEFINE_integer("sessions", 8, "Episodes per update (and in fli
 _MAX_TURNS = flags.DEFINE_integer("max_turns", 8, "Step budget per episode.")
 _STALENESS = flags.DEFINE_integer("max_staleness", 2, "Streaming: versions a token may lag.")
 _SMOKE = flags.DEFINE_bool("smoke", False, "The tiny smoke model instead of the main job's.")
+_LATENCY = flags.DEFINE_float("latency_median_s", 0.0, "Median wall-clock seconds a step waits (0: none).")
+_SIGMA = flags.DEFINE_float("latency_sigma", 1.0, "Log-space standard deviation of that delay.")
 _WARMUP = 2  # untimed updates per mode (compilation of the decode / prefill shapes and the update)
 _TASKS = flags.DEFINE_list("tasks", ["miniwob/click-test", "miniwob/click-checkboxes", "miniwob/enter-text",
                                      "games/same-game", "games/shapes"], "The long-tailed task mix.")
@@ -51,6 +58,7 @@ def _config():
   c.grammar.actions = ("click", "type", "hotkey", "finished")
   c.env.max_turns = _MAX_TURNS.value
   c.env.num_sessions = _SESSIONS.value
+  c.env.step_latency_median_s, c.env.step_latency_sigma = _LATENCY.value, _SIGMA.value
   c.rl.group_size = 1
   c.rl.epochs = 1
   c.rl.minibatch_size = min(c.rl.minibatch_size, _SESSIONS.value)
@@ -147,8 +155,13 @@ def main(argv):
   with env_fleet(cfg.env) as (loop, clients):
     sync = _sync(parts, cfg, parts.init_state(0), loop, clients, _UPDATES.value)
     stream = _streaming(parts, cfg, parts.init_state(0), loop, clients, _UPDATES.value)
-  print(f"\n{command_line('benchmarks.rollout_streaming', f'--updates {_UPDATES.value} --sessions {_SESSIONS.value} --max_turns {_MAX_TURNS.value}' + (' --smoke' if _SMOKE.value else ''))}")
-  print(f"tasks: {', '.join(cfg.tasks)}; {_UPDATES.value} timed updates per mode, {cfg.env.num_sessions} episodes each")
+  flags_used = (f"--updates {_UPDATES.value} --sessions {_SESSIONS.value} --max_turns {_MAX_TURNS.value}"
+                + (" --smoke" if _SMOKE.value else "")
+                + (f" --latency_median_s {_LATENCY.value} --latency_sigma {_SIGMA.value}" if _LATENCY.value else ""))
+  print(f"\n{command_line('benchmarks.rollout_streaming', flags_used)}")
+  print(f"tasks: {', '.join(cfg.tasks)}; {_UPDATES.value} timed updates per mode, {cfg.env.num_sessions} episodes each; "
+        + (f"step latency log-normal, median {_LATENCY.value} s, sigma {_SIGMA.value}" if _LATENCY.value
+           else "no step latency"))
   print("| mode | trajectories/s | trainer idle | batch occupancy | mean staleness | episode length mean / p90 / max | trained | wall s |")
   print("|---|---|---|---|---|---|---|---|")
   for name, r in (("synchronous", sync), ("streaming", stream)):

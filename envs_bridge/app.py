@@ -6,6 +6,11 @@ server, `GET /tasks`, and the session calls (`POST /sessions`, `POST /sessions/{
 `GET /sessions/{id}/observe`, `DELETE /sessions/{id}`). Each server adds its own routes (health,
 metrics, snapshots, debug) to the returned app.
 
+Latency model (`StepLatency`, flags `--step-latency-median-s` / `--step-latency-sigma`): a real
+wall-clock delay before each step answers, log-normal with a long tail, standing in for remote desktop
+VMs (seconds per step) where asynchronous rollout is measured (`benchmarks/rollout_streaming.py`).
+The page's virtual clock does not see it, so rewards stay reproducible.
+
 Access (issue #5 "Bad input"): with a `token`, every route but `/health` (the schema pages
 included) requires `Authorization: Bearer <token>`, else 401 `Unauthorized`. It is checked by an
 ASGI middleware before the request is read at all, so an unauthenticated client gets no 422 that
@@ -18,9 +23,13 @@ without a token.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import dataclasses
 import ipaddress
 import logging
+import math
+import random
 import secrets
 from typing import Any, Callable, Sequence
 
@@ -133,6 +142,39 @@ def add_access_args(ap) -> None:
   ap.add_argument("--max-body-bytes", type=int, default=P.MAX_BODY_BYTES, help="larger request bodies get 413")
 
 
+@dataclasses.dataclass(frozen=True)
+class StepLatency:
+  """Wall-clock seconds a step waits before it answers: median_s * exp(sigma * z), z ~ N(0, 1) (a
+  log-normal with median `median_s`; sigma 1 puts the 99th percentile at ~10x the median), drawn from
+  a generator seeded with `seed`. Raises ValueError for median_s <= 0 or sigma < 0."""
+  median_s: float
+  sigma: float = 1.0
+  seed: int = 0
+
+  def __post_init__(self):
+    if self.median_s <= 0 or self.sigma < 0:
+      raise ValueError(f"step latency needs median_s > 0 and sigma >= 0, got {self}")
+
+  def sampler(self) -> Callable[[], float]:
+    """A function drawing the next delay in seconds."""
+    rng = random.Random(self.seed)
+    return lambda: self.median_s * math.exp(self.sigma * rng.gauss(0.0, 1.0))
+
+
+def add_latency_args(ap) -> None:
+  """Adds `--step-latency-median-s` (0 = none) and `--step-latency-sigma` to a server's parser."""
+  ap.add_argument("--step-latency-median-s", type=float, default=0.0,
+                  help="median of a log-normal wall-clock delay before each step answers (0: none)")
+  ap.add_argument("--step-latency-sigma", type=float, default=1.0, help="its log-space standard deviation")
+
+
+def latency_from_args(args) -> StepLatency | None:
+  """The `StepLatency` of parsed `add_latency_args` flags, or None."""
+  if args.step_latency_median_s <= 0:
+    return None
+  return StepLatency(args.step_latency_median_s, args.step_latency_sigma)
+
+
 def access_from_args(ap, args) -> str | None:
   """The server's token from parsed `add_access_args` flags; a non-loopback `--host` without one
   exits through `ap.error` (code 2) before anything starts."""
@@ -146,7 +188,7 @@ def access_from_args(ap, args) -> str | None:
 
 def protocol_app(title: str, sandbox: Any, task_names: Callable[[], Sequence[str]],
                  log: logging.Logger, token: str | None = None,
-                 max_body_bytes: int = P.MAX_BODY_BYTES) -> FastAPI:
+                 max_body_bytes: int = P.MAX_BODY_BYTES, step_latency: StepLatency | None = None) -> FastAPI:
   """FastAPI app serving `sandbox` (an object with async start/stop/open/step/observe/close).
 
   sandbox.open(task, seed, coords, data_mode) -> (session_id, Observation); step(sid, action) ->
@@ -156,6 +198,7 @@ def protocol_app(title: str, sandbox: Any, task_names: Callable[[], Sequence[str
   Args:
     token: bearer token required on every route but OPEN_PATHS (None: no auth; bind loopback only).
     max_body_bytes: request bodies over this many bytes -> 413 PayloadTooLarge.
+    step_latency: a wall-clock delay before each step answers (None: none); module docstring.
   """
   if max_body_bytes < 1:
     raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
@@ -191,9 +234,15 @@ def protocol_app(title: str, sandbox: Any, task_names: Callable[[], Sequence[str
     sid, obs = await sandbox.open(req.task, req.seed, req.coords, req.data_mode)
     return P.OpenResponse(session_id=sid, observation=obs)
 
+  delay = step_latency.sampler() if step_latency is not None else None
+  app.state.step_latency = step_latency
+
   @app.post("/sessions/{sid}/step", response_model=P.Observation)
   async def step(sid: str, req: P.StepRequest):
-    return await sandbox.step(sid, req.action)
+    obs = await sandbox.step(sid, req.action)
+    if delay is not None:
+      await asyncio.sleep(delay())
+    return obs
 
   @app.get("/sessions/{sid}/observe", response_model=P.Observation)
   async def observe(sid: str):

@@ -133,7 +133,7 @@ def launch_server(module: str = "envs_bridge.browser.server", port: int | None =
                   max_sessions: int = 64, wait_s: float = 30.0, log_path: str | None = None,
                   extra_args: tuple[str, ...] = (), n_browsers: int = 1, page_timeout_s: float = 60.0,
                   gc_interval_s: float = 30.0, token: str | None = None, spare_pages: int = 0,
-                  chromium: str | None = None) -> ServerHandle:
+                  chromium: str | None = None, step_latency: tuple[float, float] = (0.0, 1.0)) -> ServerHandle:
   """Runs `python -m <module> --host H --port N --step-ms .. --lease-s .. --max-sessions ..` and waits
   until GET /health answers 200.
 
@@ -144,6 +144,8 @@ def launch_server(module: str = "envs_bridge.browser.server", port: int | None =
     n_browsers, page_timeout_s, gc_interval_s, spare_pages: browser-server flags (`--browsers`, ...,
       `--spare-pages`: a standby Chromium with that many pre-made pages for fast crash recovery),
       passed only when they differ from the defaults (other server modules need not know them).
+    step_latency: (median seconds, sigma) of the log-normal wall-clock delay before each step answers
+      (`envs_bridge.app.StepLatency`); median 0 = none.
     token: bearer token the server requires (passed in its environment as `protocol.TOKEN_ENV`, never on
       its command line, which every user can read); None: inherit that env var from this process
       ('' there or unset: no token, and then the server binds loopback only). `.token` of the handle.
@@ -166,6 +168,8 @@ def launch_server(module: str = "envs_bridge.browser.server", port: int | None =
                                ("--chromium", chromium, None)):
     if value != default:
       cmd += [flag, str(value)]
+  if step_latency[0] > 0:
+    cmd += ["--step-latency-median-s", str(step_latency[0]), "--step-latency-sigma", str(step_latency[1])]
   cmd += list(extra_args)
   with open(log_path, "ab") as out:
     proc = subprocess.Popen(cmd, env=env, cwd=_ROOT, stdout=out, stderr=subprocess.STDOUT,
@@ -196,22 +200,26 @@ def env_fleet(env, urls=None):
   """`sandbox_fleet` of a training / eval config's `env` block: its `servers` (or `urls` when given;
   empty = launch the kinds of `env.launch`), `step_ms`, `lease_s`, `spare_pages`, `browsers` and the
   desktop server's `desktop_sessions` / `desktop_step_ms` (defaults when absent: configs saved before
-  the fields existed)."""
+  the fields existed), and the latency model `step_latency_median_s` / `step_latency_sigma` of the
+  servers it launches."""
   return sandbox_fleet(env.servers if urls is None else urls, env.step_ms, env.lease_s,
                        spare_pages=env.get("spare_pages", 0), n_browsers=env.get("browsers", 1),
                        launch=tuple(env.get("launch", ("browser",))),
                        desktop_sessions=env.get("desktop_sessions", 8),
-                       desktop_step_ms=env.get("desktop_step_ms", 300))
+                       desktop_step_ms=env.get("desktop_step_ms", 300),
+                       step_latency=(env.get("step_latency_median_s", 0.0), env.get("step_latency_sigma", 1.0)))
 
 
 @contextlib.contextmanager
 def sandbox_fleet(urls, step_ms: int = 1000, lease_s: float = 300.0, token: str | None = None,
                   spare_pages: int = 0, n_browsers: int = 1, launch: tuple[str, ...] = ("browser",),
-                  desktop_sessions: int = 8, desktop_step_ms: int = 300):
+                  desktop_sessions: int = 8, desktop_step_ms: int = 300,
+                  step_latency: tuple[float, float] = (0.0, 1.0)):
   """(event loop, [SandboxClient]) over the servers at `urls`, or over servers launched here when
   `urls` is empty: one of each kind in `launch` ("browser": `launch_server(step_ms=, lease_s=,
   spare_pages=, n_browsers=)`, MiniWoB++, games and GUI-Browsing; "desktop": the Xvfb desktop server
-  with `desktop_sessions` sessions at most and `desktop_step_ms` of real time per step). With more than
+  with `desktop_sessions` sessions at most and `desktop_step_ms` of real time per step), each with the
+  latency model `step_latency` (`launch_server`). With more than
   one server, each client learns its server's tasks (`GET /tasks`) and episodes go to a server that
   serves their task (`client.client_for`). On exit the clients, the loop and the launched servers are
   closed — also when the body raises (a trainer's SIGTERM unwinds through here).
@@ -233,10 +241,10 @@ def sandbox_fleet(urls, step_ms: int = 1000, lease_s: float = 300.0, token: str 
       for kind in launch:
         if kind == "browser":
           servers.append(launch_server(step_ms=step_ms, lease_s=lease_s, token=token, spare_pages=spare_pages,
-                                       n_browsers=n_browsers))
+                                       n_browsers=n_browsers, step_latency=step_latency))
         else:
           servers.append(launch_server(SERVER_MODULES[kind], step_ms=desktop_step_ms, lease_s=lease_s,
-                                       token=token, max_sessions=desktop_sessions))
+                                       token=token, max_sessions=desktop_sessions, step_latency=step_latency))
       urls = [h.url for h in servers]
     clients = [SandboxClient(u, token=token) for u in urls]
     if len(clients) > 1:

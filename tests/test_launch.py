@@ -80,6 +80,51 @@ def test_config_spare_pages_reaches_the_server():
     loop.run_until_complete(c.close(sid))
 
 
+def test_step_latency_is_a_seeded_log_normal():
+  """StepLatency draws median_s * exp(sigma * z): the sample median is median_s, log-delays have
+  standard deviation sigma, the same seed gives the same delays; bad settings are refused."""
+  import numpy as np
+
+  from envs_bridge.app import StepLatency
+  draw = StepLatency(1.5, sigma=0.8, seed=3).sampler()
+  x = np.array([draw() for _ in range(20000)])
+  assert np.median(x) == pytest.approx(1.5, rel=0.03) and np.log(x).std() == pytest.approx(0.8, rel=0.03)
+  again = StepLatency(1.5, sigma=0.8, seed=3).sampler()
+  assert [again() for _ in range(5)] == list(x[:5])
+  with pytest.raises(ValueError, match="median_s > 0"):
+    StepLatency(0.0)
+
+
+def test_config_step_latency_delays_steps_but_not_the_page():
+  """`env.step_latency_median_s` reaches the launched server: every step answers after that many
+  wall-clock seconds (sigma 0: exactly), and the page, whose clock is virtual, shows and rewards the
+  same as on a server without latency."""
+  import httpx
+
+  from envs_bridge.launch import env_fleet
+  from experiments.configs import miniwob_ppo
+
+  def play(latency_s):
+    config = miniwob_ppo.get_config("smoke")
+    config.env.step_latency_median_s, config.env.step_latency_sigma = latency_s, 0.0
+    with env_fleet(config.env) as (loop, clients):
+      c = clients[0]
+      health = httpx.get(c.base_url + "/health", timeout=5).json()
+      sid, _ = loop.run_until_complete(c.open("miniwob/click-test", seed=4))
+      t0 = time.monotonic()
+      obs = loop.run_until_complete(c.step(sid, "Action: click(start_box='(500,500)')"))
+      waited = time.monotonic() - t0
+      loop.run_until_complete(c.close(sid))
+    return health, obs, waited
+
+  health, slow, waited = play(0.8)
+  assert health["step_latency"] == {"median_s": 0.8, "sigma": 0.0, "seed": 0} and waited >= 0.8
+  health0, fast, _ = play(0.0)
+  assert health0["step_latency"] is None
+  assert slow.reward == fast.reward and slow.done == fast.done
+  assert slow.screenshot_png_b64 == fast.screenshot_png_b64
+
+
 def _tcmalloc() -> str | None:
   out = subprocess.run(["/sbin/ldconfig", "-p"], capture_output=True, text=True).stdout
   libs = [line.split("=>")[-1].strip() for line in out.splitlines() if "libtcmalloc_minimal.so.4 " in line]

@@ -15,6 +15,7 @@ the error bodies. `envs_bridge.launch.launch_server` starts this as a subprocess
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 
@@ -24,7 +25,8 @@ from fastapi import Query
 from fastapi.responses import JSONResponse, Response
 
 from envs_bridge import protocol as P
-from envs_bridge.app import SERVER_KEEPALIVE_S, access_from_args, add_access_args, protocol_app
+from envs_bridge.app import (SERVER_KEEPALIVE_S, StepLatency, access_from_args, add_access_args, add_latency_args,
+                             latency_from_args, protocol_app)
 from envs_bridge.browser import tasks as task_registry
 from envs_bridge.browser import telemetry
 from envs_bridge.browser.sessions import DEFAULT_CHROMIUM, BrowserSandbox
@@ -36,20 +38,20 @@ log = logging.getLogger("envs_bridge.browser")
 def create_app(step_ms: int = 1000, lease_s: float = 300.0, max_sessions: int = 64, n_browsers: int = 1,
                page_timeout_s: float = 60.0, gc_interval_s: float = 30.0, token: str | None = None,
                max_body_bytes: int = P.MAX_BODY_BYTES, spare_pages: int = 0,
-               chromium: str = DEFAULT_CHROMIUM) -> FastAPI:
+               chromium: str = DEFAULT_CHROMIUM, step_latency: StepLatency | None = None) -> FastAPI:
   """The FastAPI app; the sandbox (Chromium) starts and stops with the app's lifespan.
-  Arguments: see `BrowserSandbox`; token, max_body_bytes: see `envs_bridge.app.protocol_app`."""
+  Arguments: see `BrowserSandbox`; token, max_body_bytes, step_latency: see `envs_bridge.app.protocol_app`."""
   sandbox = BrowserSandbox(step_ms=step_ms, lease_s=lease_s, max_sessions=max_sessions, n_browsers=n_browsers,
                            page_timeout_s=page_timeout_s, gc_interval_s=gc_interval_s, spare_pages=spare_pages,
                            executable=chromium)
 
   app = protocol_app("tars_jax browser sandbox", sandbox, task_registry.task_names, log, token=token,
-                     max_body_bytes=max_body_bytes)
+                     max_body_bytes=max_body_bytes, step_latency=step_latency)
 
   @app.get("/health")
   async def health():
     """Liveness and counters; HTTP 503 when no Chromium is connected (a relaunch is under way)."""
-    h = sandbox.health()
+    h = dict(sandbox.health(), step_latency=step_latency and dataclasses.asdict(step_latency))
     return JSONResponse(status_code=200 if h["ok"] else 503, content=h)
 
   @app.get("/metrics")
@@ -96,6 +98,7 @@ def create_app(step_ms: int = 1000, lease_s: float = 300.0, max_sessions: int = 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   add_access_args(ap)
+  add_latency_args(ap)
   ap.add_argument("--port", type=int, default=8765)
   ap.add_argument("--step-ms", type=int, default=1000, help="virtual ms advanced per step")
   ap.add_argument("--lease-s", type=float, default=300.0, help="idle seconds before a session is reclaimed")
@@ -116,7 +119,7 @@ def main(argv=None):
   logging.basicConfig(level=a.log_level.upper())
   uvicorn.run(create_app(a.step_ms, a.lease_s, a.max_sessions, a.browsers, a.page_timeout_s, a.gc_interval_s,
                          token=token, max_body_bytes=a.max_body_bytes, spare_pages=a.spare_pages,
-                         chromium=a.chromium),
+                         chromium=a.chromium, step_latency=latency_from_args(a)),
               host=a.host, port=a.port, timeout_keep_alive=SERVER_KEEPALIVE_S,
               log_level=a.log_level)
 

@@ -17,6 +17,7 @@ Additions: `info.tool_output` / `info.tool_error` after SDK actions, `info.gui_o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 
@@ -24,7 +25,8 @@ import uvicorn
 from fastapi import FastAPI
 
 from envs_bridge import protocol as P
-from envs_bridge.app import SERVER_KEEPALIVE_S, access_from_args, add_access_args, protocol_app
+from envs_bridge.app import (SERVER_KEEPALIVE_S, StepLatency, access_from_args, add_access_args, add_latency_args,
+                             latency_from_args, protocol_app)
 from envs_bridge.desktop import tasks
 from envs_bridge.desktop.sessions import DesktopSandbox
 from envs_bridge.launch import die_with_parent
@@ -36,19 +38,20 @@ log = logging.getLogger("envs_bridge.desktop")
 def create_app(step_ms: int = 300, lease_s: float = 300.0, max_sessions: int = 8, width: int = tasks.WIDTH,
                height: int = tasks.HEIGHT, gui_only: bool = False, limits: Limits = Limits(),
                mcp_servers: dict | None = None, token: str | None = None,
-               max_body_bytes: int = P.MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = P.MAX_BODY_BYTES, step_latency: StepLatency | None = None) -> FastAPI:
   """The FastAPI app; sessions are torn down with the app's lifespan. `mcp_servers`: see DesktopSandbox;
-  token, max_body_bytes: see `envs_bridge.app.protocol_app`."""
+  token, max_body_bytes, step_latency: see `envs_bridge.app.protocol_app`."""
   sandbox = DesktopSandbox(step_ms=step_ms, lease_s=lease_s, max_sessions=max_sessions, width=width,
                            height=height, gui_only=gui_only, limits=limits, mcp_servers=mcp_servers)
 
   app = protocol_app("tars_jax desktop sandbox", sandbox, tasks.task_names, log, token=token,
-                     max_body_bytes=max_body_bytes)
+                     max_body_bytes=max_body_bytes, step_latency=step_latency)
 
   @app.get("/health")
   async def health():
     return {"ok": True, "sessions": len(sandbox.sessions), "step_ms": sandbox.step_ms, "lease_s": sandbox.lease_s,
-            "max_sessions": sandbox.max_sessions, "gui_only": sandbox.gui_only, **sandbox.counters}
+            "max_sessions": sandbox.max_sessions, "gui_only": sandbox.gui_only, **sandbox.counters,
+            "step_latency": step_latency and dataclasses.asdict(step_latency)}
 
   @app.get("/debug/sessions/{sid}/state", tags=["debug"])
   async def debug_state(sid: str):
@@ -61,6 +64,7 @@ def create_app(step_ms: int = 300, lease_s: float = 300.0, max_sessions: int = 8
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   add_access_args(ap)
+  add_latency_args(ap)
   ap.add_argument("--port", type=int, default=8766)
   ap.add_argument("--step-ms", type=int, default=300, help="real ms waited after each action")
   ap.add_argument("--lease-s", type=float, default=300.0, help="idle seconds before a session is reclaimed")
@@ -81,7 +85,8 @@ def main(argv=None):
     with open(a.mcp_config) as f:
       mcp = json.load(f)
   uvicorn.run(create_app(a.step_ms, a.lease_s, a.max_sessions, a.width, a.height, a.gui_only,
-                         Limits(timeout_s=a.cmd_timeout_s), mcp, token=token, max_body_bytes=a.max_body_bytes),
+                         Limits(timeout_s=a.cmd_timeout_s), mcp, token=token, max_body_bytes=a.max_body_bytes,
+                         step_latency=latency_from_args(a)),
               host=a.host, port=a.port, timeout_keep_alive=SERVER_KEEPALIVE_S, log_level=a.log_level)
 
 

@@ -183,6 +183,10 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.env.num_sessions = 32  # concurrent episodes per rollout (= episodes per iteration)
   c.env.step_ms = 1000  # virtual milliseconds advanced per step (Playwright page.clock)
   c.env.lease_s = 600.0
+  # Latency model of the launched sandbox servers (envs_bridge/app.py StepLatency): a log-normal wall-clock
+  # delay before each step answers, standing in for remote desktop VMs; 0 = none (the page's clock is unaffected)
+  c.env.step_latency_median_s = 0.0
+  c.env.step_latency_sigma = 1.0
   # standby Chromium holding up to this many pre-made pages, promoted when the browser dies: sessions
   # come back sooner after a kill -9 since their pages already exist; costs a page's memory per page
   # (benchmarks/RESULTS.md, "Crash recovery with a standby browser"); 0 = none

@@ -108,7 +108,8 @@ def main(argv):
   # after every update. Its sampling keys are its own: such a run does not replay from the seed.
   remote = None
   if config.rollout.inference:
-    remote = RemoteInference(config.rollout.inference, expect_model=parts.served_model_id())
+    remote = RemoteInference(config.rollout.inference, timeout_s=config.rollout.inference_timeout_s,
+                             expect_model=parts.served_model_id())
     remote.set_params(state["policy"], start_iter, reset=True)
     print(f"[train] policy served by {config.rollout.inference} (weights version {start_iter} pushed)")
   act = remote.act if remote is not None else policy.act

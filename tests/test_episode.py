@@ -11,7 +11,7 @@ import pytest
 from envs_bridge import protocol as P
 from tars_jax.agent.tokenizer import ByteTokenizer
 from tars_jax.agent.trajectory import Episode
-from tars_jax.rollout.episode import InferenceFailed, PolicyAgent, TurnView, with_retries
+from tars_jax.rollout.episode import InferenceFailed, InferenceUnavailable, PolicyAgent, TurnView, with_retries
 
 from _shared import run
 
@@ -81,7 +81,8 @@ def test_policy_agent_names_the_inference_service_so_its_transport_error_is_not_
     seen.append(k)
     return await agent.reply(view)
 
-  with pytest.raises(InferenceFailed, match=r"_DeadService\) failed on miniwob/click-test seed 7 turn 2: ConnectError") as e:
+  with pytest.raises(InferenceUnavailable,
+                     match=r"_DeadService\) at \? unreachable or silent on miniwob/click-test seed 7 turn 2: ConnectError") as e:
     run(with_retries(attempt, retries=2, what="episode"))
   assert seen == [0] and isinstance(e.value.__cause__, httpx.ConnectError)
   agent.close()

@@ -20,7 +20,7 @@ from envs_bridge.client import SandboxClient
 from envs_bridge.launch import launch_server
 from experiments.configs import miniwob_ppo
 from tars_jax.rollout.inference_remote import ModelMismatch, RemoteInference, StaleWeights
-from tars_jax.rollout.episode import InferenceFailed
+from tars_jax.rollout.episode import InferenceUnavailable
 from tars_jax.rollout.inference_server import ContextTooLong
 from tars_jax.rollout.pool import PoolConfig, RolloutPool, job_groups
 from tars_jax.train import checkpoint as ckpt
@@ -63,6 +63,20 @@ def server():
   yield url
   proc.terminate()
   proc.wait(timeout=30)
+
+
+def test_an_unreachable_or_silent_server_is_named_within_the_time_out():
+  """Nothing waits without a bound: a port nobody listens on, and a server that accepts connections
+  but never answers, each raise InferenceUnavailable naming the URL (after timeout_s for the silent one)."""
+  port = _free_port()
+  with pytest.raises(InferenceUnavailable, match=rf"inference service at http://127.0.0.1:{port} unreachable"):
+    RemoteInference(f"http://127.0.0.1:{port}", timeout_s=2)
+  with socket.socket() as silent:
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(4)  # the kernel completes the handshake; nothing ever reads or answers
+    url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    with pytest.raises(InferenceUnavailable, match=rf"{url} unreachable or silent for 1.0 s: ReadTimeout"):
+      RemoteInference(url, timeout_s=1.0)  # a hang here would end at pytest's time-out, failing
 
 
 def _prompt(parts, rng, turns):
@@ -125,7 +139,7 @@ def test_remote_equals_in_process_and_swaps_weights(server, tmp_path):
 @pytest.mark.slow  # ~60 s: its own server process compiles the smoke model; real Chromium
 @pytest.mark.browser
 def test_a_dead_inference_server_stops_the_pool_as_an_inference_failure_not_a_lost_session():
-  """The pool's episodes meet a killed inference server: `take` raises InferenceFailed naming the
+  """The pool's episodes meet a killed inference server: `take` raises InferenceUnavailable naming the
   service at once; no sandbox session is counted lost or replayed, and every session the pool opened
   on the sandbox server is closed."""
   cfg = miniwob_ppo.get_config("smoke")
@@ -140,7 +154,8 @@ def test_a_dead_inference_server_stops_the_pool_as_an_inference_failure_not_a_lo
       pool = RolloutPool(remote, [c], job_groups(["miniwob/click-test"], 2, 1, 0), parts.loop_cfg, parts.tokenizer,
                          PoolConfig(concurrency=2, min_batch=2))
       await pool.start()
-      with pytest.raises(InferenceFailed, match=r"inference service \(RemoteInference\) failed on miniwob/click-test"):
+      with pytest.raises(InferenceUnavailable,
+                         match=rf"inference service \(RemoteInference\) at {url} unreachable or silent on miniwob/click-test"):
         await pool.take()
       await pool.close()
       return pool.ledger, await c.health()

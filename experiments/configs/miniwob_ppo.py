@@ -234,6 +234,7 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.rollout.slots = 0  # KV-cache slots of the inference service; 0 = concurrency
   c.rollout.context_len = 0  # cache positions per slot; 0 = Parts.context_capacity()
   c.rollout.inference = ""  # "": the policy sampled in this process; "http://host:port": by experiments/serve.py
+  c.rollout.inference_timeout_s = 120.0  # a remote service silent this long: InferenceUnavailable, the run stops
 
   # --- Model (tars_jax/models/config.py fields) -----------------------------------------------------
   c.model = mlc.ConfigDict()

@@ -72,6 +72,12 @@ class InferenceFailed(RuntimeError):
   not replayed as a lost session; the error propagates, its cause chained."""
 
 
+class InferenceUnavailable(InferenceFailed):
+  """A remote inference service could not be reached, or did not answer within its time-out
+  (`RemoteInference(timeout_s=)`, `rollout.inference_timeout_s`): the wait is bounded, then the run
+  stops naming the service's URL."""
+
+
 class StopEpisode(Exception):
   """Raised by an agent to end its episode where it is (not done: a failure), e.g. a scripted expert
   that cannot decide; `play` returns the message as the reason."""
@@ -191,7 +197,8 @@ class PolicyAgent:
   """The policy behind an inference service (`InferenceService` or `RemoteInference`: `async
   generate(ids, images, session=) -> Reply`, `release(session)`, `version`). The episode is one
   inference session: its later turns run only their new tokens into the slot that holds its context
-  (multi-turn KV reuse). A failure of the service raises InferenceFailed."""
+  (multi-turn KV reuse). A failure of the service raises InferenceFailed;
+  InferenceUnavailable when a remote one cannot be reached or does not answer within its time-out."""
 
   prompt = True
 
@@ -199,8 +206,13 @@ class PolicyAgent:
     self.service, self.tok, self.session = service, tok, uuid.uuid4().hex
 
   async def reply(self, view: TurnView) -> Reply:
+    import httpx  # local: in-process services never raise it
     try:
       r = await self.service.generate(view.prompt_ids, view.images, session=self.session)
+    except httpx.TransportError as e:  # refused, reset, timed out: the service, not the sandbox
+      raise InferenceUnavailable(
+          f"inference service ({type(self.service).__name__}) at {getattr(self.service, 'url', '?')} unreachable "
+          f"or silent on {view.ep.task} seed {view.ep.seed} turn {view.turn}: {type(e).__name__}: {e}") from e
     except Exception as e:
       raise InferenceFailed(f"inference service ({type(self.service).__name__}) failed on {view.ep.task} "
                             f"seed {view.ep.seed} turn {view.turn}: {type(e).__name__}: {e}") from e

@@ -35,6 +35,7 @@ import numpy as np
 from fastapi import FastAPI, HTTPException, Request  # module level: FastAPI resolves the annotation from here
 from fastapi.responses import JSONResponse
 
+from tars_jax.rollout.episode import InferenceUnavailable
 from tars_jax.rollout.inference_server import ContextTooLong, Reply
 
 
@@ -151,7 +152,9 @@ class RemoteInference:
   url: the server's base URL. The version it reports is the one it last set (`set_params`) or read
   from /health at construction; every reply carries the server's per-token versions.
   expect_model: the client's `Parts.served_model_id()`; a server reporting another raises ModelMismatch.
-  Raises (from submit / generate / act): ContextTooLong (HTTP 413), ValueError (422), httpx errors.
+  Raises: at construction, InferenceUnavailable (no answer from /health within timeout_s) or
+  ModelMismatch; from submit / generate / act: ContextTooLong (HTTP 413), ValueError (422), httpx
+  errors (`episode.PolicyAgent` turns transport errors into InferenceUnavailable).
   """
 
   def __init__(self, url: str, timeout_s: float = 600.0, expect_model: str | None = None):
@@ -160,7 +163,12 @@ class RemoteInference:
     self._sync = httpx.Client(base_url=self.url, timeout=timeout_s)
     self._async = None
     self._timeout = timeout_s
-    health = self._sync.get("/health").raise_for_status().json()
+    try:
+      health = self._sync.get("/health").raise_for_status().json()
+    except httpx.TransportError as e:
+      self._sync.close()
+      raise InferenceUnavailable(f"inference service at {self.url} unreachable or silent for {timeout_s} s: "
+                                 f"{type(e).__name__}: {e}") from e
     if expect_model is not None and health.get("model") != expect_model:
       self._sync.close()
       raise ModelMismatch(f"the inference server at {self.url} serves model {health.get('model')!r}, this config "

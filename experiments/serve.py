@@ -24,7 +24,9 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (get_conf
 _RUN = flags.DEFINE_string("run", "", "Run dir (or pipeline dir) whose config and latest policy to serve.")
 _INIT = flags.DEFINE_string("init", "", "With --config: run dir or step dir whose policy to serve (default: "
                             "the config's policy.init, else its random init).")
-_HOST = flags.DEFINE_string("host", "127.0.0.1", "Interface to bind (0.0.0.0: every interface).")
+_HOST = flags.DEFINE_string("host", "127.0.0.1", "Interface to bind (0.0.0.0: every interface; needs a token).")
+_TOKEN = flags.DEFINE_string("token", None, "Bearer token every route but /health requires (default: env "
+                             "TARS_INFERENCE_TOKEN; none: loopback only).")
 _PORT = flags.DEFINE_integer("port", 8800, "Port.")
 _SLOTS = flags.DEFINE_integer("slots", 0, "KV-cache slots, i.e. requests decoded together (0 = env.num_sessions).")
 _VERSION = flags.DEFINE_integer("version", 0, "Version of the initial weights.")
@@ -35,12 +37,17 @@ def main(argv):
   import jax
   import uvicorn
 
+  from envs_bridge.app import is_loopback
   from tars_jax.rollout.evaluation import resolve_run
-  from tars_jax.rollout.inference_remote import make_app
+  from tars_jax.rollout.inference_remote import TOKEN_ENV, make_app, resolve_token
   from tars_jax.train import state as state_lib
 
   if bool(_RUN.value) == bool(_CONFIG.value):
     raise app.UsageError("give exactly one of --run (a run dir) and --config")
+  token = resolve_token(_TOKEN.value)
+  if not token and not is_loopback(_HOST.value):  # anyone reaching the port could push weights
+    raise app.UsageError(f"refusing to bind {_HOST.value!r} without a token: pass --token (or set {TOKEN_ENV}) "
+                         "or bind 127.0.0.1")
   if _RUN.value:
     run = resolve_run(_RUN.value)
     with open(os.path.join(run, "config.json")) as f:
@@ -65,8 +72,8 @@ def main(argv):
   print(f"[serve] http://{_HOST.value}:{_PORT.value}: model {parts.served_model_id()}, {service.n_slots} slots "
         f"of {service.context_len} cache positions, weights version {service.version}", flush=True)
   try:
-    uvicorn.run(make_app(service, restore, parts.served_model_id()), host=_HOST.value, port=_PORT.value,
-                log_level="warning")
+    uvicorn.run(make_app(service, restore, parts.served_model_id(), token=token), host=_HOST.value,
+                port=_PORT.value, log_level="warning")
   finally:
     service.close()
 

@@ -37,13 +37,13 @@ def _free_port():
     return s.getsockname()[1]
 
 
-def _start_server(slots: int) -> tuple[subprocess.Popen, str]:
+def _start_server(slots: int, token: str = "") -> tuple[subprocess.Popen, str]:
   """An inference server process of the smoke config on a free port, once it answers /health."""
   port = _free_port()
   cmd = [sys.executable, "-m", "experiments.serve", "--config",
          os.path.join(ROOT, "experiments/configs/miniwob_ppo.py:smoke"), "--port", str(port), "--slots", str(slots)]
-  proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
+  proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT, TARS_INFERENCE_TOKEN=token),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   url = f"http://127.0.0.1:{port}"
   deadline = time.time() + 300
   while time.time() < deadline:
@@ -196,3 +196,34 @@ def test_a_trainer_and_the_evaluation_sample_through_a_separate_server(tmp_path)
   finally:
     proc.terminate()
     proc.wait(timeout=30)
+
+
+@pytest.mark.slow  # ~30 s: a server process compiles the smoke model
+def test_a_server_with_a_token_refuses_clients_without_it():
+  """serve.py with a token (env TARS_INFERENCE_TOKEN): requests and weight pushes without it, or with
+  another, get Unauthorized naming the server; the right one is served. Without a token, serve.py
+  refuses to bind a non-loopback interface."""
+  from envs_bridge import protocol as P
+  cfg = miniwob_ppo.get_config("smoke")
+  parts = state_lib.build(cfg)
+  state = parts.init_state(cfg.seed)
+  proc, url = _start_server(1, token="s3cret")
+  try:
+    ids, ims = _prompt(parts, np.random.default_rng(0), 1)
+    for wrong in ("", "guess"):
+      with RemoteInference(url, token=wrong) as c:  # /health is open: the model check still runs
+        with pytest.raises(P.Unauthorized, match=rf"inference service at {url}"):
+          c.set_params(state["policy"], 1)
+        with pytest.raises(P.Unauthorized):
+          c.submit(ids, ims).result(timeout=60)
+    with RemoteInference(url, token="s3cret", expect_model=parts.served_model_id()) as c:
+      c.set_params(state["policy"], 1)
+      assert c.submit(ids, ims).result(timeout=300).tokens[-1] == parts.tokenizer.eos_id
+  finally:
+    proc.terminate()
+    proc.wait(timeout=30)
+  p = subprocess.run([sys.executable, "-m", "experiments.serve", "--config",
+                      os.path.join(ROOT, "experiments/configs/miniwob_ppo.py:smoke"), "--host", "0.0.0.0"],
+                     cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT, TARS_INFERENCE_TOKEN=""), capture_output=True,
+                     text=True, timeout=300)
+  assert p.returncode != 0 and "refusing to bind '0.0.0.0' without a token" in p.stderr

@@ -30,6 +30,7 @@ import asyncio
 import base64
 import concurrent.futures
 import io
+import os
 
 import numpy as np
 from fastapi import FastAPI, HTTPException, Request  # module level: FastAPI resolves the annotation from here
@@ -81,10 +82,21 @@ class StaleWeights(ValueError):
   """A weight push older than the version the server serves (without reset)."""
 
 
-def make_app(service, restore_params=None, model_id: str = ""):
+TOKEN_ENV = "TARS_INFERENCE_TOKEN"  # bearer token of the inference server and its clients when not given
+
+
+def resolve_token(token: str | None) -> str | None:
+  """`token` if given, else the env var TOKEN_ENV; '' means none (None)."""
+  token = token if token is not None else os.environ.get(TOKEN_ENV)
+  return token or None
+
+
+def make_app(service, restore_params=None, model_id: str = "", token: str | None = None):
   """FastAPI app serving `service` (an `InferenceService`). restore_params(path) -> params: how
   POST /weights/checkpoint reads a checkpoint (None: that route answers 501). model_id: the served
-  model's `Parts.served_model_id()`, reported by /health for clients to compare."""
+  model's `Parts.served_model_id()`, reported by /health for clients to compare. token: every route
+  but /health needs `Authorization: Bearer <token>` (401 otherwise; `envs_bridge.app.BearerAuth`);
+  None: no auth (bind loopback only: anyone who reaches the port can push weights)."""
 
   def stale(version: int, reset: bool):
     if not reset and version < service.version:
@@ -93,6 +105,9 @@ def make_app(service, restore_params=None, model_id: str = ""):
     return None
 
   app = FastAPI(title="tars_jax inference service")
+  if token:
+    from envs_bridge.app import BearerAuth
+    app.add_middleware(BearerAuth, token=token)
 
   @app.post("/generate")
   async def generate(body: dict):
@@ -149,7 +164,7 @@ def make_app(service, restore_params=None, model_id: str = ""):
 class RemoteInference:
   """Client of an inference server process, with `InferenceService`'s API.
 
-  url: the server's base URL. The version it reports is the one it last set (`set_params`) or read
+  url: the server's base URL; token: its bearer token (None: the env var TOKEN_ENV). The version it reports is the one it last set (`set_params`) or read
   from /health at construction; every reply carries the server's per-token versions.
   expect_model: the client's `Parts.served_model_id()`; a server reporting another raises ModelMismatch.
   Raises: at construction, InferenceUnavailable (no answer from /health within timeout_s) or
@@ -157,10 +172,13 @@ class RemoteInference:
   errors (`episode.PolicyAgent` turns transport errors into InferenceUnavailable).
   """
 
-  def __init__(self, url: str, timeout_s: float = 600.0, expect_model: str | None = None):
+  def __init__(self, url: str, timeout_s: float = 600.0, expect_model: str | None = None,
+               token: str | None = None):
     import httpx
     self.url = url.rstrip("/")
-    self._sync = httpx.Client(base_url=self.url, timeout=timeout_s)
+    token = resolve_token(token)
+    self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+    self._sync = httpx.Client(base_url=self.url, timeout=timeout_s, headers=self._headers)
     self._async = None
     self._timeout = timeout_s
     try:
@@ -187,8 +205,8 @@ class RemoteInference:
             "key": None if key is None else [int(x) for x in np.asarray(key, np.uint32)],
             "max_new_tokens": max_new_tokens, "session": session}
 
-  @staticmethod
-  def _reply(resp) -> Reply:
+  def _reply(self, resp) -> Reply:
+    self._check_auth(resp)
     if resp.status_code == 413:
       b = resp.json()
       raise ContextTooLong(b["prompt_tokens"], b["max_new_tokens"], b["capacity"])
@@ -206,7 +224,7 @@ class RemoteInference:
   async def generate(self, prompt_ids, images, key=None, max_new_tokens=None, session: str | None = None) -> Reply:
     import httpx
     if self._async is None:  # bound to the running loop on first use
-      self._async = httpx.AsyncClient(base_url=self.url, timeout=self._timeout)
+      self._async = httpx.AsyncClient(base_url=self.url, timeout=self._timeout, headers=self._headers)
     return self._reply(await self._async.post("/generate", json=self._body(prompt_ids, images, key, max_new_tokens,
                                                                            session)))
 
@@ -237,7 +255,14 @@ class RemoteInference:
                                                                   "reset": bool(reset)}))
     self._version = int(version)
 
+  def _check_auth(self, resp) -> None:
+    if resp.status_code == 401:
+      from envs_bridge import protocol
+      raise protocol.Unauthorized(f"inference service at {self.url}: {resp.json().get('reason')} (token: the "
+                                  f"client's token= or {TOKEN_ENV})")
+
   def _check_push(self, resp) -> None:
+    self._check_auth(resp)
     if resp.status_code == 409:
       b = resp.json()
       raise StaleWeights(f"weights version {b['version']} refused by {self.url}: it serves version {b['serving']}")

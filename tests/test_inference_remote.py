@@ -154,8 +154,8 @@ def test_a_dead_inference_server_stops_the_pool_as_an_inference_failure_not_a_lo
       pool = RolloutPool(remote, [c], job_groups(["miniwob/click-test"], 2, 1, 0), parts.loop_cfg, parts.tokenizer,
                          PoolConfig(concurrency=2, min_batch=2))
       await pool.start()
-      with pytest.raises(InferenceUnavailable,
-                         match=rf"inference service \(RemoteInference\) at {url} unreachable or silent on miniwob/click-test"):
+      want = rf"inference service \(RemoteInference\) at {url} unreachable or silent on miniwob/click-test"
+      with pytest.raises(InferenceUnavailable, match=want):
         await pool.take()
       await pool.close()
       return pool.ledger, await c.health()

@@ -164,8 +164,9 @@ def make_app(service, restore_params=None, model_id: str = "", token: str | None
 class RemoteInference:
   """Client of an inference server process, with `InferenceService`'s API.
 
-  url: the server's base URL; token: its bearer token (None: the env var TOKEN_ENV). The version it reports is the one it last set (`set_params`) or read
-  from /health at construction; every reply carries the server's per-token versions.
+  url: the server's base URL; token: its bearer token (None: the env var TOKEN_ENV). The version it
+  reports is the one it last set (`set_params`) or read from /health at construction; every reply
+  carries the server's per-token versions.
   expect_model: the client's `Parts.served_model_id()`; a server reporting another raises ModelMismatch.
   Raises: at construction, InferenceUnavailable (no answer from /health within timeout_s) or
   ModelMismatch; from submit / generate / act: ContextTooLong (HTTP 413), ValueError (422), httpx

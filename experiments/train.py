@@ -65,9 +65,6 @@ def main(argv):
   # computation; one process (distributed.num_processes = 1, the default) changes nothing below.
   dist.initialize(config.distributed)
   dist.default_mesh(config)
-  if dist.is_multi() and (config.rollout.streaming or config.rollout.inference):
-    raise app.UsageError("rollout.streaming and rollout.inference are not yet supported with "
-                         "distributed.num_processes > 1")
   if config.vpt.enabled and not config.critic.init:  # PPO alone would silently skip the stage
     raise app.UsageError("config has vpt.enabled=True: value pretraining must run before PPO; use "
                          "experiments/sweep.py (runs both stages), or run experiments/value_pretrain.py "
@@ -106,11 +103,12 @@ def main(argv):
   # rollout.inference=<url>: the policy is served by `experiments/serve.py` (another process or host);
   # it must build the same model, gets this run's weights now (a resumed run may be behind it) and
   # after every update. Its sampling keys are its own: such a run does not replay from the seed.
+  # Several processes share one service: process 0 pushes, the others wait for it and read the version.
   remote = None
   if config.rollout.inference:
     remote = RemoteInference(config.rollout.inference, timeout_s=config.rollout.inference_timeout_s,
                              expect_model=parts.served_model_id())
-    remote.set_params(state["policy"], start_iter, reset=True)
+    push_weights(remote, state["policy"], start_iter, reset=True)
     print(f"[train] policy served by {config.rollout.inference} (weights version {start_iter} pushed)")
   act = remote.act if remote is not None else policy.act
   hp = parts.hparams
@@ -132,17 +130,22 @@ def main(argv):
     # Episodic memory (memory.episodic): summaries of a task's earlier episodes in each new prefix.
     episodic = (memory_lib.EpisodicMemory(parts.loop_cfg.memory, parts.tokenizer)
                 if parts.loop_cfg.memory.episodic != "off" else None)
+    # Several processes: one pool per process with its share of the sandbox servers, of the concurrency
+    # and of the groups (every k-th); each update takes its share of min_batch from each pool and trains
+    # on all of them (allgather), so an episode is trained once, by every process's replica.
     pool = service = None
     if config.rollout.streaming:
       r = config.rollout
-      conc = r.concurrency or n
-      service = remote or parts.inference_service(state["policy"], slots=r.slots or conc, seed=config.seed,
-                                                  version=start_iter)
+      conc = dist.share_size(r.concurrency or n)
+      service = remote or parts.inference_service(dist.local_replica(state["policy"]), slots=r.slots or conc,
+                                                  seed=dist.process_seed(config.seed), version=start_iter)
       pool = pool_lib.RolloutPool(
           service, clients, pool_lib.job_groups(tasks, n, config.rl.group_size, config.env.train_seed_offset,
-                                                start_iter), parts.loop_cfg, parts.tokenizer,
-          pool_lib.PoolConfig(concurrency=conc, min_batch=r.min_batch or n, max_staleness=r.max_staleness,
-                              stale=r.stale, max_failed_in_a_row=r.max_failed_in_a_row), episodic=episodic)
+                                                start_iter, share=(jax.process_index(), jax.process_count())),
+          parts.loop_cfg, parts.tokenizer,
+          pool_lib.PoolConfig(concurrency=conc, min_batch=dist.share_size(r.min_batch or n),
+                              max_staleness=r.max_staleness, stale=r.stale,
+                              max_failed_in_a_row=r.max_failed_in_a_row), episodic=episodic)
       loop.run_until_complete(pool.start())
 
     bar = tqdm(total=config.iterations, initial=start_iter, desc=config.rl.algo, unit="it", dynamic_ncols=True,
@@ -159,6 +162,9 @@ def main(argv):
           episodes = loop.run_until_complete(pool.take())
           stats = pool_lib.stats_since(pool.stats, before)
           stale = [pool_lib.staleness(e, service.version) for e in episodes]
+          if dist.is_multi():  # every process trains on every process's take, in process order
+            episodes, stale = dist.allgather_list(episodes), dist.allgather_list(stale)
+            stats = dist.merge_counters(dist.allgather_list([stats]))
           if episodic is not None:
             memory_lib.remember(episodic, episodes, tok=parts.tokenizer, system=parts.loop_cfg.system, act=service.act)
         else:
@@ -200,11 +206,12 @@ def main(argv):
 
         if pool is not None:  # the update runs in a thread while the loop keeps the pool's episodes going
           state, train_m = loop.run_until_complete(asyncio.to_thread(update))
-          service.set_params(state["policy"], it + 1)
         else:
           state, train_m = update()
-          if remote is not None:
-            remote.set_params(state["policy"], it + 1)
+        if remote is not None:
+          push_weights(remote, state["policy"], it + 1)
+        elif service is not None:
+          service.set_params(dist.local_replica(state["policy"]), it + 1)
         policy.params = dist.local_replica(state["policy"])
         t_train = time.perf_counter() - t1
         train_tokens = train_m.pop("tokens_trained")
@@ -224,9 +231,10 @@ def main(argv):
             "episodes_total": (it + 1) * n,
             "perf/wall_min": (time.time() - t_start) / 60,  # since this (possibly resumed) process started
         })
-        if pool is not None:
-          m.update(pool_lib.pool_metrics(pool, stale, t_roll, time.perf_counter() - t0))
-          m["episodes_total"] = pool.ledger.taken
+        if pool is not None:  # the ledgers of every process's pool, summed
+          m.update(pool_lib.merge_pool_metrics(dist.allgather_list(
+              [pool_lib.pool_metrics(pool, stale, t_roll, time.perf_counter() - t0)])))
+          m["episodes_total"] = m["pool/taken"]
         if config.eval_every and (it + 1) % config.eval_every == 0:
           t2 = time.perf_counter()
           ev = dist.allgather_list(evaluation.play(
@@ -275,6 +283,17 @@ def main(argv):
           f"metrics: {writer.path} | tensorboard --logdir {writer.tb_dir} | "
           f"trajectories: {os.path.join(workdir, 'trajectories')}"
           + (f" | rollout records: {os.path.join(workdir, 'rollouts')}" if config.record_rollouts else ""))
+
+
+def push_weights(remote: RemoteInference, policy, version: int, reset: bool = False) -> None:
+  """The policy to the remote inference service as `version`: process 0 sends it (one copy, not one
+  per process), every process then waits at a barrier and reads the served version, so no process
+  samples the next iteration from older weights."""
+  if dist.is_main():
+    remote.set_params(dist.local_replica(policy), version, reset=reset)
+  if dist.is_multi():
+    dist.barrier(f"weights_{version}")
+    remote.refresh_version()
 
 
 def _record_rollouts(directory: str, iteration: int, episodes, parts) -> None:

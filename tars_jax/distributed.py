@@ -171,6 +171,13 @@ def allgather_list(items: list) -> list:
   return [x for row, size in zip(every, sizes) for x in pickle.loads(row[:int(size)].tobytes())]
 
 
+def barrier(name: str) -> None:
+  """Every process waits here until all have arrived (`multihost_utils.sync_global_devices`); `name`
+  must be the same on every process. One process: returns at once."""
+  if is_multi():
+    multihost_utils.sync_global_devices(name)
+
+
 def merge_counters(objs: Sequence[Any]) -> Any:
   """One dataclass of counters from one per process (e.g. `RolloutStats`): numeric fields summed,
   dict fields summed per key (so times are process-seconds). One object: itself."""
@@ -319,6 +326,6 @@ class NullWriter:
 
 
 __all__ = ["EXIT_PEER_FAILED", "PeerFailure", "initialize", "is_multi", "is_main", "default_mesh",
-           "process_seed", "share", "share_size", "server_share", "allgather_list", "merge_counters",
+           "process_seed", "share", "share_size", "server_share", "allgather_list", "barrier", "merge_counters",
            "to_host", "local_replica", "global_batch_from_local", "dead_processes", "fail_fast",
            "NullWriter"]

@@ -303,3 +303,24 @@ def test_real_pool_survives_a_killed_browser_and_accounts_for_every_episode():
     assert e.env_return == pytest.approx(sum(t.env_reward for t in e.turns))
     vs = np.concatenate([t.versions for t in e.turns])
     assert np.all(np.diff(vs) >= 0)  # an episode's tokens come from non-decreasing policy versions
+
+
+def test_job_group_shares_are_disjoint_and_cover_the_sequence():
+  """share=(p, k): process p plays every k-th group; together the processes play exactly the groups of
+  one process, each once. A bad share is refused."""
+  import itertools
+  one = list(itertools.islice(job_groups(["t/a", "t/b", "t/c"], 8, 2, 100), 24))
+  parts = [list(itertools.islice(job_groups(["t/a", "t/b", "t/c"], 8, 2, 100, share=(p, 3)), 8)) for p in range(3)]
+  assert [g for k in range(8) for g in (parts[0][k], parts[1][k], parts[2][k])] == one
+  with pytest.raises(ValueError, match="share"):
+    next(job_groups(["t/a"], 2, 1, 0, share=(2, 2)))
+
+
+def test_pool_metrics_of_several_processes_sum_the_ledgers():
+  from tars_jax.rollout.pool import merge_pool_metrics
+  a = {"pool/started": 6.0, "pool/taken": 4.0, "pool/staleness_mean": 1.0, "pool/trainer_idle_frac": 0.2}
+  b = {"pool/started": 5.0, "pool/taken": 4.0, "pool/staleness_mean": 0.0, "pool/trainer_idle_frac": 0.4}
+  m = merge_pool_metrics([a, b])
+  assert m["pool/started"] == 11 and m["pool/taken"] == 8
+  assert m["pool/staleness_mean"] == pytest.approx(0.5) and m["pool/trainer_idle_frac"] == pytest.approx(0.3)
+  assert merge_pool_metrics([a]) == a

@@ -209,7 +209,7 @@ class PolicyAgent:
     import httpx  # local: in-process services never raise it
     try:
       r = await self.service.generate(view.prompt_ids, view.images, session=self.session)
-    except httpx.TransportError as e:  # refused, reset, timed out: the service, not the sandbox
+    except (httpx.TransportError, InferenceUnavailable) as e:  # refused, reset, timed out: not the sandbox
       raise InferenceUnavailable(
           f"inference service ({type(self.service).__name__}) at {getattr(self.service, 'url', '?')} unreachable "
           f"or silent on {view.ep.task} seed {view.ep.seed} turn {view.turn}: {type(e).__name__}: {e}") from e

@@ -168,9 +168,9 @@ class RemoteInference:
   reports is the one it last set (`set_params`) or read from /health at construction; every reply
   carries the server's per-token versions.
   expect_model: the client's `Parts.served_model_id()`; a server reporting another raises ModelMismatch.
-  Raises: at construction, InferenceUnavailable (no answer from /health within timeout_s) or
-  ModelMismatch; from submit / generate / act: ContextTooLong (HTTP 413), ValueError (422), httpx
-  errors (`episode.PolicyAgent` turns transport errors into InferenceUnavailable).
+  Raises: InferenceUnavailable from any call the server does not answer within timeout_s (refused,
+  reset, timed out); at construction ModelMismatch; from submit / generate / act ContextTooLong
+  (HTTP 413), ValueError (422); from pushes StaleWeights (409); Unauthorized (401) for a wrong token.
   """
 
   def __init__(self, url: str, timeout_s: float = 600.0, expect_model: str | None = None,
@@ -186,8 +186,7 @@ class RemoteInference:
       health = self._sync.get("/health").raise_for_status().json()
     except httpx.TransportError as e:
       self._sync.close()
-      raise InferenceUnavailable(f"inference service at {self.url} unreachable or silent for {timeout_s} s: "
-                                 f"{type(e).__name__}: {e}") from e
+      raise self._unavailable(e) from e
     if expect_model is not None and health.get("model") != expect_model:
       self._sync.close()
       raise ModelMismatch(f"the inference server at {self.url} serves model {health.get('model')!r}, this config "
@@ -218,20 +217,35 @@ class RemoteInference:
     return Reply(b["tokens"], np.asarray(b["logprobs"], np.float32), np.asarray(b["states"], np.int32),
                  np.asarray(b["versions"], np.int32), b["request_id"])
 
+  def _unavailable(self, e: BaseException) -> InferenceUnavailable:
+    return InferenceUnavailable(f"inference service at {self.url} unreachable or silent for {self._timeout} s: "
+                                f"{type(e).__name__}: {e}")
+
+  def _post(self, path: str, **kw):
+    """`httpx.Client.post` with transport errors (refused, reset, timed out) as InferenceUnavailable."""
+    import httpx
+    try:
+      return self._sync.post(path, **kw)
+    except httpx.TransportError as e:
+      raise self._unavailable(e) from e
+
   def submit(self, prompt_ids, images, key=None, max_new_tokens=None, session=None) -> concurrent.futures.Future:
     body = self._body(prompt_ids, images, key, max_new_tokens, session)
-    return self._executor.submit(lambda: self._reply(self._sync.post("/generate", json=body)))
+    return self._executor.submit(lambda: self._reply(self._post("/generate", json=body)))
 
   async def generate(self, prompt_ids, images, key=None, max_new_tokens=None, session: str | None = None) -> Reply:
     import httpx
     if self._async is None:  # bound to the running loop on first use
       self._async = httpx.AsyncClient(base_url=self.url, timeout=self._timeout, headers=self._headers)
-    return self._reply(await self._async.post("/generate", json=self._body(prompt_ids, images, key, max_new_tokens,
-                                                                           session)))
+    try:
+      resp = await self._async.post("/generate", json=self._body(prompt_ids, images, key, max_new_tokens, session))
+    except httpx.TransportError as e:
+      raise self._unavailable(e) from e
+    return self._reply(resp)
 
   def release(self, session: str) -> None:
     """The episode `session` ended (best-effort, in the background)."""
-    self._executor.submit(lambda: self._sync.post("/release", json={"session": session}))
+    self._executor.submit(lambda: self._post("/release", json={"session": session}))
 
   def act(self, prompts, images):
     futs = [self.submit(p, im) for p, im in zip(prompts, images)]
@@ -245,14 +259,24 @@ class RemoteInference:
     headers = {"x-policy-version": str(int(version)), "content-type": "application/octet-stream"}
     if reset:
       headers["x-policy-reset"] = "1"
-    resp = self._sync.post("/weights", content=params_to_bytes(params), headers=headers)
+    resp = self._post("/weights", content=params_to_bytes(params), headers=headers)
     self._check_push(resp)
     self._version = int(version)
+
+  def refresh_version(self) -> int:
+    """The version the server serves now (GET /health), kept as `version`: for clients that share a
+    server another client pushes weights to (the processes of a multi-process trainer)."""
+    import httpx
+    try:
+      self._version = int(self._sync.get("/health").raise_for_status().json()["version"])
+    except httpx.TransportError as e:
+      raise self._unavailable(e) from e
+    return self._version
 
   def load_checkpoint(self, path: str, version: int, reset: bool = False) -> None:
     """The server restores its params from an Orbax checkpoint at `path` (run or step dir).
     Raises StaleWeights as `set_params`."""
-    self._check_push(self._sync.post("/weights/checkpoint", json={"path": path, "version": int(version),
+    self._check_push(self._post("/weights/checkpoint", json={"path": path, "version": int(version),
                                                                   "reset": bool(reset)}))
     self._version = int(version)
 

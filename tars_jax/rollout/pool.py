@@ -95,14 +95,26 @@ class PoolLedger:
       raise AssertionError(f"pool ledger does not add up: {self}")
 
 
-def job_groups(tasks: Sequence[str], n: int, group_size: int, seed_offset: int, start_iteration: int = 0
-               ) -> Iterator[list[tuple[str, int]]]:
+# the ledger's counts that pool metrics report (`pool_metrics`) and sum over processes (`merge_pool_metrics`)
+LEDGER_KEYS = ("started", "running", "queued", "taken", "dropped_stale", "failed", "masked_tokens")
+
+
+def job_groups(tasks: Sequence[str], n: int, group_size: int, seed_offset: int, start_iteration: int = 0,
+               share: tuple[int, int] = (0, 1)) -> Iterator[list[tuple[str, int]]]:
   """Endless groups of `group_size` (task, seed) jobs: the groups of `rollout_jobs` for iterations
-  start_iteration, start_iteration + 1, ... (the seeds the lockstep trainer would play, in order)."""
+  start_iteration, start_iteration + 1, ... (the seeds the lockstep trainer would play, in order).
+  share=(p, k): only every k-th group from the p-th (process p of k: the processes' groups are
+  disjoint and together the whole sequence)."""
+  p, k = share
+  if not 0 <= p < k:
+    raise ValueError(f"share must be (p, k) with 0 <= p < k, got {share}")
+  g_all = 0
   for it in itertools.count(start_iteration):
     jobs = rollout_jobs(tasks, n, group_size, it, seed_offset)
     for g in range(0, len(jobs), group_size):
-      yield jobs[g:g + group_size]
+      if g_all % k == p:
+        yield jobs[g:g + group_size]
+      g_all += 1
 
 
 def staleness(ep: Episode, version: int) -> int:
@@ -305,11 +317,22 @@ def pool_metrics(pool: RolloutPool, stale: Sequence[int], wait_s: float, iterati
   """Metrics of one streaming update: the pool's ledger, the mean staleness of the trained episodes
   (`stale`: `staleness(ep, service.version)` of each at take), the trainer's idle fraction (time
   blocked in `take` over the iteration's wall time) and the service's mean slot occupancy."""
-  m = {f"pool/{k}": float(getattr(pool.ledger, k)) for k in
-       ("started", "running", "queued", "taken", "dropped_stale", "failed", "masked_tokens")}
+  m = {f"pool/{k}": float(getattr(pool.ledger, k)) for k in LEDGER_KEYS}
   m["pool/staleness_mean"] = float(np.mean(stale)) if len(stale) else 0.0
   m["pool/trainer_idle_frac"] = wait_s / max(iteration_s, 1e-9)
   stats = getattr(pool.service, "stats", None)
   if stats is not None:
     m["pool/slot_occupancy"] = stats.occupancy
   return m
+
+
+def merge_pool_metrics(per_process: Sequence[dict]) -> dict:
+  """`pool_metrics` of several processes' pools as one: ledger counts summed (one ledger over every
+  pool), the other metrics (staleness, idle fraction, occupancy) averaged. One dict: itself."""
+  if len(per_process) == 1:
+    return dict(per_process[0])
+  out = {}
+  for key in per_process[0]:
+    vals = [m[key] for m in per_process if key in m]
+    out[key] = float(sum(vals)) if key[len("pool/"):] in LEDGER_KEYS else float(np.mean(vals))
+  return out

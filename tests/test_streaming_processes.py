@@ -1,0 +1,111 @@
+"""Streaming PPO across processes (issue #39 item 2), on loopback with real parts: two trainer processes
+(`jax.distributed`, gloo), one inference service process (`experiments/serve.py`) and one sandbox server
+(real Chromium). Each trainer process runs its own pool over every other group of jobs; each update
+trains every process's take. Checked: every episode is trained once across the processes (the rollout
+records hold each (task, seed) once and as many as the summed ledgers' `taken`), the service serves the
+last update's weights; a run that resumes and then loses the inference service stops on both
+processes: one with InferenceUnavailable naming its URL, the other the same or, when it was waiting in a
+collective for the first, by the peer failure (`distributed.fail_fast`, or JAX's runtime aborting it);
+a killed trainer process ends the other one naming its rank."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from envs_bridge.launch import launch_server
+from tars_jax.data import records
+
+from test_distributed import _env, _free_port
+from test_inference_remote import _start_server
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = [pytest.mark.slow, pytest.mark.browser]
+
+
+def _trainers(work: str, sandbox: str, inference: str, iterations: int) -> list[subprocess.Popen]:
+  port = _free_port()
+  cmd = [sys.executable, "-m", "experiments.train", "--config",
+         os.path.join(ROOT, "experiments/configs/miniwob_ppo.py:smoke"), "--workdir", work,
+         "--config.distributed.num_processes=2", f"--config.distributed.coordinator_address=127.0.0.1:{port}",
+         "--config.distributed.heartbeat_timeout_s=10", f"--config.rollout.inference={inference}",
+         "--config.rollout.inference_timeout_s=20", "--config.rollout.streaming=True",
+         "--config.rollout.concurrency=4", "--config.rollout.max_staleness=3",
+         f"--config.env.servers=('{sandbox}',)", f"--config.iterations={iterations}", "--config.ckpt_every=1"]
+  return [subprocess.Popen(cmd + [f"--config.distributed.process_id={p}"], cwd=ROOT, env=_env(1),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for p in (0, 1)]
+
+
+def _wait(procs, timeout=900) -> list[tuple[int, str]]:
+  out = []
+  for p in procs:
+    try:
+      text, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+      for q in procs:
+        q.kill()
+      raise AssertionError("a trainer process hangs")
+    out.append((p.returncode, text))
+  return out
+
+
+def _rows(work):
+  return [json.loads(line) for line in open(os.path.join(work, "metrics.jsonl"))]
+
+
+def test_two_trainer_processes_stream_through_one_service(tmp_path):
+  work = str(tmp_path / "run")
+  with launch_server(lease_s=120.0) as sandbox:
+    proc, url = _start_server(4)
+    try:
+      # 1. Two iterations: every trained episode once, the ledgers of both pools add up.
+      for rc, out in _wait(_trainers(work, sandbox.url, url, 2)):
+        assert rc == 0, out[-3000:]
+      rows = _rows(work)
+      assert [r["step"] for r in rows] == [1, 2]
+      for r in rows:
+        parts = sum(r[f"pool/{k}"] for k in ("running", "queued", "taken", "dropped_stale", "failed"))
+        assert parts == r["pool/started"]
+      eps = [ep for ep, _ in records.read_episodes(os.path.join(work, "rollouts"))]
+      keys = [(e.task, e.seed) for e in eps]
+      assert len(keys) == len(set(keys)) == rows[-1]["pool/taken"] >= 8  # each trained once, none missing
+      assert httpx.get(url + "/health").json()["version"] == 2
+
+      # 2. Resumed for two more iterations, the inference service killed once the first of them ran:
+      #    both processes stop, naming the service (or, waiting in a collective, the peer that stopped).
+      trainers = _trainers(work, sandbox.url, url, 4)
+      deadline = time.time() + 600
+      while httpx.get(url + "/health").json()["version"] < 3 and time.time() < deadline:
+        time.sleep(0.5)
+      proc.send_signal(signal.SIGKILL)
+      proc.wait(timeout=30)
+      results = _wait(trainers)
+      named = [bool(re.search(rf"InferenceUnavailable.*{re.escape(url)}", out, re.S)) for _, out in results]
+      for (rc, out), by_url in zip(results, named):
+        assert rc != 0 and "resumed from" in out, out[-3000:]
+        # a process waiting in a collective when its peer stopped: named peer, or JAX's runtime aborts it
+        assert by_url or re.search(r"peer process\(es\) \[[01]\] died|a collective failed|"
+                                   r"JAX distributed service detected fatal errors", out), out[-3000:]
+      assert any(named), [out[-2000:] for _, out in results]
+
+      # 3. A new service; the resumed run loses trainer process 1: process 0 exits naming rank 1.
+      proc, url = _start_server(4)
+      trainers = _trainers(work, sandbox.url, url, 6)
+      deadline = time.time() + 600
+      while httpx.get(url + "/health").json()["version"] < 4 and time.time() < deadline:
+        time.sleep(0.5)
+      trainers[1].send_signal(signal.SIGKILL)
+      (rc0, out0), (rc1, _) = _wait(trainers)
+      assert rc1 == -9 and rc0 != 0, out0[-3000:]
+      assert re.search(r"peer process\(es\) \[1\] died|Task 1 heartbeat timeout|"
+                       r"stopped sending heartbeats\):\s*1\b", out0), out0[-3000:]
+    finally:
+      if proc.poll() is None:
+        proc.terminate()
+        proc.wait(timeout=30)

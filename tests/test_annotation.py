@@ -176,6 +176,12 @@ def test_annotators_decisions_and_faults_through_the_api(server, tiny_run):
   assert t0["overridden"] is False and t0["accepted"] in (0, 1) and len(t0["candidates"]) == 4
   assert ep.turns[0].text == t0["candidates"][t0["accepted"]]["text"]
   assert by_annotator["bob"][1]["extra"]["recovered"] == 1
+  # a newer policy (here the same run, re-read) and its queue: the run's newest checkpoint and eval JSON
+  (tiny_run / "eval.json").write_text(json.dumps({"results": {"miniwob/click-test": {"success": 0.9},
+                                                              "miniwob/enter-text": {"success": 0.1}}}))
+  re = _api(url, "POST", "/api/reload", {}).json()
+  assert re["version"] == 1 and re["order"] == ["miniwob/enter-text", "miniwob/click-test"]
+  (tiny_run / "eval.json").unlink()
 
 
 @pytest.mark.slow  # ~60 s with the server above: a real page in headless Chromium

@@ -22,7 +22,7 @@ import pytest
 from envs_bridge.launch import launch_server
 from tars_jax.data import records
 
-from test_distributed import _env, _free_port
+from test_distributed import _env, _free_port, _wait
 from test_inference_remote import _start_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,19 +42,6 @@ def _trainers(work: str, sandbox: str, inference: str, iterations: int) -> list[
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for p in (0, 1)]
 
 
-def _wait(procs, timeout=900) -> list[tuple[int, str]]:
-  out = []
-  for p in procs:
-    try:
-      text, _ = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-      for q in procs:
-        q.kill()
-      raise AssertionError("a trainer process hangs")
-    out.append((p.returncode, text))
-  return out
-
-
 def _rows(work):
   return [json.loads(line) for line in open(os.path.join(work, "metrics.jsonl"))]
 
@@ -65,7 +52,7 @@ def test_two_trainer_processes_stream_through_one_service(tmp_path):
     proc, url = _start_server(4)
     try:
       # 1. Two iterations: every trained episode once, the ledgers of both pools add up.
-      for rc, out in _wait(_trainers(work, sandbox.url, url, 2)):
+      for rc, out in _wait(_trainers(work, sandbox.url, url, 2), timeout=900):
         assert rc == 0, out[-3000:]
       rows = _rows(work)
       assert [r["step"] for r in rows] == [1, 2]
@@ -85,7 +72,7 @@ def test_two_trainer_processes_stream_through_one_service(tmp_path):
         time.sleep(0.5)
       proc.send_signal(signal.SIGKILL)
       proc.wait(timeout=30)
-      results = _wait(trainers)
+      results = _wait(trainers, timeout=900)
       named = [bool(re.search(rf"InferenceUnavailable.*{re.escape(url)}", out, re.S)) for _, out in results]
       for (rc, out), by_url in zip(results, named):
         assert rc != 0 and "resumed from" in out, out[-3000:]
@@ -101,7 +88,7 @@ def test_two_trainer_processes_stream_through_one_service(tmp_path):
       while httpx.get(url + "/health").json()["version"] < 4 and time.time() < deadline:
         time.sleep(0.5)
       trainers[1].send_signal(signal.SIGKILL)
-      (rc0, out0), (rc1, _) = _wait(trainers)
+      (rc0, out0), (rc1, _) = _wait(trainers, timeout=900)
       assert rc1 == -9 and rc0 != 0, out0[-3000:]
       assert re.search(r"peer process\(es\) \[1\] died|Task 1 heartbeat timeout|"
                        r"stopped sending heartbeats\):\s*1\b", out0), out0[-3000:]

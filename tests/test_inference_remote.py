@@ -189,9 +189,13 @@ def test_a_trainer_and_the_evaluation_sample_through_a_separate_server(tmp_path)
     rows = [json.loads(l) for l in open(run_dir / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2] and rows[-1]["pool/taken"] >= 8
 
-    from experiments.eval import evaluate
-    step, summary = evaluate(str(run_dir), ["miniwob/click-test"], 2, inference=url)
-    assert step == 2 and summary["miniwob/click-test"]["episodes"] == 2
+    out = tmp_path / "eval.json"  # a subprocess: experiments.eval's flags would clash with other scripts'
+    p = subprocess.run([sys.executable, "-m", "experiments.eval", "--run", str(run_dir), "--tasks", "miniwob/click-test",
+                        "--episodes", "2", "--inference", url, "--json", str(out)], cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    ev = json.loads(out.read_text())
+    assert ev["checkpoint"] == 2 and ev["results"]["miniwob/click-test"]["episodes"] == 2
     assert httpx.get(url + "/health").json()["requests"] > health["requests"]
   finally:
     proc.terminate()

@@ -61,11 +61,12 @@ def is_loopback(host: str) -> bool:
     return False
 
 
-def check_bind(host: str, token: str | None) -> None:
+def check_bind(host: str, token: str | None, token_env: str = P.TOKEN_ENV) -> None:
   """Raises ValueError if `host` is not loopback and there is no token (anyone on the network could
-  drive the browsers otherwise)."""
+  drive the browsers, or push a policy's weights, otherwise); `token_env`: the env var the message
+  names."""
   if not token and not is_loopback(host):
-    raise ValueError(f"refusing to bind {host!r} without a token: start with --token (or set {P.TOKEN_ENV}) "
+    raise ValueError(f"refusing to bind {host!r} without a token: start with --token (or set {token_env}) "
                      "or bind 127.0.0.1")
 
 

@@ -61,10 +61,11 @@ TOKEN_ENV = "TARS_SANDBOX_TOKEN"  # bearer token of servers and clients when not
 GAME_INFO_KEYS = ("score", "level", "lives")  # optional Observation.info keys of game tasks
 
 
-def resolve_token(token: str | None) -> str | None:
-  """The bearer token of a server or client: `token` if given, else the env var `TOKEN_ENV`; ''
-  (from either) means none -> None. One rule for both sides, so they agree on what "no token" is."""
-  token = token if token is not None else os.environ.get(TOKEN_ENV)
+def resolve_token(token: str | None, env: str = TOKEN_ENV) -> str | None:
+  """The bearer token of a server or client: `token` if given, else the env var `env` (the sandbox
+  fleet's `TOKEN_ENV` by default); '' (from either) means none -> None. One rule for both sides, so
+  they agree on what "no token" is."""
+  token = token if token is not None else os.environ.get(env)
   return token or None
 
 

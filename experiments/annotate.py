@@ -38,7 +38,7 @@ def main(argv):
   import uvicorn
 
   from envs_bridge import protocol
-  from envs_bridge.app import is_loopback
+  from envs_bridge.app import check_bind
   from envs_bridge.client import SandboxClient
   from envs_bridge.launch import launch_server
   from tars_jax.data.sources.annotation import AnnotationServer
@@ -47,10 +47,11 @@ def main(argv):
   from tars_jax.train import state as state_lib
 
   logging.getLogger().setLevel(logging.WARNING)
-  token = protocol.resolve_token(None)
-  if not token and not is_loopback(_HOST.value):
-    raise app.UsageError(f"refusing to bind {_HOST.value!r} without a token: set {protocol.TOKEN_ENV} "
-                         "(the sandbox fleet's) or bind 127.0.0.1")
+  token = protocol.resolve_token(None)  # the sandbox fleet's
+  try:
+    check_bind(_HOST.value, token)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
   run = resolve_run(_RUN.value)
   with open(os.path.join(run, "config.json")) as f:
     config = mlc.ConfigDict(json.load(f))

@@ -37,17 +37,19 @@ def main(argv):
   import jax
   import uvicorn
 
-  from envs_bridge.app import is_loopback
+  from envs_bridge import protocol
+  from envs_bridge.app import check_bind
   from tars_jax.rollout.evaluation import resolve_run
-  from tars_jax.rollout.inference_remote import TOKEN_ENV, make_app, resolve_token
+  from tars_jax.rollout.inference_remote import TOKEN_ENV, make_app
   from tars_jax.train import state as state_lib
 
   if bool(_RUN.value) == bool(_CONFIG.value):
     raise app.UsageError("give exactly one of --run (a run dir) and --config")
-  token = resolve_token(_TOKEN.value)
-  if not token and not is_loopback(_HOST.value):  # anyone reaching the port could push weights
-    raise app.UsageError(f"refusing to bind {_HOST.value!r} without a token: pass --token (or set {TOKEN_ENV}) "
-                         "or bind 127.0.0.1")
+  token = protocol.resolve_token(_TOKEN.value, TOKEN_ENV)
+  try:
+    check_bind(_HOST.value, token, TOKEN_ENV)  # anyone reaching the port could push weights
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
   if _RUN.value:
     run = resolve_run(_RUN.value)
     with open(os.path.join(run, "config.json")) as f:
@@ -69,10 +71,11 @@ def main(argv):
 
   service = parts.inference_service(params, slots=_SLOTS.value or config.env.num_sessions, seed=config.seed,
                                     version=_VERSION.value)
-  print(f"[serve] http://{_HOST.value}:{_PORT.value}: model {parts.served_model_id()}, {service.n_slots} slots "
+  model_id = parts.served_model_id()
+  print(f"[serve] http://{_HOST.value}:{_PORT.value}: model {model_id}, {service.n_slots} slots "
         f"of {service.context_len} cache positions, weights version {service.version}", flush=True)
   try:
-    uvicorn.run(make_app(service, restore, parts.served_model_id(), token=token), host=_HOST.value,
+    uvicorn.run(make_app(service, restore, model_id, token=token), host=_HOST.value,
                 port=_PORT.value, log_level="warning")
   finally:
     service.close()

@@ -108,7 +108,7 @@ def main(argv):
   if config.rollout.inference:
     remote = RemoteInference(config.rollout.inference, timeout_s=config.rollout.inference_timeout_s,
                              expect_model=parts.served_model_id())
-    push_weights(remote, state["policy"], start_iter, reset=True)
+    push_weights(remote, policy.params, start_iter, reset=True)
     print(f"[train] policy served by {config.rollout.inference} (weights version {start_iter} pushed)")
   act = remote.act if remote is not None else policy.act
   hp = parts.hparams
@@ -137,7 +137,7 @@ def main(argv):
     if config.rollout.streaming:
       r = config.rollout
       conc = dist.share_size(r.concurrency or n)
-      service = remote or parts.inference_service(dist.local_replica(state["policy"]), slots=r.slots or conc,
+      service = remote or parts.inference_service(policy.params, slots=r.slots or conc,
                                                   seed=dist.process_seed(config.seed), version=start_iter)
       pool = pool_lib.RolloutPool(
           service, clients, pool_lib.job_groups(tasks, n, config.rl.group_size, config.env.train_seed_offset,
@@ -208,11 +208,11 @@ def main(argv):
           state, train_m = loop.run_until_complete(asyncio.to_thread(update))
         else:
           state, train_m = update()
+        policy.params = dist.local_replica(state["policy"])  # one gather: the sampler and the services use it
         if remote is not None:
-          push_weights(remote, state["policy"], it + 1)
+          push_weights(remote, policy.params, it + 1)
         elif service is not None:
-          service.set_params(dist.local_replica(state["policy"]), it + 1)
-        policy.params = dist.local_replica(state["policy"])
+          service.set_params(policy.params, it + 1)
         t_train = time.perf_counter() - t1
         train_tokens = train_m.pop("tokens_trained")
         m = episode_metrics(episodes, tasks, parts.tokenizer, parts.table)
@@ -285,12 +285,13 @@ def main(argv):
           + (f" | rollout records: {os.path.join(workdir, 'rollouts')}" if config.record_rollouts else ""))
 
 
-def push_weights(remote: RemoteInference, policy, version: int, reset: bool = False) -> None:
-  """The policy to the remote inference service as `version`: process 0 sends it (one copy, not one
-  per process), every process then waits at a barrier and reads the served version, so no process
-  samples the next iteration from older weights."""
+def push_weights(remote: RemoteInference, params, version: int, reset: bool = False) -> None:
+  """The policy (`params`: this process's full copy, `dist.local_replica`) to the remote inference
+  service as `version`: process 0 sends it (one copy, not one per process), every process then waits
+  at a barrier and reads the served version, so no process samples the next iteration from older
+  weights."""
   if dist.is_main():
-    remote.set_params(dist.local_replica(policy), version, reset=reset)
+    remote.set_params(params, version, reset=reset)
   if dist.is_multi():
     dist.barrier(f"weights_{version}")
     remote.refresh_version()

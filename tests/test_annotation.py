@@ -25,6 +25,8 @@ from tars_jax.agent.trajectory import episode_arrays
 from tars_jax.data import records
 from tars_jax.data.sources import annotation as ann
 
+from test_distributed import _free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKEN = "annotate-token"
 TOK = ByteTokenizer()
@@ -113,13 +115,6 @@ def server(tiny_run):
     yield url, sandbox
     proc.terminate()
     proc.wait(timeout=60)
-
-
-def _free_port():
-  import socket
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def _api(url, method, path, body=None, token=TOKEN):

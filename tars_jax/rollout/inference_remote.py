@@ -30,12 +30,12 @@ import asyncio
 import base64
 import concurrent.futures
 import io
-import os
 
 import numpy as np
 from fastapi import FastAPI, HTTPException, Request  # module level: FastAPI resolves the annotation from here
 from fastapi.responses import JSONResponse
 
+from envs_bridge import protocol
 from tars_jax.rollout.episode import InferenceUnavailable
 from tars_jax.rollout.inference_server import ContextTooLong, Reply
 
@@ -83,12 +83,6 @@ class StaleWeights(ValueError):
 
 
 TOKEN_ENV = "TARS_INFERENCE_TOKEN"  # bearer token of the inference server and its clients when not given
-
-
-def resolve_token(token: str | None) -> str | None:
-  """`token` if given, else the env var TOKEN_ENV; '' means none (None)."""
-  token = token if token is not None else os.environ.get(TOKEN_ENV)
-  return token or None
 
 
 def make_app(service, restore_params=None, model_id: str = "", token: str | None = None):
@@ -177,16 +171,16 @@ class RemoteInference:
                token: str | None = None):
     import httpx
     self.url = url.rstrip("/")
-    token = resolve_token(token)
+    token = protocol.resolve_token(token, TOKEN_ENV)
     self._headers = {"Authorization": f"Bearer {token}"} if token else {}
     self._sync = httpx.Client(base_url=self.url, timeout=timeout_s, headers=self._headers)
     self._async = None
     self._timeout = timeout_s
     try:
-      health = self._sync.get("/health").raise_for_status().json()
-    except httpx.TransportError as e:
+      health = self._health()
+    except InferenceUnavailable:
       self._sync.close()
-      raise self._unavailable(e) from e
+      raise
     if expect_model is not None and health.get("model") != expect_model:
       self._sync.close()
       raise ModelMismatch(f"the inference server at {self.url} serves model {health.get('model')!r}, this config "
@@ -216,6 +210,14 @@ class RemoteInference:
     b = resp.json()
     return Reply(b["tokens"], np.asarray(b["logprobs"], np.float32), np.asarray(b["states"], np.int32),
                  np.asarray(b["versions"], np.int32), b["request_id"])
+
+  def _health(self) -> dict:
+    """GET /health, its transport errors as InferenceUnavailable."""
+    import httpx
+    try:
+      return self._sync.get("/health").raise_for_status().json()
+    except httpx.TransportError as e:
+      raise self._unavailable(e) from e
 
   def _unavailable(self, e: BaseException) -> InferenceUnavailable:
     return InferenceUnavailable(f"inference service at {self.url} unreachable or silent for {self._timeout} s: "
@@ -266,11 +268,7 @@ class RemoteInference:
   def refresh_version(self) -> int:
     """The version the server serves now (GET /health), kept as `version`: for clients that share a
     server another client pushes weights to (the processes of a multi-process trainer)."""
-    import httpx
-    try:
-      self._version = int(self._sync.get("/health").raise_for_status().json()["version"])
-    except httpx.TransportError as e:
-      raise self._unavailable(e) from e
+    self._version = int(self._health()["version"])
     return self._version
 
   def load_checkpoint(self, path: str, version: int, reset: bool = False) -> None:
@@ -282,7 +280,6 @@ class RemoteInference:
 
   def _check_auth(self, resp) -> None:
     if resp.status_code == 401:
-      from envs_bridge import protocol
       raise protocol.Unauthorized(f"inference service at {self.url}: {resp.json().get('reason')} (token: the "
                                   f"client's token= or {TOKEN_ENV})")
 

@@ -328,9 +328,7 @@ class AnnotationSession:
       self.status = "executing"
       self._changed.clear()
       self._decision.set_result(reply)
-    while self.status == "executing":
-      await self._changed.wait()
-      self._changed.clear()
+    await self.wait_while("executing")
     return self.state()
 
   async def close(self, why: str = "closed by the annotator") -> dict:
@@ -343,6 +341,12 @@ class AnnotationSession:
 
   def _notify(self) -> None:
     self._changed.set()
+
+  async def wait_while(self, status: str) -> None:
+    """Returns once the session's status is no longer `status` (the episode task notifies each change)."""
+    while self.status == status:
+      await self._changed.wait()
+      self._changed.clear()
 
   def state(self) -> dict:
     """The page's view: status, turn, instruction, screenshot (PNG base64), candidates, history."""
@@ -403,9 +407,7 @@ class AnnotationServer:
     s = AnnotationSession(self, annotator.strip(), task, seed, client_for(self.clients, task, self._n))
     self._n += 1
     self.sessions[s.id] = s
-    while s.status == "starting":
-      await s._changed.wait()
-      s._changed.clear()
+    await s.wait_while("starting")
     return s
 
   def reload(self, run: str | None = None) -> dict:

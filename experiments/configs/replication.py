@@ -18,6 +18,7 @@ Args: "sft" = the SFT stage (and the demonstration budget); a variant of `VARIAN
   ppo_lenadapt  ppo with length-adaptive lam_policy (VAPO alpha = 0.05)
   ppo_kl        ppo with a KL penalty to the SFT policy (k3, coefficient 0.3): keeps the skills RL does
                 not reinforce (enter-text's copying fell to 0.00-0.02 under `ppo` and `grpo`)
+  grpo_kl       grpo with the same KL penalty (row 2 at the KL setting: PPO vs GRPO both anchored)
   ppo_thoughts  ppo on the SFT stage that kept the templated thoughts (think length logged)
 "+smoke" appended = tiny model and budgets.
 
@@ -32,7 +33,8 @@ import ml_collections as mlc
 
 from experiments.configs import miniwob_pipeline
 
-VARIANTS = ("ppo", "grpo", "ppo_novpt", "ppo_coupled", "ppo_lenadapt", "ppo_kl", "ppo_thoughts")
+VARIANTS = ("ppo", "grpo", "ppo_novpt", "ppo_coupled", "ppo_lenadapt", "ppo_kl", "grpo_kl",
+            "ppo_thoughts")
 STAGES = ("sft", "sft_thoughts", *VARIANTS)
 ARGS = (*STAGES, *(s + "+smoke" for s in STAGES))
 
@@ -94,12 +96,12 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.rl.minibatch_size = 4 if smoke else 8  # 8 updates per epoch of 32 episodes
   c.eval_every = 0 if smoke else 10  # held-out success curves (8 seeds per task); the final one: eval.json
   c.eval_episodes = 2 if smoke else 8
-  if stage == "grpo":
+  if stage in ("grpo", "grpo_kl"):
     c.rl.algo, c.rl.group_size = "grpo", 2 if smoke else 4
   elif stage == "ppo_coupled":
     c.rl.lam_policy = c.rl.lam_critic = 0.95
   elif stage == "ppo_lenadapt":
     c.rl.length_adaptive_alpha = 0.05
-  elif stage == "ppo_kl":
+  if stage in ("ppo_kl", "grpo_kl"):
     c.rl.kl_kind, c.rl.kl_coef = "k3", 0.3
   return c

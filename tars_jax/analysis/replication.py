@@ -147,6 +147,7 @@ COMPARISONS = (
     (3, "ppo", "ppo_novpt", "value pretraining helps PPO"),
     (1, "ppo_kl", "sft", "PPO with a KL penalty to the SFT policy improves on its SFT start"),
     (1, "ppo_kl", "ppo", "the KL penalty to the SFT policy helps PPO"),
+    (2, "ppo_kl", "grpo_kl", "PPO beats GRPO, both with the KL penalty to the SFT policy"),
     ("3b", "ppo", "ppo_coupled", "decoupled GAE (lam_critic 1, lam_policy 0.95) beats coupled lam 0.95"),
     ("3b", "ppo_lenadapt", "ppo", "length-adaptive GAE helps"),
 )

@@ -295,3 +295,27 @@ def test_decoupled_ppo_loss_matches_hand_formula_and_reduces_to_ppo_on_policy():
   np.testing.assert_allclose(float(capped), want_capped, rtol=1e-6)
   assert float(mc["behaviour_weight_filtered"]) == pytest.approx(0.25)
   np.testing.assert_allclose(float(mc["behaviour_weight_mean"]), w.mean(), rtol=1e-6)  # over every token
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), frac=st.sampled_from([0.2, 0.5, 0.8]))
+def test_top_entropy_mask_matches_numpy_quantile(seed, frac):
+  """The kept tokens are those at or above numpy's linear (1 - frac) quantile of the masked entropies;
+  about `frac` of the masked tokens survive, none outside the mask."""
+  rng = np.random.default_rng(seed)
+  ent = rng.gamma(1.0, 0.5, size=(3, 17)).astype(np.float32)
+  mask = (rng.random((3, 17)) < 0.7).astype(np.float32)
+  mask[0, 0] = 1.0
+  got = np.asarray(L.top_entropy_mask(jnp.asarray(ent), jnp.asarray(mask), frac))
+  thr = np.quantile(ent[mask > 0], 1.0 - frac)
+  np.testing.assert_array_equal(got, mask * (ent >= thr))
+  n = mask.sum()
+  assert abs(got.sum() - frac * n) <= 1.0 + 1e-6
+
+
+def test_top_entropy_mask_edge_cases():
+  ent = jnp.array([[0.1, 0.9, 0.5, 0.0]])
+  mask = jnp.array([[1.0, 1.0, 1.0, 0.0]])
+  np.testing.assert_array_equal(L.top_entropy_mask(ent, mask, 1.0), mask)  # off
+  np.testing.assert_array_equal(L.top_entropy_mask(ent, mask, 0.34), [[0.0, 1.0, 0.0, 0.0]])
+  np.testing.assert_array_equal(L.top_entropy_mask(ent, jnp.zeros_like(mask), 0.2), np.zeros((1, 4)))

@@ -127,7 +127,8 @@ def test_unknown_names_list_the_known_ones():
   with pytest.raises(ValueError, match=r"unknown rl.kl_kind 'js'.*'abs'"):
     _hp(kl_kind="js")
   assert _hp(kl_kind="low_var_kl").kl_kind == "low_var_kl"  # verl alias accepted
-  for bad in (dict(clip_c=1.0), dict(length_adaptive_alpha=0.0), dict(lam_policy=1.5), dict(kl_coef=-1)):
+  for bad in (dict(clip_c=1.0), dict(length_adaptive_alpha=0.0), dict(lam_policy=1.5), dict(kl_coef=-1),
+              dict(top_entropy_frac=0.0), dict(top_entropy_frac=1.5)):
     with pytest.raises(ValueError):
       _hp(**bad)
 

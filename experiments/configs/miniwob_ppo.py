@@ -327,6 +327,8 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.rl.loss_agg = "token-mean"
   c.rl.kl_kind = "k3"  # KL to the initial policy: k1 | k2 | k3 | abs
   c.rl.kl_coef = 0.0  # 0 = no KL term
+  # policy gradient on the highest-entropy fraction of free decisions only (Wang et al. 2025: 0.2)
+  c.rl.top_entropy_frac = 1.0
   # Decoupled PPO (Hilton et al. 2022; AReaL): clip around the pre-update policy, behaviour log-probs as
   # an importance weight; meant for stale streaming rollouts (rollout.streaming). False: ratio to behaviour.
   c.rl.decoupled = False

@@ -18,6 +18,10 @@ Args: "sft" = the SFT stage (and the demonstration budget); a variant of `VARIAN
   ppo_lenadapt  ppo with length-adaptive lam_policy (VAPO alpha = 0.05)
   ppo_kl        ppo with a KL penalty to the SFT policy (k3, coefficient 0.3): keeps the skills RL does
                 not reinforce (enter-text's copying fell to 0.00-0.02 under `ppo` and `grpo`)
+  ppo_topent    ppo with the policy gradient on the top 20 % highest-entropy free decisions of each
+                minibatch (Wang et al. 2025): RL moves the uncertain choices (where to click), not the
+                near-certain ones a failed episode shares with successes (the copied text)
+  ppo_kl_topent ppo_kl and ppo_topent together
   grpo_kl       grpo with the same KL penalty (row 2 at the KL setting: PPO vs GRPO both anchored)
   ppo_thoughts  ppo on the SFT stage that kept the templated thoughts (think length logged)
 "+smoke" appended = tiny model and budgets.
@@ -33,8 +37,8 @@ import ml_collections as mlc
 
 from experiments.configs import miniwob_pipeline
 
-VARIANTS = ("ppo", "grpo", "ppo_novpt", "ppo_coupled", "ppo_lenadapt", "ppo_kl", "grpo_kl",
-            "ppo_thoughts")
+VARIANTS = ("ppo", "grpo", "ppo_novpt", "ppo_coupled", "ppo_lenadapt", "ppo_kl", "grpo_kl", "ppo_topent",
+            "ppo_kl_topent", "ppo_thoughts")
 STAGES = ("sft", "sft_thoughts", *VARIANTS)
 ARGS = (*STAGES, *(s + "+smoke" for s in STAGES))
 
@@ -79,7 +83,7 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
 
   # --- RL from the SFT checkpoint ---------------------------------------------------------------------
   c.rl.algo, c.rl.group_size = "ppo", 1
-  c.vpt.enabled = stage in ("ppo", "ppo_coupled", "ppo_lenadapt", "ppo_kl", "ppo_thoughts")
+  c.vpt.enabled = stage.startswith("ppo") and stage != "ppo_novpt"
   c.vpt.max_iterations = 2 if smoke else 10
   c.iterations = 2 if smoke else 30  # x 32 episodes (~190 per task)
   c.max_minutes = 30.0 if smoke else 60.0  # guard only (tars_jax/train/guard.py)
@@ -102,6 +106,8 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
     c.rl.lam_policy = c.rl.lam_critic = 0.95
   elif stage == "ppo_lenadapt":
     c.rl.length_adaptive_alpha = 0.05
-  if stage in ("ppo_kl", "grpo_kl"):
+  if stage in ("ppo_kl", "grpo_kl", "ppo_kl_topent"):
     c.rl.kl_kind, c.rl.kl_coef = "k3", 0.3
+  if stage in ("ppo_topent", "ppo_kl_topent"):
+    c.rl.top_entropy_frac = 0.2
   return c

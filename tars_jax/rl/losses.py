@@ -221,6 +221,23 @@ def entropy(logits: jax.Array, mask: jax.Array, allowed_mask: jax.Array | None =
   return ent * jnp.asarray(mask, jnp.float32)
 
 
+def top_entropy_mask(ent: jax.Array, mask: jax.Array, frac: float) -> jax.Array:
+  """[B, T] float32: `mask` kept only on the tokens whose entropy is at or above the (1 - frac)
+  quantile (linear interpolation) of `ent` over the tokens of `mask`, i.e. the highest-entropy `frac`
+  of them ("forking" tokens); frac >= 1 returns `mask`. An empty mask gives an empty result.
+
+  ent: [B, T] float32 per-token entropy (nats; `entropy`), treated as a constant; mask: [B, T] 0/1.
+  Source: Wang et al. 2025, "Beyond the 80/20 Rule: High-Entropy Minority Tokens Drive Effective
+  Reinforcement Learning for LLM Reasoning" (arXiv 2506.01939): the policy gradient on the top 20 %.
+  """
+  mask = jnp.asarray(mask, jnp.float32)
+  if frac >= 1.0:
+    return mask
+  ent = jax.lax.stop_gradient(jnp.asarray(ent, jnp.float32))
+  thr = jnp.nanquantile(jnp.where(mask > 0, ent, jnp.nan), 1.0 - frac)  # NaN when the mask is empty
+  return mask * (ent >= thr)
+
+
 def kl_penalty(logp: jax.Array, ref_logp: jax.Array, kind: str = "k3") -> jax.Array:
   """Per-token estimate of KL(π || π_ref) from the sampled tokens' log-probs (same shape, float32).
 

@@ -66,6 +66,9 @@ class PPOHparams:
   kl_kind, kl_coef: KL(policy || reference) penalty added to the policy loss as
     kl_coef * aggregate(kl_penalty(logp, ref_logp, kl_kind)) (verl `use_kl_loss`); the reference is
     the initial policy (`ppo_update(ref_params=...)`); kl_coef = 0 turns it off.
+  top_entropy_frac: the policy gradient only on the highest-entropy fraction of each minibatch's free
+    decisions (`losses.top_entropy_mask`, Wang et al. 2025); 1.0 = every free decision. Entropy bonus
+    and KL term keep every free decision.
   Raises: ValueError for unknown algo / loss_agg / kl_kind names (listing the known ones) and for
     out-of-range constants.
   """
@@ -88,6 +91,7 @@ class PPOHparams:
   kl_coef: float
   decoupled: bool
   behaviour_weight_cap: float | None
+  top_entropy_frac: float
   temperature: float
 
   def __post_init__(self):
@@ -106,6 +110,8 @@ class PPOHparams:
         raise ValueError(f"rl.{name} must be in [0, 1], got {getattr(self, name)}")
     if self.kl_coef < 0:
       raise ValueError(f"rl.kl_coef must be >= 0, got {self.kl_coef}")
+    if not 0.0 < self.top_entropy_frac <= 1.0:
+      raise ValueError(f"rl.top_entropy_frac must be in (0, 1], got {self.top_entropy_frac}")
     if self.behaviour_weight_cap is not None and self.behaviour_weight_cap <= 1.0:
       raise ValueError(f"rl.behaviour_weight_cap must be > 1 (or None), got {self.behaviour_weight_cap}")
 
@@ -210,16 +216,20 @@ def policy_loss(params, gd, table, mb, hp: PPOHparams, inputs: ModelInputs):
   # Forced tokens have zero gradient anyway; leaving them out of the mask keeps them out of the
   # token-mean denominators, the entropy mean and the clip / KL statistics.
   free = free_decisions(table, mb["states"], mb["loss_mask"])
+  tok_ent = losses.entropy(logits, free, allowed, hp.temperature)
+  pg_mask = losses.top_entropy_mask(tok_ent, free, hp.top_entropy_frac)
   if hp.decoupled:  # trust region around the pre-update policy; behaviour policy as importance weight
-    pg, m = losses.decoupled_ppo_policy_loss(logp, mb["prox_logp"], mb["old_logp"], mb["advantages"], free,
+    pg, m = losses.decoupled_ppo_policy_loss(logp, mb["prox_logp"], mb["old_logp"], mb["advantages"], pg_mask,
                                              hp.clip_low, hp.clip_high, hp.clip_c, hp.loss_agg,
                                              hp.behaviour_weight_cap)
   else:
-    pg, m = losses.ppo_policy_loss(logp, mb["old_logp"], mb["advantages"], free, hp.clip_low,
+    pg, m = losses.ppo_policy_loss(logp, mb["old_logp"], mb["advantages"], pg_mask, hp.clip_low,
                                    hp.clip_high, hp.clip_c, hp.loss_agg)
-  ent = losses.aggregate(losses.entropy(logits, free, allowed, hp.temperature), free, "token-mean")
+  ent = losses.aggregate(tok_ent, free, "token-mean")
   loss = pg - hp.ent_coef * ent + hp.aux_loss_coef * aux
   m = dict(m, pg_loss=pg, entropy=ent, moe_aux_loss=aux, moe_dropped_frac=dropped)
+  if hp.top_entropy_frac < 1.0:
+    m["pg_token_frac"] = pg_mask.sum() / jnp.maximum(free.sum(), 1.0)
   if hp.kl_coef > 0:  # KL to the reference (initial) policy as a loss term (verl use_kl_loss)
     kl = losses.aggregate(losses.kl_penalty(logp, mb["ref_logp"], hp.kl_kind), free, hp.loss_agg)
     loss = loss + hp.kl_coef * kl

@@ -240,6 +240,7 @@ def hparams(config) -> ppo.PPOHparams:
                         aux_loss_coef=r.aux_loss_coef, loss_agg=r.loss_agg, kl_kind=r.kl_kind,
                         kl_coef=r.kl_coef, decoupled=r.decoupled,
                         behaviour_weight_cap=r.get("behaviour_weight_cap"),  # absent from older runs' configs
+                        top_entropy_frac=r.get("top_entropy_frac", 1.0),  # likewise
                         temperature=config.sampling.temperature)
 
 

@@ -41,7 +41,6 @@ from tars_jax.agent.trajectory import Episode
 from tars_jax.analysis.game_scores import format_games, game_episode_records, game_scores, summarize_with_games
 from tars_jax.rollout.agent_loop import ActFn
 from tars_jax.rollout.evaluation import eval_jobs, format_table, resolve_run
-from tars_jax.rollout.inference_remote import RemoteInference
 from tars_jax.rollout.step_budget import (budget_loop_cfgs, budgets_json, format_budget_table, parse_budgets,
                                           play_budgets, plot_budgets)
 from tars_jax.train import checkpoint as ckpt
@@ -129,10 +128,7 @@ def evaluate_budgets(run: str, tasks: list[str] | None, episodes: int, budgets: 
   sessions = sessions or config.env.num_sessions
   jobs = eval_jobs(tasks, episodes, config.env.eval_seed_offset)
   policy = parts.batched_policy(params, batch_size=sessions, seed=config.seed + 7)
-  remote = None
-  if inference:
-    remote = RemoteInference(inference, expect_model=parts.served_model_id())
-    remote.set_params(params, step or 0, reset=True)
+  remote = parts.remote_policy(params, step or 0, url=inference) if inference else None
 
   def act_for(budget: int) -> ActFn:  # image slots: the config's (as in training), or more for a longer budget
     if remote is not None:  # the server's image slots are its config's env.max_turns

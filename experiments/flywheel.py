@@ -5,6 +5,7 @@ evaluation, one linear script; every stage a resumable subprocess run under one 
   python -m experiments.flywheel --config experiments/configs/flywheel.py --workdir runs/flywheel \
       --config.flywheel.init=runs/main/ppo --config.flywheel.sft_base="('runs/main/demos',)"
   python -m experiments.flywheel --config experiments/configs/flywheel.py:smoke --workdir /tmp/fw   # CI size
+  python -m experiments.flywheel ... --config.rollout.inference=http://127.0.0.1:8800   # experiments/serve.py
 
 Iteration t (1-based) under R = --workdir, with P = iteration t-1's policy (t = 1: `flywheel.init`, a run
 dir, or "" = the config's fresh init):
@@ -22,6 +23,8 @@ dir, or "" = the config's fresh init):
   R/iter_<t>/eval       experiments/eval.py: `eval_episodes` held-out seeds per task (eval.json)
   R/iter_0/eval         (`eval_init`) the same for iteration 0's policy
 
+With `rollout.inference` every stage that samples (generate, vpt, ppo, eval) uses that service, each
+pushing its policy's weights first.
 The driver launches one sandbox fleet (`env.launch`; or uses `env.servers`) and hands its URLs to every
 stage. A stage that finished (`tars_jax.train.run.is_done`: its done.json) is skipped on a re-run; a killed one is run
 again and resumes from its own checkpoints (the generate stage from its committed samples). The driver's
@@ -99,9 +102,15 @@ def generate_stage(config, root: str, t: int, policy_run: str) -> fw_lib.Iterati
     pol.start_iteration(t)
     jobs = fw_lib.sample_jobs(list(config.tasks), fw.seeds_per_task, fw.samples_per_seed, t, fw.seed_offset,
                               config.env.eval_seed_offset)
-    with env_fleet(config.env) as (loop, clients):
-      eps = evaluation.play(loop, pol.act, clients, jobs, parts.loop_cfg, parts.tokenizer, sessions=n, version=t - 1,
-                            progress="flywheel samples")
+    # rollout.inference=<url>: sampled by experiments/serve.py (keys its own: no replay from the seed)
+    remote = parts.remote_policy(state["policy"], t - 1) if config.rollout.inference else None
+    try:
+      with env_fleet(config.env) as (loop, clients):
+        eps = evaluation.play(loop, remote.act if remote else pol.act, clients, jobs, parts.loop_cfg,
+                              parts.tokenizer, sessions=n, version=t - 1, progress="flywheel samples")
+    finally:
+      if remote is not None:
+        remote.close()
     p_yes = None
     if fw.orm_run:
       from tars_jax.train import orm  # the ORM validator (issue #28 item 4), only when asked for
@@ -227,7 +236,7 @@ def main(argv):
     if fw.eval_init and init:
       d = os.path.join(iter_dir(root, 0), "eval")
       stage(d, "iteration 0: held-out evaluation of the initial policy",
-            lambda: _eval_argv(py, init, tasks, fw.eval_episodes, d, urls()))
+            lambda: _eval_argv(py, init, tasks, fw.eval_episodes, d, urls(), config.rollout.inference))
       rows.append({"iteration": 0, "policy": init, **_heldout(d)})
 
     prev = init
@@ -292,7 +301,7 @@ def main(argv):
       d = os.path.join(it, "eval")
       if cur:
         stage(d, f"iteration {t}: held-out evaluation of {cur}",
-              lambda: _eval_argv(py, cur, tasks, fw.eval_episodes, d, urls()))
+              lambda: _eval_argv(py, cur, tasks, fw.eval_episodes, d, urls(), config.rollout.inference))
         ran.append("eval")
       with open(os.path.join(gen, "counts.json")) as f:
         counts = json.load(f)
@@ -317,9 +326,11 @@ def _init_flag(run: str) -> list[str]:
   return [f"--config.policy.init={run}"] if run else []  # "" = the stage's fresh init of config.seed
 
 
-def _eval_argv(py: str, run: str, tasks: list[str], episodes: int, d: str, urls: list[str]) -> list[str]:
+def _eval_argv(py: str, run: str, tasks: list[str], episodes: int, d: str, urls: list[str],
+               inference: str = "") -> list[str]:
   return [py, "-m", "experiments.eval", "--run", run, "--tasks", ",".join(tasks), "--episodes", str(episodes),
-          "--json", os.path.join(d, "eval.json"), "--servers", ",".join(urls)]
+          "--json", os.path.join(d, "eval.json"), "--servers", ",".join(urls),
+          *(["--inference", inference] if inference else [])]
 
 
 def _heldout(d: str) -> dict:

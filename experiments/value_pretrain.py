@@ -71,6 +71,9 @@ def main(argv):
   streak = int(meta.get("streak", 0))
   writer = run.writer(config, start)
   policy = parts.batched_policy(full["policy"], batch_size=config.env.num_sessions, seed=config.seed * 100_003)
+  # rollout.inference=<url>: the fixed policy sampled by experiments/serve.py instead (weights pushed once)
+  remote = parts.remote_policy(full["policy"], 0) if config.rollout.inference else None
+  act = remote.act if remote is not None else policy.act
 
   # ----------------------------------------------------------------------------------------------
   # Rollouts of the fixed policy -> critic updates until the stop rule holds.
@@ -90,7 +93,7 @@ def main(argv):
         jobs = rollout_jobs(tasks, n, config.rl.group_size, it, v.seed_offset)
         stats = RolloutStats()
         episodes = loop.run_until_complete(
-            run_episodes(policy.act, clients, jobs, parts.loop_cfg, parts.tokenizer, version=0, stats=stats))
+            run_episodes(act, clients, jobs, parts.loop_cfg, parts.tokenizer, version=0, stats=stats))
         episodes = trainable(episodes, stats, f"value pretraining iteration {it + 1}")
         if episodes:
           batch = collate(episodes, pad_id=parts.tokenizer.pad_id, max_images=config.env.max_turns,
@@ -114,6 +117,8 @@ def main(argv):
           save(done)
     finally:
       writer.close()
+      if remote is not None:
+        remote.close()
   reason = "thresholds" if streak >= rule.patience else "max_iterations" if done >= v.max_iterations else "guard"
   ckpt.save_at_stop(mngr, done, state, {"iteration": done, "streak": streak, "minutes": guard.minutes()})
   if reason == "guard":

@@ -37,11 +37,12 @@ def _free_port():
     return s.getsockname()[1]
 
 
-def _start_server(slots: int, token: str = "") -> tuple[subprocess.Popen, str]:
-  """An inference server process of the smoke config on a free port, once it answers /health."""
+def _start_server(slots: int, token: str = "", config: str = "experiments/configs/miniwob_ppo.py:smoke"
+                  ) -> tuple[subprocess.Popen, str]:
+  """An inference server process of `config` (the smoke model) on a free port, once it answers /health."""
   port = _free_port()
-  cmd = [sys.executable, "-m", "experiments.serve", "--config",
-         os.path.join(ROOT, "experiments/configs/miniwob_ppo.py:smoke"), "--port", str(port), "--slots", str(slots)]
+  cmd = [sys.executable, "-m", "experiments.serve", "--config", os.path.join(ROOT, config), "--port", str(port),
+         "--slots", str(slots)]
   proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT, TARS_INFERENCE_TOKEN=token),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   url = f"http://127.0.0.1:{port}"
@@ -231,3 +232,34 @@ def test_a_server_with_a_token_refuses_clients_without_it():
                      cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT, TARS_INFERENCE_TOKEN=""), capture_output=True,
                      text=True, timeout=300)
   assert p.returncode != 0 and "refusing to bind '0.0.0.0' without a token" in p.stderr
+
+
+@pytest.mark.slow  # ~120 s: a server process, the flywheel's generate stage and value pretraining, real Chromium
+@pytest.mark.browser
+def test_the_flywheel_and_value_pretraining_sample_through_a_separate_server(tmp_path):
+  """rollout.inference=<url> in the data stages: the flywheel's generate stage and value pretraining
+  push their policy's weights and sample every turn on the server, and their outputs are complete."""
+  proc, url = _start_server(4, config="experiments/configs/flywheel.py:smoke")
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  try:
+    fw_dir = tmp_path / "fw"
+    p = subprocess.run([sys.executable, "-m", "experiments.flywheel", "--config", "experiments/configs/flywheel.py:smoke",
+                        "--workdir", str(fw_dir), "--generate=1", f"--config.rollout.inference={url}"], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    counts = json.loads((fw_dir / "iter_01" / "generate" / "counts.json").read_text())
+    assert counts["generated"] == counts["v1"] + counts["v0"] + counts["lost"] == 8
+    served = httpx.get(url + "/health").json()
+    assert served["version"] == 0 and served["requests"] >= 8  # every sample's turns were sampled there
+
+    vpt_dir = tmp_path / "vpt"
+    p = subprocess.run([sys.executable, "-m", "experiments.value_pretrain", "--config",
+                        "experiments/configs/flywheel.py:smoke", "--workdir", str(vpt_dir),
+                        "--config.vpt.max_iterations=1", f"--config.rollout.inference={url}"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "stopped by max_iterations after 1 iterations" in p.stdout
+    assert httpx.get(url + "/health").json()["requests"] >= served["requests"] + 4
+  finally:
+    proc.terminate()
+    proc.wait(timeout=30)

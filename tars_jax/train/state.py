@@ -156,6 +156,24 @@ class Parts:
     constraints of `mesh` (a no-op context without a mesh)."""
     return sharding.activate(self.mesh, self.rules)
 
+  def remote_policy(self, params, version: int, url: str | None = None):
+    """A client (`inference_remote.RemoteInference`) of the `experiments/serve.py` service at `url`
+    (default `rollout.inference`), checked to serve this model (`served_model_id`), with `params` pushed
+    as weights `version` (reset: the service may hold a later version). Its `act` replaces
+    `batched_policy(...).act`; its sampling keys are the service's own, so episodes do not replay from
+    the seed. Close it when done. Raises: InferenceUnavailable (unreachable for
+    `rollout.inference_timeout_s` seconds), ModelMismatch."""
+    from tars_jax.rollout.inference_remote import RemoteInference  # httpx / FastAPI only when asked for
+    c = self.config
+    remote = RemoteInference(url or c.rollout.inference, timeout_s=c.rollout.get("inference_timeout_s", 120.0),
+                             expect_model=self.served_model_id())
+    try:
+      remote.set_params(params, version, reset=True)
+    except BaseException:
+      remote.close()
+      raise
+    return remote
+
   def batched_policy(self, params, batch_size: int, seed: int) -> BatchedPolicy:
     c = self.config
     return BatchedPolicy(graphdef=self.policy_gd, params=params, tokenizer=self.tokenizer,

@@ -10,7 +10,8 @@ A checkpoint is a run dir (its latest step; a pipeline run dir means its newest 
 `<run>/checkpoints/<step>`, or any Orbax PyTree dir (`StandardCheckpointer`); the output is of the same
 kind: a run dir that experiments/eval.py and `--config.policy.init` read, or a PyTree dir. Optimiser
 state is reset to a fresh one unless `--optimizer` says otherwise (tars_jax/merge.py says why).
-Checkpoints of different structure or model config are refused before anything is written.
+Checkpoints of different structure or model config, or (without --allow_different_starts) of runs trained
+from different initial policies (config `policy.init`), are refused before anything is written.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ _OPTIMIZER = flags.DEFINE_enum("optimizer", "reset", merge.OPTIMIZERS, "Optimise
 _CHUNK_MB = flags.DEFINE_integer("chunk_mb", 128, "Most MiB read per Orbax restore (peak memory ~ one model "
                                  "+ 3 x this).")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace a non-empty --out.")
+_STARTS = flags.DEFINE_bool("allow_different_starts", False, "Merge runs trained from different initial "
+                            "policies (refused by default, naming the two starts).")
 
 
 def main(argv):
@@ -58,14 +61,16 @@ def _run(ckpts: list[str], chunk: int) -> tuple[merge.MergeResult, str]:
       raise app.UsageError("--base takes --lambdas (one per --ckpt), not --alpha")
     lambdas = [float(x) for x in _LAMBDAS.value]
     r = merge.task_arithmetic(_BASE.value, ckpts, lambdas, _OUT.value, optimizer=_OPTIMIZER.value,
-                              chunk_bytes=chunk, overwrite=_OVERWRITE.value)
+                              chunk_bytes=chunk, overwrite=_OVERWRITE.value,
+                              allow_different_starts=_STARTS.value)
     formula = "θ_base + " + " + ".join(f"{w:g}·(θ{k} − θ_base)" for k, w in enumerate(lambdas, 1))
   else:
     if _LAMBDAS.value is not None:
       raise app.UsageError("--lambdas needs --base (task arithmetic); interpolation takes --alpha")
     alphas = [float(x) for x in _ALPHA.value] if _ALPHA.value else [1.0 / len(ckpts)] * len(ckpts)
     r = merge.interpolate(ckpts, alphas, _OUT.value, allow_unnormalised=_UNNORM.value,
-                          optimizer=_OPTIMIZER.value, chunk_bytes=chunk, overwrite=_OVERWRITE.value)
+                          optimizer=_OPTIMIZER.value, chunk_bytes=chunk, overwrite=_OVERWRITE.value,
+                          allow_different_starts=_STARTS.value)
     formula = " + ".join(f"{w:g}·θ{k}" for k, w in enumerate(alphas, 1))
   return r, formula
 

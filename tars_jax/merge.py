@@ -89,6 +89,14 @@ class ConfigMismatch(MergeError):
     self.key, self.values = key, values
 
 
+class DifferentStarts(MergeError):
+  """Trainer checkpoints trained from different initial policies (`starts`: the two, as recorded)."""
+
+  def __init__(self, msg: str, starts: tuple[str, str]):
+    super().__init__(msg)
+    self.starts = starts
+
+
 class UnnormalisedWeights(MergeError):
   """Interpolation weights α whose sum is not 1 (pass allow_unnormalised=True to mean it)."""
 
@@ -268,6 +276,29 @@ def check_configs(configs: Sequence[dict | None], names: Sequence[str]) -> None:
       if d:
         raise ConfigMismatch(f"checkpoints of different configs: {d[0]} = {d[1]!r} in {ref_name}, {d[2]!r} in "
                              f"{name}", d[0], (d[1], d[2]))
+
+
+def start_of(cfg: dict) -> str:
+  """The policy a run's training started from, as its config.json records it: `policy.init` (a run or
+  checkpoint path; absolute where it exists here), or "fresh init (seed S)" where it is empty."""
+  init = (cfg.get("policy") or {}).get("init") or ""
+  if not init:
+    return f"fresh init (seed {cfg.get('seed')})"
+  return os.path.realpath(init) if os.path.exists(init) else init
+
+
+def check_starts(configs: Sequence[dict | None], names: Sequence[str], allow: bool = False) -> None:
+  """Raises DifferentStarts naming two checkpoints and their starts when the recorded configs do not
+  share one initial policy (`start_of`), unless `allow`: parameter interpolation of report section 2.6
+  averages verticals fine-tuned from one SFT checkpoint; from different starts their parameters need not
+  lie in one basin. Configs not recorded are skipped."""
+  recorded = [(start_of(c), n) for c, n in zip(configs, names) if c is not None]
+  for start, name in recorded[1:]:
+    if start != recorded[0][0] and not allow:
+      raise DifferentStarts(f"checkpoints from different starts: {recorded[0][1]} started from "
+                            f"{recorded[0][0]}, {name} from {start}; merge verticals of one SFT checkpoint, or "
+                            f"pass allow_different_starts=True (--allow_different_starts) to mean it",
+                            (recorded[0][0], start))
 
 
 def check_weights(weights: Sequence[float], n: int, what: str, normalised: bool) -> list[float]:
@@ -456,15 +487,19 @@ def _write(out: str, first: Source, tree, provenance: dict, overwrite: bool) -> 
 # The merge.
 
 
-def _check_inputs(inputs: Sequence[str]) -> tuple[list[Source], list[Leaf], Any]:
+def _check_inputs(inputs: Sequence[str], allow_different_starts: bool, with_base: bool
+                  ) -> tuple[list[Source], list[Leaf], Any]:
   """Resolves the inputs and checks they can be merged: one kind, the same recorded model config,
-  the same leaves. Returns (sources, leaves, treedef of the first). Reads metadata only."""
+  one start (of the checkpoints, not the base; unless allowed), the same leaves. Returns (sources,
+  leaves, treedef of the first). Reads metadata only."""
   sources = [resolve(p) for p in inputs]
   if len({s.kind for s in sources}) > 1:
     raise MergeError("inputs mix Orbax PyTree dirs and trainer checkpoints: "
                      + ", ".join(f"{s.path} ({s.kind})" for s in sources))
   names = [s.path for s in sources]
-  check_configs([run_config(s) for s in sources], names)
+  configs = [run_config(s) for s in sources]
+  check_configs(configs, names)
+  check_starts(configs[int(with_base):], names[int(with_base):], allow_different_starts)
   metas = [list_leaves(s.tree_dir) for s in sources]
   for (lv, _), name in zip(metas[1:], names[1:]):
     check_structure(metas[0][0], lv, (names[0], name))
@@ -486,9 +521,10 @@ def classify(leaves_: Sequence[Leaf], optimizer: str) -> list[str]:
 
 
 def _merge(inputs: Sequence[str], weights: Sequence[float], out_dir: str, *, with_base: bool,
-           provenance: dict, optimizer: str, shardings, chunk_bytes: int, overwrite: bool) -> MergeResult:
+           provenance: dict, optimizer: str, shardings, chunk_bytes: int, overwrite: bool,
+           allow_different_starts: bool) -> MergeResult:
   """inputs: [base] + checkpoints when `with_base`; weights: one per checkpoint (not the base)."""
-  sources, lv, treedef = _check_inputs(inputs)
+  sources, lv, treedef = _check_inputs(inputs, allow_different_starts, with_base)
   kind = classify(lv, optimizer)
   shard = _shardings_by_path(shardings, lv)
   out = _check_out_dir(out_dir, sources, overwrite)
@@ -515,7 +551,8 @@ def _merge(inputs: Sequence[str], weights: Sequence[float], out_dir: str, *, wit
 
 def interpolate(ckpt_dirs: Sequence[str], alphas: Sequence[float], out_dir: str, *,
                 allow_unnormalised: bool = False, optimizer: str = "reset", shardings=None,
-                chunk_bytes: int = 128 << 20, overwrite: bool = False) -> MergeResult:
+                chunk_bytes: int = 128 << 20, overwrite: bool = False,
+                allow_different_starts: bool = False) -> MergeResult:
   """θ = Σ_k α_k θ_k over N checkpoints of one model (report section 2.6, eq. 5), written to `out_dir`.
 
   Args:
@@ -531,22 +568,25 @@ def interpolate(ckpt_dirs: Sequence[str], alphas: Sequence[float], out_dir: str,
     chunk_bytes: most bytes read per Orbax restore call; peak host memory ~ the merged model + about
       3 x this + Orbax's read cache (100 MB).
     overwrite: replace a non-empty `out_dir`.
+    allow_different_starts: merge trainer checkpoints whose runs started from different policies.
   Returns: MergeResult (where it was written, counts of merged / copied / reset leaves).
   Raises (all before anything is written): FileNotFoundError (no such checkpoint); MergeError (mixed
     kinds, weight count, non-finite weights, out_dir overlapping an input, bad `optimizer`);
     UnnormalisedWeights; StructureMismatch (first differing leaf path, both shapes / dtypes, scanned vs
-    unscanned layers); ConfigMismatch (recorded model / tokenizer settings differ); FileExistsError
+    unscanned layers); ConfigMismatch (recorded model / tokenizer settings differ); DifferentStarts
+    (recorded `policy.init` differs, see `check_starts`); FileExistsError
     (`out_dir` not empty).
   """
   w = check_weights(alphas, len(ckpt_dirs), "alphas", normalised=not allow_unnormalised)
   prov = {"op": "interpolate", "alphas": w}
   return _merge(list(ckpt_dirs), w, out_dir, with_base=False, provenance=prov, optimizer=optimizer,
-                shardings=shardings, chunk_bytes=chunk_bytes, overwrite=overwrite)
+                shardings=shardings, chunk_bytes=chunk_bytes, overwrite=overwrite,
+                allow_different_starts=allow_different_starts)
 
 
 def task_arithmetic(base_dir: str, ckpt_dirs: Sequence[str], lambdas: Sequence[float], out_dir: str, *,
                     optimizer: str = "reset", shardings=None, chunk_bytes: int = 128 << 20,
-                    overwrite: bool = False) -> MergeResult:
+                    overwrite: bool = False, allow_different_starts: bool = False) -> MergeResult:
   """θ = θ_base + Σ_k λ_k (θ_k − θ_base): task vectors of verticals trained from one start `base_dir`
   (the shared SFT checkpoint of report section 2.6) added back to it. λ need not sum to 1
   (λ_k = 1/N is `interpolate` with uniform α). Integer leaves, the recorded meta and config.json
@@ -556,4 +596,5 @@ def task_arithmetic(base_dir: str, ckpt_dirs: Sequence[str], lambdas: Sequence[f
   w = check_weights(lambdas, len(ckpt_dirs), "lambdas", normalised=False)
   prov = {"op": "task_arithmetic", "lambdas": w, "base": os.path.abspath(base_dir)}
   return _merge([base_dir, *ckpt_dirs], w, out_dir, with_base=True, provenance=prov, optimizer=optimizer,
-                shardings=shardings, chunk_bytes=chunk_bytes, overwrite=overwrite)
+                shardings=shardings, chunk_bytes=chunk_bytes, overwrite=overwrite,
+                allow_different_starts=allow_different_starts)

@@ -228,6 +228,20 @@ def test_other_bad_input_is_refused_before_writing(runs, tmp_path):
   err = _refused(lambda: merge.interpolate([a, str(other)], [0.5, 0.5], out), merge.ConfigMismatch,
                  r"model\.scan_layers = False in .*True in", out)
   assert err.key == "model.scan_layers"
+  # A run fine-tuned from another SFT checkpoint: both starts named; merged only when asked for.
+  moved = tmp_path / "other_start"
+  shutil.copytree(a, moved)
+  cfg = json.load(open(moved / "config.json"))
+  cfg["policy"]["init"] = "runs/other_sft"
+  (moved / "config.json").write_text(json.dumps(cfg))
+  err = _refused(lambda: merge.interpolate([a, str(moved)], [0.5, 0.5], out), merge.DifferentStarts,
+                 r"started from fresh init \(seed \d+\), .*other_start from runs/other_sft.*--allow_different_starts",
+                 out)
+  assert err.starts == (f"fresh init (seed {cfg['seed']})", "runs/other_sft")
+  _refused(lambda: merge.task_arithmetic(a, [runs["b"][0], str(moved)], [0.5, 0.5], out), merge.DifferentStarts,
+           "other_sft", out)
+  merge.task_arithmetic(str(moved), [a, runs["b"][0]], [0.5, 0.5], str(tmp_path / "ta_ok"))  # the base's own start is not compared
+  merge.interpolate([a, str(moved)], [0.5, 0.5], str(tmp_path / "allowed"), allow_different_starts=True)
   tree = _save_tree(tmp_path / "tree", _tree(0))
   _refused(lambda: merge.interpolate([a, tree], [0.5, 0.5], out), merge.MergeError, "mix", out)
   _refused(lambda: merge.interpolate([a, str(tmp_path / "nowhere")], [0.5, 0.5], out), FileNotFoundError,

@@ -71,12 +71,20 @@ def test_prompt_keeps_the_last_five_screenshots_and_the_whole_history_as_text():
   assert p.context.image_turns == (2, 3, 4, 5, 6) and p.context.text_turns == (0, 1)
   assert p.context.dropped_turns == () and p.dropped == {"screenshots": 2, "turns": 0, "instruction_chars": 0}
   assert p.context.ids.tolist() == want
-  # a short episode keeps every screenshot; no turn at all is still a prompt (the question)
+  # a short episode keeps every screenshot (one without a turn is refused: below)
   short = orm.build_prompt(_episode(3), tok=TOK, system=SYSTEM, settings=orm.OrmSettings())
   assert short.context.image_turns == (0, 1, 2) and short.dropped["screenshots"] == 0
-  empty = orm.build_prompt(_episode(0), tok=TOK, system=SYSTEM, settings=orm.OrmSettings())
-  assert empty.ids == [BOS] + _b("GUI agent.\nClick ONE.\n") + [TURN_END, TURN_START] + _b(
-      "Did the agent complete the task? Answer yes or no.\n") and empty.images == []
+
+
+def test_an_episode_without_its_screenshots_or_turns_is_refused_by_name():
+  ep = _episode(7)
+  ep.turns[0].image = None  # older than the last 5: shown as text, so no screenshot is needed
+  orm.build_prompt(ep, tok=TOK, system=SYSTEM, settings=orm.OrmSettings())
+  ep.turns[4].image = ep.turns[6].image = None
+  with pytest.raises(orm.MissingScreenshots, match=r"miniwob/click-test seed 0: turns \[4, 6\] of 7 have no screenshot"):
+    orm.build_prompt(ep, tok=TOK, system=SYSTEM, settings=orm.OrmSettings())
+  with pytest.raises(orm.MissingScreenshots, match="it has no turn"):
+    orm.build_prompt(_episode(0), tok=TOK, system=SYSTEM, settings=orm.OrmSettings())
 
 
 def test_thoughts_can_be_emptied_and_answers_are_their_ids_plus_eos():

@@ -65,6 +65,10 @@ QUESTION = "Did the agent complete the task? Answer yes or no."
 ANSWERS = ("yes", "no")  # (positive, negative)
 
 
+class MissingScreenshots(ValueError):
+  """An episode the ORM was asked to judge lacks a screenshot it must show (or has no turn at all)."""
+
+
 class OrmBudgetError(ValueError):
   """`max_tokens` cannot hold the parts never left out: BOS, system prompt, question, longest answer."""
 
@@ -176,9 +180,16 @@ def build_prompt(ep: Episode, *, tok, system: str, settings: OrmSettings) -> Orm
   `reply_ids` / `text` and `image` are used, its recorded `prefix_ids` are not (the prefix is rebuilt
   from `instruction` and `system`, so episodes recorded with other prompts get one prefix).
   Returns: OrmPrompt. Never fails on a long episode (see `OrmPrompt.dropped`).
-  Raises: OrmBudgetError when the budget cannot hold BOS + system + question + the longest answer.
+  Raises: OrmBudgetError when the budget cannot hold BOS + system + question + the longest answer;
+    MissingScreenshots when the episode has no turn, or one of its last `screenshots` turns no `image`
+    (an episode stored without its screenshots: the ORM judges from them, it does not guess without).
   """
   n = len(ep.turns)
+  missing = [j for j in range(max(0, n - settings.screenshots), n) if ep.turns[j].image is None]
+  if n == 0 or missing:
+    raise MissingScreenshots(f"the ORM cannot judge episode {ep.task} seed {ep.seed}: "
+                             + (f"turns {missing} of {n} have no screenshot" if n else "it has no turn")
+                             + " (judge episodes as recorded, with their screenshots)")
   k = settings.screenshots
   mode = ["full" if j >= n - k else "text" for j in range(n)]  # "full" | "text" | "dropped"
   replies = [reply_ids(t, tok, settings.thoughts) for t in ep.turns]

@@ -71,25 +71,28 @@ def main(argv):
   parts = state_lib.build(config)
   init = parts.init_state(config.seed)
   sessions = config.env.num_sessions
-  policy0 = parts.batched_policy(init["policy"], batch_size=sessions, seed=config.seed + 7)
+  # One inference service for every model (weights swapped between them): each episode one session,
+  # its later turns only their new tokens (multi-turn KV reuse; GUI-Browsing's episodes run 14 turns).
+  service = parts.inference_service(init["policy"], slots=sessions, seed=config.seed + 7,
+                                    max_turns=max(V.MAX_TURNS[s] for s in sets))
+  version = iter(range(1, 1 << 30))
 
   def evaluate(path: str, episodes: int, seed_offset: int, data_mode: str) -> tuple[dict, dict]:
     """({set: score}, {task: summary}) of the policy of run `path`, `episodes` per set."""
-    params = state_lib.restore_policy(init, path)[0]
+    v = next(version)
+    service.set_params(state_lib.restore_policy(init, path)[0], v)
     summaries = {}
     for s, tasks in sets.items():
-      turns = V.MAX_TURNS[s]
-      cfg = dataclasses.replace(parts.loop_cfg, max_turns=turns, data_mode=data_mode)
-      pol = dataclasses.replace(policy0, params=params, max_images=max(turns, policy0.max_images))
+      cfg = dataclasses.replace(parts.loop_cfg, max_turns=V.MAX_TURNS[s], data_mode=data_mode)
       per_task = ME.episodes_per_task(episodes, len(tasks))
-      eps = evaluation.play(loop, pol.act, clients, evaluation.eval_jobs(list(tasks), per_task, seed_offset),
-                            cfg, parts.tokenizer, sessions=sessions, version=0,
-                            progress=f"{os.path.basename(path)} {s}")
+      eps = evaluation.play_sessions(loop, service, clients, evaluation.eval_jobs(list(tasks), per_task, seed_offset),
+                                     cfg, parts.tokenizer, sessions=sessions, version=v,
+                                     progress=f"{os.path.basename(path)} {s}")
       summaries.update(summarize_with_games(eps))
     return {s: ME.set_score(t, summaries) for s, t in sets.items()}, summaries
 
   out = {"episodes": _EPISODES.value, "val_episodes": _VAL_EPISODES.value, "sets": sets, "search": []}
-  with env_fleet(config.env, urls=_SERVERS.value or None) as (loop, clients):
+  with service, env_fleet(config.env, urls=_SERVERS.value or None) as (loop, clients):
     for i, alpha in enumerate(ME.alpha_candidates(len(names), _ALPHA_STEP.value)):
       path = _merged(verticals, alpha, os.path.join(wd, "alpha_search", str(i)))
       scores, _ = evaluate(path, _VAL_EPISODES.value, _VAL_SEED_OFFSET.value, "train")

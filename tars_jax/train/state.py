@@ -129,25 +129,29 @@ class Parts:
     h.update(np.ascontiguousarray(np.asarray(self.grammar.table)).tobytes())
     return h.hexdigest()[:16]
 
-  def inference_service(self, params, slots: int, seed: int, version: int = 0) -> InferenceService:
+  def inference_service(self, params, slots: int, seed: int, version: int = 0,
+                        max_turns: int | None = None) -> InferenceService:
     """The continuous-batching service of streaming rollouts (`rollout.streaming`), serving `params`
-    as `version`. Its cache holds `rollout.context_len` positions per slot (0: `context_capacity`)."""
+    as `version`. Its cache holds `rollout.context_len` positions per slot (0: `context_capacity`);
+    `max_turns` (default `env.max_turns`): the longest episode it serves, in turns (screenshots)."""
     c = self.config
+    turns = max_turns or c.env.max_turns
     return InferenceService(self.policy_gd, params, tokenizer=self.tokenizer, grammar=self.grammar, slots=slots,
-                            context_len=c.rollout.context_len or self.context_capacity(), max_images=c.env.max_turns,
+                            context_len=c.rollout.context_len or self.context_capacity(turns), max_images=turns,
                             image_hw=self.image_hw, max_new_tokens=self.max_new_tokens,
                             temperature=c.sampling.temperature, top_p=c.sampling.top_p,
                             jump_forward=c.sampling.jump_forward, length_multiple=c.length_multiple,
                             seed=seed, version=version, quantize=c.sampling.quantize)
 
-  def context_capacity(self) -> int:
+  def context_capacity(self, max_turns: int | None = None) -> int:
     """Cache positions (tokens) one streaming request may need: the system prompt, 1 KiB of
     instruction bytes, per turn an observation (image tokens and 256 bytes of observation text) and a
-    reply, plus one decode chunk; rounded up to `length_multiple`. A longer prompt is refused with
+    reply, plus one decode chunk, for `max_turns` turns (default `env.max_turns`); rounded up to
+    `length_multiple`. A longer prompt is refused with
     `inference_server.ContextTooLong` (set `rollout.context_len`)."""
     c = self.config
     per_turn = self.loop_cfg.n_img_tokens + 256 + self.max_new_tokens + 8
-    n = len(self.loop_cfg.system.encode()) + 1024 + c.env.max_turns * per_turn + self.max_new_tokens
+    n = len(self.loop_cfg.system.encode()) + 1024 + (max_turns or c.env.max_turns) * per_turn + self.max_new_tokens
     m = c.length_multiple
     return -(-(n + c.sampling.jump_forward + m) // m) * m
 

@@ -39,6 +39,7 @@ import ml_collections as mlc
 from envs_bridge.launch import env_fleet
 from tars_jax.agent.trajectory import Episode
 from tars_jax.analysis.game_scores import format_games, game_episode_records, game_scores, summarize_with_games
+from tars_jax.models.inference import quant
 from tars_jax.rollout.agent_loop import ActFn
 from tars_jax.rollout.evaluation import eval_jobs, format_table, resolve_run
 from tars_jax.rollout.step_budget import (budget_loop_cfgs, budgets_json, format_budget_table, parse_budgets,
@@ -62,13 +63,17 @@ _TEMPERATURE = flags.DEFINE_float("temperature", None, "Sampling temperature (de
                                    "config.sampling.temperature); 0 = greedy decoding.")
 _INFERENCE = flags.DEFINE_string("inference", None, "URL of an experiments/serve.py process of the same model "
                                  "that samples the episodes (it is sent the evaluated weights); default: this process.")
+_QUANTIZE = flags.DEFINE_string("quantize", None, "Serving weights of the sampler: a quant.MODES name (int8 = "
+                                "W8A8, int4 = W4A8, int8_weight_only, ...) or 'none' (as trained); default the "
+                                "run's config.sampling.quantize.")
 _PLOT = flags.DEFINE_string("plot", None, "With several --max_turns: write success against budget here (PNG).")
 
 
 def evaluate(run: str, tasks: list[str] | None, episodes: int, step: int | None = None,
              servers: list[str] | None = None, sessions: int | None = None,
              episodes_out: list | None = None, max_turns: int | None = None,
-             temperature: float | None = None, inference: str | None = None) -> tuple[int, dict]:
+             temperature: float | None = None, inference: str | None = None,
+             quantize: str | None = None) -> tuple[int, dict]:
   """Returns (checkpoint step, {task: {success, episodes, ...}}) for the run's policy; game tasks
   also get normalized_score, mean_score and reference_score (`game_scores`). `episodes_out`, if
   given, receives every evaluated Episode. `step = 0` with no checkpoint 0 evaluates the policy the
@@ -76,6 +81,8 @@ def evaluate(run: str, tasks: list[str] | None, episodes: int, step: int | None 
   baseline the trained checkpoints are compared with. `max_turns`: the step budget (turns per
   episode; default the run's config.env.max_turns). `temperature`: the sampler's (default the run's
   config.sampling.temperature; 0 = greedy, how much of a policy's failure is sampling noise).
+  `quantize`: the sampler's serving weights (a `quant.MODES` name, or "none" for float; default the
+  run's config.sampling.quantize; report section 3, quantised serving).
   `inference`: the URL of an `experiments/serve.py` process of the same model that samples instead of
   this process; it is sent the evaluated weights (it serves them afterwards: do not share it with a
   running trainer).
@@ -93,7 +100,7 @@ def evaluate(run: str, tasks: list[str] | None, episodes: int, step: int | None 
   out = {} if episodes_out is not None else None
   step, summaries = evaluate_budgets(run, tasks, episodes, None if max_turns is None else [max_turns], step,
                                      servers, sessions, episodes_out=out, temperature=temperature,
-                                     inference=inference)
+                                     inference=inference, quantize=quantize)
   (summary,) = summaries.values()
   if episodes_out is not None:
     (eps,) = out.values()
@@ -104,7 +111,7 @@ def evaluate(run: str, tasks: list[str] | None, episodes: int, step: int | None 
 def evaluate_budgets(run: str, tasks: list[str] | None, episodes: int, budgets: Sequence[int] | None,
                      step: int | None = None, servers: list[str] | None = None, sessions: int | None = None,
                      episodes_out: dict | None = None, temperature: float | None = None,
-                     inference: str | None = None) -> tuple[int, dict[int, dict]]:
+                     inference: str | None = None, quantize: str | None = None) -> tuple[int, dict[int, dict]]:
   """`evaluate` once per step budget (turns per episode; report section 3, step-budget scaling), the
   same held-out seeds at every budget: returns (checkpoint step, {budget: {task: summary}}), budgets
   in the given order (None: the run's config.env.max_turns alone). The policy's sampler starts from
@@ -115,6 +122,8 @@ def evaluate_budgets(run: str, tasks: list[str] | None, episodes: int, budgets: 
     config = mlc.ConfigDict(json.load(f))
   if temperature is not None:
     config.sampling.temperature = float(temperature)
+  if quantize is not None:
+    config.sampling.quantize = None if quantize == "none" else quantize  # an unknown name: QuantizationError
   parts = state_lib.build(config)
   budgets = list(budgets) if budgets else [parts.eval_loop_cfg.max_turns]
   budget_loop_cfgs(parts.eval_loop_cfg, budgets)  # a bad budget fails before the checkpoint and the browser
@@ -155,6 +164,8 @@ def main(argv):
     budgets = parse_budgets(_MAX_TURNS.value)
   except ValueError as e:
     raise app.UsageError(str(e)) from None
+  if _QUANTIZE.value not in (None, "none", *quant.MODES):
+    raise app.UsageError(f"--quantize {_QUANTIZE.value!r}: one of {['none', *quant.MODES]}")
   if budgets and len(budgets) > 1:
     return main_budgets(tasks, budgets)
   if _PLOT.value:
@@ -162,9 +173,10 @@ def main(argv):
   eps: list = []
   step, summary = evaluate(_RUN.value, tasks, _EPISODES.value, _CKPT.value, _SERVERS.value,
                            _SESSIONS.value, episodes_out=eps, max_turns=budgets[0] if budgets else None,
-                           temperature=_TEMPERATURE.value, inference=_INFERENCE.value)
+                           temperature=_TEMPERATURE.value, inference=_INFERENCE.value, quantize=_QUANTIZE.value)
   print(f"checkpoint {step} of {resolve_run(_RUN.value)}, {_EPISODES.value} held-out seeds per task"
-        + (f", step budget {budgets[0]} turns" if budgets else ""))
+        + (f", step budget {budgets[0]} turns" if budgets else "")
+        + (f", serving weights {_QUANTIZE.value}" if _QUANTIZE.value else ""))
   print(format_table(summary))
   lost = {task: r["lost"] for task, r in summary.items() if r["lost"]}
   if lost:
@@ -185,7 +197,8 @@ def main_budgets(tasks: list[str] | None, budgets: list[int]) -> None:
   """`main` with several step budgets: the table of `format_budget_table`, `--json` as
   `budgets_json`, `--plot` as `plot_budgets`."""
   step, summaries = evaluate_budgets(_RUN.value, tasks, _EPISODES.value, budgets, _CKPT.value, _SERVERS.value,
-                                     _SESSIONS.value, temperature=_TEMPERATURE.value, inference=_INFERENCE.value)
+                                     _SESSIONS.value, temperature=_TEMPERATURE.value, inference=_INFERENCE.value,
+                                     quantize=_QUANTIZE.value)
   run = resolve_run(_RUN.value)
   print(f"checkpoint {step} of {run}, {_EPISODES.value} held-out seeds per task (the same at every budget)")
   print(format_budget_table(summaries))

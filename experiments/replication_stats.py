@@ -2,6 +2,7 @@ r"""Every interval of docs/replication.md rows 1-5, recomputed from the committe
 
   python -m experiments.replication_stats benchmarks/results/replication.json
   python -m experiments.replication_stats runs/replication/replication.json --reps 2000
+  python -m experiments.replication_stats benchmarks/results/quantized_serving.json --compare ppo_kl_int8:ppo_kl
 
 Prints per variant the IQM and mean held-out success with 95 % stratified bootstrap CIs, each
 comparison's paired difference with its CI and probability of improvement (rliable; see
@@ -16,6 +17,8 @@ from absl import app, flags
 from tars_jax.analysis import replication as R
 
 _REPS = flags.DEFINE_integer("reps", 10_000, "Bootstrap resamples.")
+_COMPARE = flags.DEFINE_list("compare", None, "x:y pairs of variants to compare (paired x - y) instead of "
+                             "docs/replication.md's comparisons.")
 
 
 def main(argv):
@@ -23,7 +26,12 @@ def main(argv):
     raise app.UsageError("usage: python -m experiments.replication_stats <replication.json>")
   rows = R.load_rows(argv[1])
   print(f"{argv[1]}: {len(rows)} rows; training seeds per variant: {R.runs_per_variant(rows)}\n")
-  print(R.report(rows, reps=_REPS.value))
+  comparisons = R.COMPARISONS
+  if _COMPARE.value:
+    if not all(p.count(":") == 1 for p in _COMPARE.value):
+      raise app.UsageError(f"--compare takes x:y pairs, got {_COMPARE.value}")
+    comparisons = [("-", *p.split(":"), "as asked") for p in _COMPARE.value]
+  print(R.report(rows, reps=_REPS.value, comparisons=comparisons))
   print("\n| variant | task | mean success over seeds | std | seeds |\n|---|---|---|---|---|")
   for v in R.runs_per_variant(rows):
     for task, (m, s, n) in R.per_task(rows, v).items():

@@ -156,9 +156,10 @@ COMPARISONS = (
 )
 
 
-def report(rows: Sequence[dict], reps: int = 10_000) -> str:
-  """Markdown: per-variant IQM / mean with CIs, then each comparison of COMPARISONS whose variants have
-  >= MIN_SEEDS shared seeds (the others are listed as not run, never given an interval)."""
+def report(rows: Sequence[dict], reps: int = 10_000, comparisons: Sequence[tuple] = COMPARISONS) -> str:
+  """Markdown: per-variant IQM / mean with CIs, then each comparison (row, x, y, claim) of `comparisons`
+  whose variants have >= MIN_SEEDS shared seeds (the others are listed as not run, never given an
+  interval)."""
   lines = ["| variant | runs (seeds) | IQM [95% CI] | mean [95% CI] |", "|---|---|---|---|"]
   counts = runs_per_variant(rows)
   for v, n in counts.items():
@@ -170,7 +171,7 @@ def report(rows: Sequence[dict], reps: int = 10_000) -> str:
                  f"{a['mean']:.3f} [{a['mean_lo']:.3f}, {a['mean_hi']:.3f}] |")
   lines += ["", "| row | comparison | seeds | mean difference [95% CI] | P(improvement) [95% CI] | verdict |",
             "|---|---|---|---|---|---|"]
-  for row, x, y, claim in COMPARISONS:
+  for row, x, y, claim in comparisons:
     if x not in counts or y not in counts:
       lines.append(f"| {row} | {x} vs {y} ({claim}) | - | not run | - | not measured |")
       continue

@@ -41,7 +41,7 @@ from tars_jax.agent.trajectory import Episode
 from tars_jax.analysis.game_scores import format_games, game_episode_records, game_scores, summarize_with_games
 from tars_jax.models.inference import quant
 from tars_jax.rollout.agent_loop import ActFn
-from tars_jax.rollout.evaluation import eval_jobs, format_table, resolve_run
+from tars_jax.rollout.evaluation import eval_jobs, format_table, play_sessions, resolve_run
 from tars_jax.rollout.step_budget import (budget_loop_cfgs, budgets_json, format_budget_table, parse_budgets,
                                           play_budgets, plot_budgets)
 from tars_jax.train import checkpoint as ckpt
@@ -84,7 +84,8 @@ def evaluate(run: str, tasks: list[str] | None, episodes: int, step: int | None 
   `quantize`: the sampler's serving weights (a `quant.MODES` name, or "none" for float; default the
   run's config.sampling.quantize; report section 3, quantised serving).
   `inference`: the URL of an `experiments/serve.py` process of the same model that samples instead of
-  this process; it is sent the evaluated weights (it serves them afterwards: do not share it with a
+  this process, each episode one session there (`evaluation.play_sessions`, multi-turn KV reuse); it
+  is sent the evaluated weights (it serves them afterwards: do not share it with a
   running trainer).
 
   Episodes lost on every attempt (the sandbox went away: `rollout.agent_loop.run_episodes`) are not
@@ -140,14 +141,17 @@ def evaluate_budgets(run: str, tasks: list[str] | None, episodes: int, budgets: 
   remote = parts.remote_policy(params, step or 0, url=inference) if inference else None
 
   def act_for(budget: int) -> ActFn:  # image slots: the config's (as in training), or more for a longer budget
-    if remote is not None:  # the server's image slots are its config's env.max_turns
-      return remote.act
     return dataclasses.replace(policy, max_images=max(budget, policy.max_images)).act
 
   try:
     with env_fleet(config.env, urls=servers or ()) as (loop, clients):
-      results = play_budgets(loop, act_for, clients, jobs, parts.eval_loop_cfg, parts.tokenizer, budgets,
-                             sessions=sessions, version=step, progress="eval")
+      if remote is not None:  # each episode one session on the server: its later turns reuse its KV cache
+        results = {b: play_sessions(loop, remote, clients, jobs, cfg, parts.tokenizer, sessions=sessions, version=step,
+                                    progress=f"eval max_turns={b}")
+                   for b, cfg in budget_loop_cfgs(parts.eval_loop_cfg, budgets).items()}
+      else:
+        results = play_budgets(loop, act_for, clients, jobs, parts.eval_loop_cfg, parts.tokenizer, budgets,
+                               sessions=sessions, version=step, progress="eval")
   finally:
     if remote is not None:
       remote.close()

@@ -106,8 +106,12 @@ def generate_stage(config, root: str, t: int, policy_run: str) -> fw_lib.Iterati
     remote = parts.remote_policy(state["policy"], t - 1) if config.rollout.inference else None
     try:
       with env_fleet(config.env) as (loop, clients):
-        eps = evaluation.play(loop, remote.act if remote else pol.act, clients, jobs, parts.loop_cfg,
-                              parts.tokenizer, sessions=n, version=t - 1, progress="flywheel samples")
+        if remote is not None:  # each sample one session on the server (multi-turn KV reuse)
+          eps = evaluation.play_sessions(loop, remote, clients, jobs, parts.loop_cfg, parts.tokenizer, sessions=n,
+                                         version=t - 1, progress="flywheel samples")
+        else:
+          eps = evaluation.play(loop, pol.act, clients, jobs, parts.loop_cfg, parts.tokenizer, sessions=n,
+                                version=t - 1, progress="flywheel samples")
     finally:
       if remote is not None:
         remote.close()

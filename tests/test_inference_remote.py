@@ -251,6 +251,8 @@ def test_the_flywheel_and_value_pretraining_sample_through_a_separate_server(tmp
     assert counts["generated"] == counts["v1"] + counts["v0"] + counts["lost"] == 8
     served = httpx.get(url + "/health").json()
     assert served["version"] == 0 and served["requests"] >= 8  # every sample's turns were sampled there
+    # one session per sample: a second turn (random policy, 2 turns: most samples) ran only its new tokens
+    assert 1 <= served["reused"] <= served["requests"] - 8
 
     vpt_dir = tmp_path / "vpt"
     p = subprocess.run([sys.executable, "-m", "experiments.value_pretrain", "--config",

@@ -150,7 +150,7 @@ def make_app(service, restore_params=None, model_id: str = "", token: str | None
   async def health():
     s = service.stats
     return {"version": service.version, "model": model_id, "slots": service.n_slots, "occupancy": s.occupancy,
-            "requests": s.requests, "steps": s.steps}
+            "requests": s.requests, "steps": s.steps, "reused": s.reused}
 
   return app
 

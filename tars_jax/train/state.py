@@ -169,6 +169,7 @@ class Parts:
     `rollout.inference_timeout_s` seconds), ModelMismatch."""
     from tars_jax.rollout.inference_remote import RemoteInference  # httpx / FastAPI only when asked for
     c = self.config
+    # .get: the config.json of a run made before the field (eval reads it); 120 s = miniwob_ppo.py's
     remote = RemoteInference(url or c.rollout.inference, timeout_s=c.rollout.get("inference_timeout_s", 120.0),
                              expect_model=self.served_model_id())
     try:

@@ -41,7 +41,7 @@ from tars_jax.agent.trajectory import Episode
 from tars_jax.analysis.game_scores import format_games, game_episode_records, game_scores, summarize_with_games
 from tars_jax.models.inference import quant
 from tars_jax.rollout.agent_loop import ActFn
-from tars_jax.rollout.evaluation import eval_jobs, format_table, play_sessions, resolve_run
+from tars_jax.rollout.evaluation import eval_jobs, format_table, resolve_run
 from tars_jax.rollout.step_budget import (budget_loop_cfgs, budgets_json, format_budget_table, parse_budgets,
                                           play_budgets, plot_budgets)
 from tars_jax.train import checkpoint as ckpt
@@ -145,13 +145,9 @@ def evaluate_budgets(run: str, tasks: list[str] | None, episodes: int, budgets: 
 
   try:
     with env_fleet(config.env, urls=servers or ()) as (loop, clients):
-      if remote is not None:  # each episode one session on the server: its later turns reuse its KV cache
-        results = {b: play_sessions(loop, remote, clients, jobs, cfg, parts.tokenizer, sessions=sessions, version=step,
-                                    progress=f"eval max_turns={b}")
-                   for b, cfg in budget_loop_cfgs(parts.eval_loop_cfg, budgets).items()}
-      else:
-        results = play_budgets(loop, act_for, clients, jobs, parts.eval_loop_cfg, parts.tokenizer, budgets,
-                               sessions=sessions, version=step, progress="eval")
+      # with a server, each episode is one session there: its later turns reuse its KV cache
+      results = play_budgets(loop, act_for, clients, jobs, parts.eval_loop_cfg, parts.tokenizer, budgets,
+                             sessions=sessions, version=step, progress="eval", service=remote)
   finally:
     if remote is not None:
       remote.close()

@@ -24,6 +24,7 @@ played with its own step budget (`verticals.MAX_TURNS`) whichever model plays it
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -75,7 +76,7 @@ def main(argv):
   # its later turns only their new tokens (multi-turn KV reuse; GUI-Browsing's episodes run 14 turns).
   service = parts.inference_service(init["policy"], slots=sessions, seed=config.seed + 7,
                                     max_turns=max(V.MAX_TURNS[s] for s in sets))
-  version = iter(range(1, 1 << 30))
+  version = itertools.count(1)
 
   def evaluate(path: str, episodes: int, seed_offset: int, data_mode: str) -> tuple[dict, dict]:
     """({set: score}, {task: summary}) of the policy of run `path`, `episodes` per set."""

@@ -106,8 +106,7 @@ def main(argv):
   # Several processes share one service: process 0 pushes, the others wait for it and read the version.
   remote = None
   if config.rollout.inference:
-    remote = RemoteInference(config.rollout.inference, timeout_s=config.rollout.inference_timeout_s,
-                             expect_model=parts.served_model_id())
+    remote = parts.remote_client()
     push_weights(remote, policy.params, start_iter, reset=True)
     print(f"[train] policy served by {config.rollout.inference} (weights version {start_iter} pushed)")
   act = remote.act if remote is not None else policy.act

@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 from tars_jax.agent.trajectory import Episode
 from tars_jax.rollout.agent_loop import ActFn
 from tars_jax.rollout.episode import LoopConfig
-from tars_jax.rollout.evaluation import play
+from tars_jax.rollout.evaluation import play, play_sessions
 
 
 def parse_budgets(values: Sequence[str | int] | None) -> list[int] | None:
@@ -42,18 +42,25 @@ def budget_loop_cfgs(loop_cfg: LoopConfig, budgets: Sequence[int]) -> dict[int, 
   return {b: dataclasses.replace(loop_cfg, max_turns=b) for b in budgets}
 
 
-def play_budgets(loop, act_for: Callable[[int], ActFn], clients, jobs: Sequence[tuple[str, int]],
+def play_budgets(loop, act_for: Callable[[int], ActFn] | None, clients, jobs: Sequence[tuple[str, int]],
                  loop_cfg: LoopConfig, tok, budgets: Sequence[int], sessions: int, version: int,
-                 progress: str | None = None) -> dict[int, list[Episode]]:
+                 progress: str | None = None, service=None) -> dict[int, list[Episode]]:
   """{budget: the episodes of `jobs`}: every (task, seed) of `jobs` played once per step budget
-  (turns per episode; loop configs from `budget_loop_cfgs`) through `evaluation.play`, the same
-  seeds at every budget, budgets in the given order. `act_for(budget)` is the policy's act for that
-  budget (a fresh sampler: the same keys at every budget; image slots for `budget` screenshots).
-  Raises: as `budget_loop_cfgs` and `evaluation.play`."""
+  (turns per episode; loop configs from `budget_loop_cfgs`), the same seeds at every budget, budgets
+  in the given order. Through `evaluation.play` with `act_for(budget)`, the policy's act for that
+  budget (a fresh sampler: the same keys at every budget; image slots for `budget` screenshots); or,
+  with `service` (an inference service, `act_for` unused), through `evaluation.play_sessions`: each
+  episode one session there (multi-turn KV reuse; the service's own keys).
+  Raises: as `budget_loop_cfgs` and `evaluation.play` / `play_sessions`."""
   cfgs = budget_loop_cfgs(loop_cfg, budgets)
-  return {b: play(loop, act_for(b), clients, jobs, cfg, tok, sessions=sessions, version=version,
-                  progress=progress and (f"{progress} max_turns={b}" if len(cfgs) > 1 else progress))
-          for b, cfg in cfgs.items()}
+  out = {}
+  for b, cfg in cfgs.items():
+    bar = progress and (f"{progress} max_turns={b}" if len(cfgs) > 1 else progress)
+    if service is not None:
+      out[b] = play_sessions(loop, service, clients, jobs, cfg, tok, sessions=sessions, version=version, progress=bar)
+    else:
+      out[b] = play(loop, act_for(b), clients, jobs, cfg, tok, sessions=sessions, version=version, progress=bar)
+  return out
 
 
 def format_budget_table(summaries: dict[int, dict]) -> str:

@@ -160,18 +160,22 @@ class Parts:
     constraints of `mesh` (a no-op context without a mesh)."""
     return sharding.activate(self.mesh, self.rules)
 
-  def remote_policy(self, params, version: int, url: str | None = None):
+  def remote_client(self, url: str | None = None):
     """A client (`inference_remote.RemoteInference`) of the `experiments/serve.py` service at `url`
-    (default `rollout.inference`), checked to serve this model (`served_model_id`), with `params` pushed
-    as weights `version` (reset: the service may hold a later version). Its `act` replaces
-    `batched_policy(...).act`; its sampling keys are the service's own, so episodes do not replay from
-    the seed. Close it when done. Raises: InferenceUnavailable (unreachable for
-    `rollout.inference_timeout_s` seconds), ModelMismatch."""
+    (default `rollout.inference`), checked to serve this model (`served_model_id`), waiting at most
+    `rollout.inference_timeout_s` per call. Close it when done. Raises: InferenceUnavailable,
+    ModelMismatch."""
     from tars_jax.rollout.inference_remote import RemoteInference  # httpx / FastAPI only when asked for
     c = self.config
     # .get: the config.json of a run made before the field (eval reads it); 120 s = miniwob_ppo.py's
-    remote = RemoteInference(url or c.rollout.inference, timeout_s=c.rollout.get("inference_timeout_s", 120.0),
-                             expect_model=self.served_model_id())
+    return RemoteInference(url or c.rollout.inference, timeout_s=c.rollout.get("inference_timeout_s", 120.0),
+                           expect_model=self.served_model_id())
+
+  def remote_policy(self, params, version: int, url: str | None = None):
+    """`remote_client(url)` with `params` pushed as weights `version` (reset: the service may hold a
+    later version): one process's policy on the service. Its sampling keys are the service's own, so
+    episodes do not replay from the seed. Raises: as `remote_client`."""
+    remote = self.remote_client(url)
     try:
       remote.set_params(params, version, reset=True)
     except BaseException:

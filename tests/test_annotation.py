@@ -145,10 +145,13 @@ def test_annotators_decisions_and_faults_through_the_api(server, tiny_run):
   r = _api(url, "POST", f"/api/sessions/{a['id']}/decide", {"turn": 0, "action": "type", "content": "x"})
   assert r.status_code == 422 and "grammar does not accept" in r.json()["reason"]  # clicks only here
   assert _api(url, "GET", f"/api/sessions/{a['id']}").json()["history"] == []
-  # two submissions for the same turn: one runs, the other is told the turn moved on
+  # two submissions for the same turn: one runs, the other is told the turn moved on. Both accept a
+  # candidate whose click misses the button, so the episode goes on (a hit would end it as complete)
+  box = _button_box(sandbox, a["sandbox_session"])
+  k = next(i for i, c in enumerate(a["candidates"]) if c["click"] and not _inside(c["click"], box, a["screen_wh"]))
   with concurrent.futures.ThreadPoolExecutor(2) as ex:
     rs = [f.result() for f in [ex.submit(_api, url, "POST", f"/api/sessions/{a['id']}/decide",
-                                         {"turn": 0, "accept": k}) for k in (0, 1)]]
+                                         {"turn": 0, "accept": k}) for _ in range(2)]]
   assert sorted(r.status_code for r in rs) == [200, 409]
   moved = next(r for r in rs if r.status_code == 409).json()
   assert moved["error"] == "TurnMovedOn" and "turn 0 is not waiting" in moved["reason"]
@@ -168,7 +171,7 @@ def test_annotators_decisions_and_faults_through_the_api(server, tiny_run):
   ep, prov = by_annotator["alice"]
   assert prov["source"] == "annotation" and prov["extra"]["complete"] is False and len(ep.turns) == 1
   t0 = prov["extra"]["turns"][0]
-  assert t0["overridden"] is False and t0["accepted"] in (0, 1) and len(t0["candidates"]) == 4
+  assert t0["overridden"] is False and t0["accepted"] == k and len(t0["candidates"]) == 4
   assert ep.turns[0].text == t0["candidates"][t0["accepted"]]["text"]
   assert by_annotator["bob"][1]["extra"]["recovered"] == 1
   # a newer policy (here the same run, re-read) and its queue: the run's newest checkpoint and eval JSON

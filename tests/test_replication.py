@@ -133,8 +133,13 @@ def test_replication_config_variants_differ_in_one_knob():
   assert len([t for t in cfg_mod.TASKS]) >= 3 and base.final_eval_episodes >= 100
   for v in cfg_mod.VARIANTS:
     c = cfg_mod.get_config(v)
-    assert (c.tasks, c.iterations, c.env.num_sessions, c.model, c.seed) == (
-        base.tasks, base.iterations, base.env.num_sessions, base.model, base.seed)
+    assert (c.tasks, c.env.num_sessions, c.model, c.seed) == (base.tasks, base.env.num_sessions, base.model,
+                                                               base.seed)
+    assert c.iterations == base.iterations or v == "ppo_kl_1ep"
+  # the one budget-allocation variant: more iterations, fewer epochs, no more updates than ppo_kl
+  one, kl = cfg_mod.get_config("ppo_kl_1ep"), cfg_mod.get_config("ppo_kl")
+  assert one.rl.epochs == 1 and one.iterations > kl.iterations and one.rl.kl_coef == kl.rl.kl_coef
+  assert one.iterations * one.rl.epochs <= kl.iterations * kl.rl.epochs
   assert cfg_mod.get_config("grpo").rl.algo == "grpo" and not cfg_mod.get_config("grpo").vpt.enabled
   assert base.vpt.enabled and not cfg_mod.get_config("ppo_novpt").vpt.enabled
   assert (base.rl.lam_policy, base.rl.lam_critic) == (0.95, 1.0)

@@ -107,6 +107,7 @@ def main(argv):
   remote = None
   if config.rollout.inference:
     remote = parts.remote_client()
+    dist.on_peer_failure(remote.probe)  # a peer stopped by the service: every process names its URL
     push_weights(remote, policy.params, start_iter, reset=True)
     print(f"[train] policy served by {config.rollout.inference} (weights version {start_iter} pushed)")
   act = remote.act if remote is not None else policy.act

@@ -48,6 +48,8 @@ from jax.experimental import multihost_utils
 
 EXIT_PEER_FAILED = 75  # exit status of a process that stops because a peer died (EX_TEMPFAIL: re-run resumes)
 _HEARTBEAT_S = [100.0]  # heartbeat timeout of the running job (set by `initialize`), for `fail_fast`
+# What `fail_fast` asks when a collective lost a peer: the shared services that may have failed it
+_PROBES: list[Callable[[], BaseException | None]] = []
 
 
 class PeerFailure(RuntimeError):
@@ -279,12 +281,22 @@ def _looks_like_peer_failure(exc: BaseException) -> bool:
       s in text for s in ("Gloo", "gloo", "Connection closed", "coordination service", "heartbeat"))
 
 
+def on_peer_failure(probe: Callable[[], BaseException | None]) -> None:
+  """Registers `probe` (returns the error of a shared service this process uses, e.g.
+  `RemoteInference.probe`, or None when it answers; must return within seconds) for `fail_fast`: a
+  peer that stopped because that service failed is then reported by the service's error, on every
+  process, not as an anonymous dead peer."""
+  _PROBES.append(probe)
+
+
 def fail_fast(fn: Callable) -> Callable:
   """`fn` wrapped for multi-process runs: an exception in a run of more than one process ends this
   process at once (`os._exit`: JAX's shutdown barrier would hold it while its peers wait in a
-  collective). If the exception looks like a collective that lost a peer, the dead process ids are
-  asked of the coordination service (waiting up to `distributed.heartbeat_timeout_s` + 30 s) and printed as a
-  `PeerFailure`, exit status `EXIT_PEER_FAILED`; otherwise the traceback is printed, exit status 1.
+  collective). If the exception looks like a collective that lost a peer, the probes registered with
+  `on_peer_failure` run first: the first error one returns is printed as the cause (exit status 1, as
+  on the peer that met it); if none does, the dead process ids are asked of the coordination service
+  (waiting up to `distributed.heartbeat_timeout_s` + 30 s) and printed as a `PeerFailure`, exit status
+  `EXIT_PEER_FAILED`. Any other exception: the traceback is printed, exit status 1.
   One process: `fn` unchanged in behaviour (exceptions propagate)."""
 
   @functools.wraps(fn)
@@ -299,6 +311,11 @@ def fail_fast(fn: Callable) -> Callable:
         print(f"[distributed] process {me} of {total}: a collective failed ({type(e).__name__}: "
               f"{str(e).splitlines()[0][:300]}); asking the coordination service which process died",
               file=sys.stderr, flush=True)
+        cause = next((c for c in (probe() for probe in _PROBES) if c is not None), None)
+        if cause is not None:
+          print(f"[distributed] process {me} of {total}: the shared service failed: {type(cause).__name__}: "
+                f"{cause}", file=sys.stderr, flush=True)
+          os._exit(1)
         dead = dead_processes(_HEARTBEAT_S[0] + 30)
         print(f"[distributed] {PeerFailure(dead or [], me, total, 'collective failed')}", file=sys.stderr,
               flush=True)
@@ -325,7 +342,7 @@ class NullWriter:
     pass
 
 
-__all__ = ["EXIT_PEER_FAILED", "PeerFailure", "initialize", "is_multi", "is_main", "default_mesh",
+__all__ = ["EXIT_PEER_FAILED", "PeerFailure", "initialize", "on_peer_failure", "is_multi", "is_main", "default_mesh",
            "process_seed", "share", "share_size", "server_share", "allgather_list", "barrier", "merge_counters",
            "to_host", "local_replica", "global_batch_from_local", "dead_processes", "fail_fast",
            "NullWriter"]

@@ -140,15 +140,18 @@ def test_remote_equals_in_process_and_swaps_weights(server, tmp_path):
 @pytest.mark.slow  # ~60 s: its own server process compiles the smoke model; real Chromium
 @pytest.mark.browser
 def test_a_dead_inference_server_stops_the_pool_as_an_inference_failure_not_a_lost_session():
-  """The pool's episodes meet a killed inference server: `take` raises InferenceUnavailable naming the
-  service at once; no sandbox session is counted lost or replayed, and every session the pool opened
+  """The pool's episodes meet a killed inference server: its probe names it, `take` raises
+  InferenceUnavailable naming the service at once; no sandbox session is counted lost or replayed, and every session the pool opened
   on the sandbox server is closed."""
   cfg = miniwob_ppo.get_config("smoke")
   parts = state_lib.build(cfg)
   proc, url = _start_server(2)
   remote = RemoteInference(url, timeout_s=30)
+  assert remote.probe() is None  # what `distributed.fail_fast` asks a process whose peer stopped
   proc.kill()
   proc.wait(timeout=30)
+  cause = remote.probe(timeout_s=2.0)
+  assert isinstance(cause, InferenceUnavailable) and f"inference service at {url} unreachable" in str(cause)
 
   async def go(sandbox_url):
     async with SandboxClient(sandbox_url) as c:

@@ -219,6 +219,18 @@ class RemoteInference:
     except httpx.TransportError as e:
       raise self._unavailable(e) from e
 
+  def probe(self, timeout_s: float = 5.0) -> InferenceUnavailable | None:
+    """None if GET /health answers within `timeout_s` seconds, else the InferenceUnavailable naming
+    this client's URL (returned, not raised: for `distributed.on_peer_failure`, which asks what failed
+    when a collective lost a peer)."""
+    import httpx
+    try:
+      self._sync.get("/health", timeout=timeout_s).raise_for_status()
+      return None
+    except httpx.HTTPError as e:
+      return InferenceUnavailable(f"inference service at {self.url} unreachable or silent for {timeout_s} s: "
+                                  f"{type(e).__name__}: {e}")
+
   def _unavailable(self, e: BaseException) -> InferenceUnavailable:
     return InferenceUnavailable(f"inference service at {self.url} unreachable or silent for {self._timeout} s: "
                                 f"{type(e).__name__}: {e}")

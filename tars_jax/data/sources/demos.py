@@ -1,7 +1,8 @@
 """Expert demonstrations collected through the sandbox, in the policy's own trajectory format.
 
 An expert (`data/sources/experts.py`) plays an episode through the same protocol as the agent: every
-turn it reads the privileged view of its session (`SandboxClient.elements`, or `game_state` for games;
+turn it reads the privileged view of its session (`SandboxClient.elements`, `game_state` for games,
+`desktop_state` for the desktop and hybrid tasks;
 never part of the episode; a GUI-Browsing expert also knows its question's plan, `browse_expert.py`),
 decides a reply `Thought: …\\nAction: …` and sends it with `client.step`. The expert is another agent
 of the one episode loop (`rollout.episode.play` with an `ExpertAgent`), so the episode is exactly the
@@ -141,6 +142,8 @@ def write_demo(writer, episode: Episode, expert: E.Expert) -> None:
 async def _view(client: SandboxClient, sid: str, expert: E.Expert) -> Any:
   if expert.reads == "game_state":
     return await client.game_state(sid)
+  if expert.reads == "desktop_state":
+    return await client.desktop_state(sid)
   return await client.elements(sid)
 
 

@@ -246,3 +246,23 @@ def test_hybrid_experts_play_real_sessions_with_sdk_calls(desk):
 def test_download_expert_plays_a_real_session(desk):
   stats, _ = _collect(desk.url, [("hybrid/browser-download-total", 4)], ("run_command",))
   assert stats["hybrid/browser-download-total"].successes == 1
+
+
+def test_collect_keeps_within_the_servers_sessions():
+  """Three episodes at once on a desktop server of one session: `collect` holds them to its
+  `max_sessions` (health), so none is lost to ServerBusy replies using up its retries."""
+  with launch_server("envs_bridge.desktop.server", step_ms=300, lease_s=120.0, max_sessions=1) as one:
+    config = verticals.get_config("sft+smoke")
+    from tars_jax.train import state as state_lib
+    spec = demos.DemoSpec.from_parts(state_lib.build(config))
+
+    async def go():
+      async with SandboxClient(one.url) as c:
+        caps = await demos.session_caps([c])
+        stats = await demos.collect([c], [("desktop/dialog-choose", s) for s in range(3)], spec, demos.MemoryWriter(),
+                                    concurrency=3, progress=False)
+        return caps, stats
+    caps, stats = asyncio.run(go())
+  assert [s._value for s in caps.values()] == [1]
+  st = stats["desktop/dialog-choose"]
+  assert (st.episodes, st.successes, st.lost) == (3, 3, 0)

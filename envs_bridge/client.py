@@ -146,6 +146,12 @@ class SandboxClient:
     typed session errors."""
     return (await self._call("GET", f"/debug/sessions/{session_id}/game_state"))["state"]
 
+  async def desktop_state(self, session_id: str) -> dict:
+    """DEBUG / EXPERTS ONLY: the privileged state of a desktop / hybrid session (`DesktopSandbox.debug_state`:
+    work, display, outputs, windows [{id, name, class, x, y, width, height, depth}] in screen pixels,
+    width, height, programs {label: argv}, evaluator, entries). Raises the typed session errors."""
+    return await self._call("GET", f"/debug/sessions/{session_id}/state")
+
   async def element_box(self, session_id: str, selector: str) -> dict | None:
     """DEBUG / TESTS ONLY: {x, y, width, height} px of the first element matching `selector`."""
     return (await self._call("GET", f"/debug/sessions/{session_id}/element_box",

@@ -173,6 +173,9 @@ def test_vertical_configs_share_what_merging_and_cross_evaluation_need():
   longest = max(len(q.answer.encode()) for fam in ("multi-hop", "multi-condition") for split in ("train", "test")
                 for q in suite.split(fam, split))
   assert longest <= base.grammar.max_content_bytes
-  assert not any(t in verticals.DESKTOP for t in cfgs["sft"].data.demo_tasks)  # no desktop expert
+  # every task has an expert: the shared SFT data holds desktop demonstrations (GUI-General) too
+  assert tuple(cfgs["sft"].data.demo_tasks) == tuple(cfgs["sft"].tasks)
+  assert set(verticals.DESKTOP) <= set(cfgs["general"].data.demo_tasks)
+  assert not any(t in verticals.DESKTOP for t in verticals.get_config("sft+smoke").data.demo_tasks)  # smoke: cheap
   # every action the experts write: the games' reference players click, drag and press keys
   assert {"click", "drag", "type", "hotkey", "finished"} <= set(base.grammar.actions)

@@ -10,7 +10,8 @@ commands); with one, every route but /health needs `Authorization: Bearer <token
 Same calls, observation and typed errors as `envs_bridge/protocol.py` (so `SandboxClient`, the
 trainer and the evaluator use it unchanged, e.g. `launch_server("envs_bridge.desktop.server")`).
 Additions: `info.tool_output` / `info.tool_error` after SDK actions, `info.gui_only`,
-`info.mcp_servers`; `GET /debug/sessions/{id}/state` (tests only: session directory, window tree).
+`info.mcp_servers`; `GET /debug/sessions/{id}/state` (tests and experts only: session directory, window
+tree, screen size, the task's programs and check; `SandboxClient.desktop_state`).
 `--step-ms` is real time here: the wait after each action before the check and the screenshot.
 """
 
@@ -55,7 +56,8 @@ def create_app(step_ms: int = 300, lease_s: float = 300.0, max_sessions: int = 8
 
   @app.get("/debug/sessions/{sid}/state", tags=["debug"])
   async def debug_state(sid: str):
-    """DEBUG / TESTS ONLY: session directory, captured program outputs, window tree with geometry."""
+    """DEBUG / TESTS / EXPERTS ONLY: session directory, captured program outputs, window tree with
+    geometry, screen size, the task's programs and evaluator, the directory's entries."""
     return await sandbox.debug_state(sid)
 
   return app

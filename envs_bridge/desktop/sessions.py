@@ -294,11 +294,21 @@ class DesktopSandbox:
       await self._teardown(s)
 
   async def debug_state(self, sid: str) -> dict:
-    """TESTS / DEBUGGING ONLY: the session directory, captured outputs and the window tree."""
+    """TESTS / EXPERTS / DEBUGGING ONLY (never shown to the agent): the session directory `work`, the
+    display name, captured program `outputs` {label: text}, the `windows` tree (`XDisplay.windows`,
+    pixels), the screen `width` / `height` (pixels), the task's `programs` {label: argv}, its
+    `evaluator` (the check, with the expected value) and `entries` (sorted names in `work`)."""
     s = self._get(sid)
     async with s.lock:
       wins = await asyncio.to_thread(s.display.windows)
-      return {"work": s.work, "display": s.display.name, "outputs": dict(s.outputs), "windows": wins}
+      try:
+        entries = sorted(os.listdir(s.work))
+      except OSError:
+        entries = []
+      return {"work": s.work, "display": s.display.name, "outputs": dict(s.outputs), "windows": wins,
+              "width": self.width, "height": self.height,
+              "programs": {p.label: list(p.argv) for p in s.spec.programs}, "evaluator": s.spec.evaluator,
+              "entries": entries}
 
   # -- internals --------------------------------------------------------------------------------
   async def _observation(self, s: Session, reward: float, info: dict) -> P.Observation:

@@ -20,9 +20,10 @@ The task sets (`VERTICALS`):
 
 Every vertical shares the model, grammar (the union of the sets' actions), system prompt and image
 size of the main job's model (experiments/configs/miniwob_pipeline.py): merging needs one parameter
-structure, and each vertical is evaluated on the other verticals' tasks. Demonstrations exist for the
-MiniWoB++ tasks, the games (reference players) and GUI-Browsing (the DOM-reading expert); the desktop
-tasks have no expert and are learnt, if at all, by RL.
+structure, and each vertical is evaluated on the other verticals' tasks. Every task has an expert whose
+successful episodes are the SFT data: the MiniWoB++ tasks and the desktop tasks (scripted experts reading
+the page's DOM / the desktop's window tree: tars_jax/data/sources/experts.py, desktop_experts.py), the
+games (reference players) and GUI-Browsing (the DOM-reading expert).
 
 Args: "sft" (the shared SFT stage: demonstrations and evaluation over all three sets), "browsing",
 "general", "game" (PPO of that vertical), "all" (evaluation over all three sets: the merge table);
@@ -80,12 +81,12 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.rl.truncation_reward = 0.0  # games pay when they end; a cut episode pays nothing (games.py)
   c.length_multiple = 128
 
-  # --- Demonstrations of every set's experts (the "sft" stage collects them) ------------------------
-  with_expert = tuple(t for t in tasks if t not in DESKTOP)
-  c.data.demo_tasks = with_expert
+  # --- Demonstrations of every set's experts (the "sft" stage collects them; the desktop ones through
+  # the desktop server's debug state, in the same clicks / typing / keys as the policy) ---------------
+  c.data.demo_tasks = tasks
   c.data.demo_seeds = 2 if smoke else 16
   c.data.demo_seeds_rl_tasks = 2 if smoke else 16
-  c.data.demo_seeds_by_task = () if smoke else tuple((t, 40) for t in BROWSING if t in with_expert)
+  c.data.demo_seeds_by_task = () if smoke else tuple((t, 40) for t in BROWSING if t in tasks)
   c.data.demo_max_turns = c.env.max_turns
 
   # --- The shared SFT stage: continues the main job's SFT policy on all three sets -------------------

@@ -1,7 +1,8 @@
 """Expert demonstrations collected through the sandbox, in the policy's own trajectory format.
 
 An expert (`data/sources/experts.py`) plays an episode through the same protocol as the agent: every
-turn it reads the privileged view of its session (`SandboxClient.elements`, or `game_state` for games;
+turn it reads the privileged view of its session (`SandboxClient.elements`, `game_state` for games,
+`desktop_state` for the desktop and hybrid tasks;
 never part of the episode; a GUI-Browsing expert also knows its question's plan, `browse_expert.py`),
 decides a reply `Thought: …\\nAction: …` and sends it with `client.step`. The expert is another agent
 of the one episode loop (`rollout.episode.play` with an `ExpertAgent`), so the episode is exactly the
@@ -21,6 +22,7 @@ episode the expert fails (or gives up on: `ExpertError`) is counted and dropped.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 from typing import Any, Sequence
@@ -141,6 +143,8 @@ def write_demo(writer, episode: Episode, expert: E.Expert) -> None:
 async def _view(client: SandboxClient, sid: str, expert: E.Expert) -> Any:
   if expert.reads == "game_state":
     return await client.game_state(sid)
+  if expert.reads == "desktop_state":
+    return await client.desktop_state(sid)
   return await client.elements(sid)
 
 
@@ -203,7 +207,9 @@ async def collect(clients: Sequence[SandboxClient], jobs: Sequence[tuple[str, in
   """Plays every (task, seed) job with its task's expert, `concurrency` episodes at a time spread
   round-robin over `clients`, and writes each successful episode as it ends (`write_demo`).
 
-  A session lost to a retryable error (`protocol.is_retryable`) is replayed from its seed up to
+  A server never gets more episodes at once than its `max_sessions` (its `/health`; `session_caps`): a
+  desktop server holds far fewer sessions than a browser one, and ServerBusy replies would use up the
+  retries. A session lost to a retryable error (`protocol.is_retryable`) is replayed from its seed up to
   `spec.loop.max_retries` times, then counted as lost. Returns {task: TaskStats}.
   Raises: KeyError (a task without an expert), ReplyNotInGrammar, non-retryable sandbox errors.
   """
@@ -211,6 +217,7 @@ async def collect(clients: Sequence[SandboxClient], jobs: Sequence[tuple[str, in
   chosen = {t: E.expert_for(t, table) for t in dict.fromkeys(t for t, _ in jobs)}
   stats = {t: TaskStats(t, ex.name) for t, ex in chosen.items()}
   sem = asyncio.Semaphore(concurrency)
+  caps = await session_caps(clients)
   bar = tqdm(total=len(jobs), desc="expert episodes", unit="ep", disable=not progress)
 
   def record(task: str, seed: int, res) -> None:
@@ -235,10 +242,14 @@ async def collect(clients: Sequence[SandboxClient], jobs: Sequence[tuple[str, in
       stats[task].inexpressible += 1
       bar.update(1)
       return
+    async def attempt(a: int):
+      client = client_for(clients, task, k + a)
+      async with caps.get(id(client)) or contextlib.nullcontext():
+        return await play(client, task, seed, spec, chosen[task])
+
     async with sem:
-      res = await episode_lib.with_retries(
-          lambda attempt: play(client_for(clients, task, k + attempt), task, seed, spec, chosen[task]),
-          retries=spec.loop.max_retries, what=f"expert episode {task}/{seed}")
+      res = await episode_lib.with_retries(attempt, retries=spec.loop.max_retries,
+                                           what=f"expert episode {task}/{seed}")
       # Written as each episode ends (in completion order): nothing piles up in memory.
       record(task, seed, res)
       bar.update(1)
@@ -248,6 +259,20 @@ async def collect(clients: Sequence[SandboxClient], jobs: Sequence[tuple[str, in
   finally:
     bar.close()
   return stats
+
+
+async def session_caps(clients: Sequence[SandboxClient]) -> dict[int, asyncio.Semaphore]:
+  """{id(client): Semaphore(max_sessions)} for the clients whose server's `/health` reports
+  `max_sessions`; a client whose health cannot be read (or lacks it) gets no cap."""
+  caps = {}
+  for c in clients:
+    try:
+      n = (await c.health()).get("max_sessions")
+    except Exception:  # an unreachable server fails its episodes with their own typed errors
+      continue
+    if isinstance(n, int) and n > 0:
+      caps[id(c)] = asyncio.Semaphore(n)
+  return caps
 
 
 def seeds_per_task(tasks, rl_tasks, *, seeds: int, rl_seeds: int, by_task=()) -> dict[str, int]:

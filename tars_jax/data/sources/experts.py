@@ -7,6 +7,8 @@ shown to the agent:
   MiniWoB++ tasks  the task area's visible elements, `SandboxClient.elements(sid)`: dicts {tag, id,
                    classes, type, text, value, checked, focused, leaf, x, y, width, height}, box in
                    pixels of the 160 x 210 screen;
+  desktop, hybrid  the desktop sandbox's debug state, `SandboxClient.desktop_state(sid)` (window tree,
+                   screen size, the task's programs and check), read by `desktop_experts.py`;
   games            the game's `GAME.debugState()`, `SandboxClient.game_state(sid)`, played by the
                    reference players of `envs_bridge/games/reference.py` (their actions re-written in
                    the policy's coordinate format), calling `finished()` on the last turn of the step
@@ -369,9 +371,10 @@ def game_expert(game: str) -> Callable:
 
 @dataclasses.dataclass(frozen=True)
 class Expert:
-  """One task's expert. reads: 'elements' (MiniWoB++ DOM), 'game_state' (a game's debugState) or
-  'browse' (the DOM plus the question's plan: the stateful `browse_expert.BrowseExpert`, made per
-  episode by `tars_jax/data/sources/demos.py`; `fn` is None)."""
+  """One task's expert. reads: 'elements' (MiniWoB++ DOM), 'game_state' (a game's debugState),
+  'desktop_state' (the desktop sandbox's debug state: `desktop_experts.py`) or 'browse' (the DOM plus
+  the question's plan: the stateful `browse_expert.BrowseExpert`, made per episode by
+  `tars_jax/data/sources/demos.py`; `fn` is None)."""
 
   name: str
   reads: str
@@ -387,13 +390,17 @@ def _game_names() -> tuple[str, ...]:
 def _all_experts() -> tuple[tuple[str, Expert], ...]:
   out = {t: Expert(f"scripted/{t.split('/', 1)[1]}", "elements", f) for t, f in MINIWOB_EXPERTS.items()}
   out.update({f"games/{g}": Expert(f"reference/{g}", "game_state", game_expert(g)) for g in _game_names()})
+  from tars_jax.data.sources import desktop_experts  # local: it imports this module
+  out.update({t: Expert(f"scripted/{t.replace('/', '-')}", "desktop_state", f)
+              for t, f in desktop_experts.DESKTOP_EXPERTS.items()})
   from envs_bridge.browser import browse_tasks  # local: the table is built once, on first use
   out.update({t: Expert(f"scripted/{t.replace('/', '-')}", "browse", None) for t in browse_tasks.task_names()})
   return tuple(out.items())
 
 
 def experts() -> dict[str, Expert]:
-  """Every expert by task name ('miniwob/<task>', 'games/<game>', 'browse/<family>'); a fresh dict
+  """Every expert by task name ('miniwob/<task>', 'games/<game>', 'desktop/<task>', 'hybrid/<task>',
+  'browse/<family>'); a fresh dict
   (callers may edit it)."""
   return dict(_all_experts())
 
@@ -412,7 +419,9 @@ def decide(task: str, instruction: str, view: Any, turn: int, *, coord_format: s
   """The expert's next reply on `task`: (thought, action text).
 
   Args:
-    view: the elements list (MiniWoB++) or the game state dict (games), see the module docstring.
+    view: the elements list (MiniWoB++), the game state dict (games) or the desktop sandbox's debug
+      state (desktop / hybrid: clicks are rendered on its `width` x `height` screen), see the module
+      docstring.
     turn: 0-based turn index of the episode. max_turns: the step budget (games stop on its last turn).
     coord_format: how the action writes coordinates ('int', 'fixed3', 'tens3').
     thoughts: False gives an empty thought.
@@ -425,8 +434,11 @@ def decide(task: str, instruction: str, view: Any, turn: int, *, coord_format: s
   ex = expert or expert_for(task)
   if ex.reads == "browse":
     raise ValueError(f"{task}: the browse expert is stateful; play it per episode (tars_jax/data/sources/demos.py)")
+  size = (WIDTH, HEIGHT)
   if ex.reads == "game_state":
     thought, action = ex.fn(instruction, view, turn, max_turns)
   else:
     thought, action = ex.fn(instruction, view, turn)
-  return (clean_thought(thought) if thoughts else ""), render(action, coord_format)
+    if ex.reads == "desktop_state":
+      size = (view["width"], view["height"])
+  return (clean_thought(thought) if thoughts else ""), render(action, coord_format, *size)

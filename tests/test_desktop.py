@@ -271,3 +271,45 @@ def test_a_dead_display_is_session_lost_and_the_sandbox_lives_on():
       await sb.stop()
   other, lost = asyncio.run(go())
   assert lost == 1 and other.image().shape == (H, W, 3) and other.info["error"] is None
+
+
+_RACER = """
+import os, sys
+from envs_bridge.desktop.xserver import XDisplay
+from Xlib import display
+x = XDisplay(width=int(sys.argv[1]))
+os.environ.update(x.env())
+d = display.Display(x.name)  # connects: the server listens when XDisplay returns
+print("READY", x.name, d.screen().width_in_pixels, flush=True)
+d.close()
+sys.stdin.readline()
+x.close()
+"""
+
+
+def _ready_line(proc) -> list[str]:
+  for line in proc.stdout:
+    if line.startswith("READY "):
+      return line.split()[1:]
+  return []
+
+
+def test_processes_starting_displays_at_once_each_get_their_own_ready_server():
+  """Six processes start an Xvfb each at the same moment (every search starts at :0), each of its own
+  screen width: each ends on a distinct display, accepting connections when XDisplay returns, and the
+  server it reaches there is its own (its screen width). Choosing the number in Python and waiting for
+  the socket file gave two of six processes one display when their searches started together."""
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  widths = [W + 8 * i for i in range(6)]
+  procs = [subprocess.Popen([sys.executable, "-c", _RACER, str(w)], cwd=root, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=root)) for w in widths]
+  try:
+    lines = [_ready_line(p) for p in procs]  # python-xlib warns on stdout about the empty Xauthority
+  finally:
+    outs = [p.communicate("\n", timeout=60) for p in procs]
+  assert all(p.returncode == 0 for p in procs), outs
+  assert len({name for name, _ in lines}) == len(widths), lines
+  assert [int(w) for _, w in lines] == widths

@@ -1,7 +1,7 @@
 """One Xvfb display and the X programs running on it (one per desktop session).
 
-Xvfb gets the first free display number from a random start above :100 (its lock file and
-socket tell which are taken), listens only on its Unix socket
+Xvfb picks the first display number it can bind and reports it, once ready, on `-displayfd`; it
+listens only on its Unix socket
 (`-nolisten tcp`), and runs in its own process group, as does every program started on it, so
 `close()` can kill each group whole. Screenshots are Pillow's `ImageGrab.grab(xdisplay=...)`.
 Without a window manager, X gives keyboard focus to the window under the pointer (PointerRoot),
@@ -12,45 +12,37 @@ from __future__ import annotations
 
 import io
 import os
-import random
+import select
 import shutil
 import signal
 import subprocess
-import threading
 import time
 
 from PIL import ImageGrab
 
 # python-xlib (used by PyAutoGUI) insists on an Xauthority file; Xvfb runs without access control
 # on its local socket, so an empty file is enough.
-_PICK_LOCK = threading.Lock()
 # Xvfb dies with the thread that started it (a server killed by SIGKILL cannot clean up; its X
 # programs then lose their display and exit too). setpriv is util-linux; skipped where missing.
 _PDEATHSIG = ["setpriv", "--pdeathsig", "KILL", "--"] if shutil.which("setpriv") else []
-_FIRST_DISPLAY = 100  # display numbers tried from here (plus a random offset): clear of :0 desktops
 XAUTH = os.path.join(os.environ.get("TMPDIR", "/tmp"), "tars-desktop-empty.Xauthority")
 
 
-def _display_taken(n: int) -> bool:
-  """True if a live X server holds display :n (its lock file names a running pid). A socket left by
-  a dead server is removed (the readiness check below looks for the socket)."""
-  try:
-    with open(f"/tmp/.X{n}-lock") as f:
-      os.kill(int(f.read().strip()), 0)
-    return True
-  except FileNotFoundError:
-    pass
-  except (ValueError, ProcessLookupError):
-    pass  # stale lock: Xvfb replaces it
-  except PermissionError:
-    return True  # alive, another user's
-  try:
-    os.unlink(f"/tmp/.X11-unix/X{n}")
-  except FileNotFoundError:
-    pass
-  except OSError:
-    return True
-  return False
+def _read_line(fd: int, deadline: float) -> str | None:
+  """What a process writes to the pipe `fd` up to its first newline (stripped); "" if the writer
+  closes it first (it exited); None if `deadline` (time.monotonic seconds) passes first."""
+  buf = b""
+  while not buf.endswith(b"\n"):
+    left = deadline - time.monotonic()
+    if left <= 0:
+      return None
+    if not select.select([fd], [], [], left)[0]:
+      continue
+    chunk = os.read(fd, 64)
+    if not chunk:
+      return ""
+    buf += chunk
+  return buf.decode(errors="replace").strip()
 
 
 class XServerError(RuntimeError):
@@ -76,29 +68,29 @@ class XDisplay:
     ensure_xauthority()
     self.width, self.height = width, height
     self.programs: list[subprocess.Popen] = []
-    deadline = time.monotonic() + start_timeout_s
-    with _PICK_LOCK:  # threads of one server never race for the same number
-      n = _FIRST_DISPLAY + random.randrange(400)
-      while True:
-        n += 1
-        if _display_taken(n):
-          continue
-        try:
-          self.proc = subprocess.Popen(
-              [*_PDEATHSIG, "Xvfb", f":{n}", "-screen", "0", f"{width}x{height}x24", "-nolisten", "tcp", "-noreset", "-nocursor"],
-              start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        except FileNotFoundError as e:
-          raise XServerError("Xvfb is not installed (Debian package xvfb; scripts/setup.sh)") from e
-        # Ready when its socket exists; an exit means another server took the number: try the next.
-        while self.proc.poll() is None and not os.path.exists(f"/tmp/.X11-unix/X{n}"):
-          if time.monotonic() > deadline:
-            self._kill(self.proc)
-            raise XServerError(f"Xvfb :{n} did not start within {start_timeout_s:g} s")
-          time.sleep(0.02)
-        if self.proc.poll() is None:
-          break
-        if time.monotonic() > deadline:
-          raise XServerError(f"no free X display found within {start_timeout_s:g} s")
+    # Xvfb picks the display itself (-displayfd): the first number whose socket it can bind, an
+    # atomic choice across threads and processes, written to the pipe once it accepts connections.
+    # (Choosing the number here and waiting for its socket file raced: a server of another process
+    # starting on the same number made the file while ours failed, and sessions met "Connection refused".)
+    r, w = os.pipe()
+    try:
+      self.proc = subprocess.Popen(
+          [*_PDEATHSIG, "Xvfb", "-displayfd", str(w), "-screen", "0", f"{width}x{height}x24", "-nolisten", "tcp",
+           "-noreset", "-nocursor"],
+          start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+          pass_fds=(w,))
+    except FileNotFoundError as e:
+      raise XServerError("Xvfb is not installed (Debian package xvfb; scripts/setup.sh)") from e
+    finally:
+      os.close(w)
+    try:
+      n = _read_line(r, time.monotonic() + start_timeout_s)
+    finally:
+      os.close(r)
+    if not (n or "").isdigit():
+      self._kill(self.proc)
+      raise XServerError(f"Xvfb did not report a display within {start_timeout_s:g} s" if n is None else
+                         f"Xvfb exited before reporting a display (exit status {self.proc.poll()})")
     self.name = f":{n}"
 
   def env(self, **extra) -> dict:

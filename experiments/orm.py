@@ -149,8 +149,8 @@ def main(argv):
                            for i in range(0, len(sample), 64)] or [np.zeros(0, np.float32)])
 
   def evaluate(params, full: bool) -> dict[str, dict]:
-    """{row name: classification_metrics}: 'heldout' (and with full: per task, per source, 'train',
-    and the held-out rows of the length-only baseline, score = -turns)."""
+    """{row name: classification_metrics}: 'heldout' (and with full: per task, per source, 'train';
+    the held-out scores are kept in `final_scores` for `intervals`)."""
     t0 = time.time()
     rows = {}
     if held:

@@ -12,7 +12,10 @@ to `<run>/rollouts`; demonstrations) with its verifier label (`orm.verifier_labe
 positive environment return, or the record's provenance `extra["success"]`). Held out: the records of
 `orm.heldout`, or (when empty) the episodes of a fixed `orm.heldout_fraction` of the (task, seed)
 groups of `orm.data` (a group = one screen: GRPO's episodes of a screen, and runs sharing training
-seeds, stay on one side). Classes are balanced by sampling: every batch holds batch_size / 2
+seeds, stay on one side). `orm.balance = "length"` then subsamples each side alone so that within each
+(task, number of turns) stratum successes and failures are equally many (`orm.balance_by_length`, seeded
+by `seed`): the episode's length no longer gives its label away ("none": every episode kept).
+Classes are balanced by sampling: every batch holds batch_size / 2
 successes and failures drawn at random (with replacement) from the training episodes, from the key
 (seed, step), so a resumed run draws what an uninterrupted one would have.
 
@@ -23,7 +26,9 @@ P(yes) renormalised over the answers' first tokens (`orm.OrmScorer`).
 Every `orm.eval_every` steps and at the end: the held-out episodes (a fixed sample of
 `orm.eval_examples`) scored, precision / recall / F1 / false-positive rate at threshold 0.5 and
 AUROC in metrics.jsonl (`heldout/*`); at the end the table (all held-out, per task, per source, and
-a sample of the training episodes) is printed and written to `orm.json`.
+a sample of the training episodes) is printed and written to `orm.json`, with 95 % bootstrap intervals
+of the held-out rows (`orm.bootstrap_reps` replicates; (task, seed) groups resampled whole within each
+task) and the length-only baseline (the turn count as the score: AUROC 0.5 = no length shortcut).
 Re-running the same command resumes from the last complete checkpoint in `--workdir`. The checkpoint
 is a full train state (as SFT's), so `OrmScorer.from_run(workdir)` and `--config.policy.init` read it.
 Layout of the run dir: config.json, metrics.jsonl, tensorboard/, checkpoints/, orm.json.
@@ -94,6 +99,11 @@ def main(argv):
     held_ds = data
     out = [x for x in items if _group_hash(x) < o.heldout_fraction]
     train, held = [x for x in items if _group_hash(x) >= o.heldout_fraction], out
+  before = {"train": _per_task(train), "heldout": _per_task(held)}
+  if o.balance == "length":  # each side alone: the label independent of (task, turns) on both
+    train, held = orm_lib.balance_by_length(train, config.seed), orm_lib.balance_by_length(held, config.seed + 1)
+  elif o.balance != "none":
+    raise ValueError(f"orm.balance={o.balance!r}; expected one of {orm_lib.BALANCE}")
   pos = np.array([x["i"] for x in train if x["label"]], np.int64)
   neg = np.array([x["i"] for x in train if not x["label"]], np.int64)
   if not len(pos) or not len(neg):
@@ -104,14 +114,16 @@ def main(argv):
   pick = np.random.default_rng(1).permutation(len(train))[: o.eval_examples]
   train_sample = [train[i] for i in sorted(pick)]
   counts = {"train": {"episodes": len(train), "successes": int(len(pos))},
-            "heldout": {"episodes": len(held), "successes": sum(x["label"] for x in held)}}
+            "heldout": {"episodes": len(held), "successes": sum(x["label"] for x in held)},
+            "balance": o.balance, "before_balance": before,
+            "per_task": {"train": _per_task(train), "heldout": _per_task(held)}}
 
   state, start, _ = run.resume(state)
   mngr = run.mngr
   writer = run.writer(config, start)
   print(f"[orm] data: {', '.join(o.data)} | train: {counts['train']['episodes']} episodes "
         f"({counts['train']['successes']} successes, balanced by sampling) | held-out: "
-        f"{counts['heldout']['episodes']} ({counts['heldout']['successes']} successes) | "
+        f"{counts['heldout']['episodes']} ({counts['heldout']['successes']} successes) | balance {o.balance} | "
         f"last {settings.screenshots} screenshots, budget {settings.max_tokens or 'none'} tokens")
   step_fn = functools.partial(sft.train_step, graphdef=parts.policy_gd, opt=opt, inputs=parts.inputs,
                               aux_coef=r.aux_loss_coef)
@@ -137,7 +149,8 @@ def main(argv):
                            for i in range(0, len(sample), 64)] or [np.zeros(0, np.float32)])
 
   def evaluate(params, full: bool) -> dict[str, dict]:
-    """{row name: classification_metrics}: 'heldout' (and with full: per task, per source, 'train')."""
+    """{row name: classification_metrics}: 'heldout' (and with full: per task, per source, 'train';
+    the held-out scores are kept in `final_scores` for `intervals`)."""
     t0 = time.time()
     rows = {}
     if held:
@@ -145,6 +158,7 @@ def main(argv):
       y = np.array([x["label"] for x in held], bool)
       rows["heldout"] = orm_lib.classification_metrics(p, y)
       if full:
+        final_scores["p_yes"] = p
         for key in ("task", "source"):
           for v in sorted({x[key] for x in held}):
             sel = np.array([x[key] == v for x in held])
@@ -154,6 +168,25 @@ def main(argv):
                                                                [x["label"] for x in train_sample])
     guard.exclude(time.time() - t0)
     return rows
+
+  def intervals(p: np.ndarray) -> tuple[dict[str, dict], dict[str, dict]]:
+    """Bootstrap intervals of the held-out rows (the ORM's, and the length-only baseline's), resampling
+    (task, seed) groups whole within each task: ({row: {metric: (lo, hi)}}, {row: metrics} of the
+    baseline, which scores an episode -turns, so fewer turns = success; AUROC is its only meaningful
+    column)."""
+    y = np.array([x["label"] for x in held], bool)
+    task = np.array([x["task"] for x in held])
+    group = np.array([f"{x['task']}/{x['seed']}" for x in held])
+    length = -np.array([x["turns"] for x in held], np.float64)
+    cis, base = {}, {}
+    for name, sel in [("heldout", np.ones(len(held), bool))] + [(f"heldout task={v}", task == v)
+                                                               for v in sorted(set(task))]:
+      cis[name] = orm_lib.bootstrap_intervals(p[sel], y[sel], strata=task[sel], groups=group[sel],
+                                              reps=o.bootstrap_reps, seed=config.seed)
+      base[name] = orm_lib.classification_metrics(length[sel], y[sel])
+      cis[f"length baseline: {name}"] = orm_lib.bootstrap_intervals(
+          length[sel], y[sel], strata=task[sel], groups=group[sel], reps=o.bootstrap_reps, seed=config.seed)
+    return cis, base
 
   def flat(m: dict, prefix: str) -> dict[str, float]:
     return {f"{prefix}/{k}": v for k, v in m.items() if v is not None}
@@ -168,6 +201,7 @@ def main(argv):
   params, opt_state = state["policy"], state["policy_opt"]
   bar = tqdm(total=o.steps, initial=start, desc="orm", unit="step", dynamic_ncols=True)
   rows: dict = {}
+  final_scores: dict = {}
   try:
     if start == 0 and o.eval_every and held:  # the starting model, for the before / after comparison
       writer.write(0, flat(evaluate(params, full=False)["heldout"], "heldout"))
@@ -209,11 +243,19 @@ def main(argv):
     writer.close()
   print(f"[orm] step {step}: P(yes) > 0.5 = success; F1, precision, recall, FPR, accuracy in %")
   print(orm_lib.format_table(rows))
+  cis, base = {}, {}
+  if "p_yes" in final_scores and o.bootstrap_reps:
+    cis, base = intervals(final_scores["p_yes"])
+    both = dict(rows, **{f"length baseline: {k}": v for k, v in base.items()})
+    print(f"[orm] 95 % bootstrap intervals ({o.bootstrap_reps} replicates; (task, seed) groups resampled whole "
+          f"within each task); length baseline = the turn count alone (score -turns; AUROC 0.5 = no shortcut)")
+    print(orm_lib.format_interval_table(both, cis))
   summary = {"steps": step, "minutes": (time.time() - t_start) / 60, "threshold": 0.5, "data": counts,
              "settings": {"screenshots": settings.screenshots, "max_tokens": settings.max_tokens,
                           "question": settings.question, "answers": list(settings.answers),
                           "thoughts": settings.thoughts},
-             "metrics": rows, "final_train": last, "checkpoint": f"{mngr.directory}/{mngr.latest_step()}"}
+             "metrics": rows, "length_baseline": base, "intervals": cis, "bootstrap_reps": o.bootstrap_reps,
+             "final_train": last, "checkpoint": f"{mngr.directory}/{mngr.latest_step()}"}
   run.finish(summary)  # orm.json, done.json
   h = rows.get("heldout", {})
   print(f"[orm] done: {step} steps in {summary['minutes']:.1f} min | held-out F1 {100 * h.get('f1', 0):.1f} "
@@ -223,15 +265,24 @@ def main(argv):
 
 
 def _labelled(ds, what: str) -> list[dict]:
-  """One pass over a records dataset: [{"i": index, "label", "task", "seed", "source"}] of its
+  """One pass over a records dataset: [{"i": index, "label", "task", "seed", "source", "turns"}] of its
   episodes that were not lost (decodes every record once; the screenshots are not kept)."""
   out = []
   for i in tqdm(range(len(ds)), desc=f"labels ({what})", unit="ep", dynamic_ncols=True, leave=False):
     ep, prov = ds[i]
     if not ep.lost:
       out.append({"i": i, "label": orm_lib.verifier_label(ep, prov), "task": ep.task, "seed": int(ep.seed),
-                  "source": prov["source"]})
+                  "source": prov["source"], "turns": len(ep.turns)})
   return out
+
+
+def _per_task(items: list[dict]) -> dict[str, dict[str, int]]:
+  """{task: {"successes", "failures"}} of labelled items."""
+  out: dict[str, dict[str, int]] = {}
+  for x in items:
+    d = out.setdefault(x["task"], {"successes": 0, "failures": 0})
+    d["successes" if x["label"] else "failures"] += 1
+  return dict(sorted(out.items()))
 
 
 def _group_hash(x: dict) -> float:

@@ -234,6 +234,76 @@ def test_classification_metrics_match_hand_counts():
   assert "F1" in orm.format_table({"heldout": m})
 
 
+def _items():
+  """A hand-built list of labelled episodes: (task, turns) strata with 3 successes / 1 failure, 2 / 5,
+  4 / 0 (one class only), 2 / 2, across two tasks."""
+  spec = [("a", 1, 3, 1), ("a", 6, 2, 5), ("a", 3, 4, 0), ("b", 1, 2, 2)]
+  out = []
+  for task, turns, n_pos, n_neg in spec:
+    for label, n in ((True, n_pos), (False, n_neg)):
+      for _ in range(n):
+        out.append({"i": len(out), "task": task, "turns": turns, "label": label, "seed": 100 + len(out)})
+  order = np.random.default_rng(7).permutation(len(out))  # strata interleaved
+  return [out[j] for j in order]
+
+
+def test_balance_by_length_equalises_each_task_and_length_stratum():
+  items = _items()
+  kept = orm.balance_by_length(items, seed=0)
+  count = {}
+  for x in kept:
+    key = (x["task"], x["turns"])
+    count.setdefault(key, [0, 0])[int(x["label"])] += 1
+  # per stratum: min(successes, failures) of each; the one-class stratum dropped
+  assert count == {("a", 1): [1, 1], ("a", 6): [2, 2], ("b", 1): [2, 2]}
+  # nothing kept that wasn't there, nothing twice, the input's order kept
+  assert all(any(x is y for y in items) for x in kept)
+  assert len({x["i"] for x in kept}) == len(kept)
+  pos = [next(j for j, y in enumerate(items) if y is x) for x in kept]
+  assert pos == sorted(pos)
+  # the smaller side of a stratum is kept whole
+  assert {x["i"] for x in kept if x["task"] == "b"} == {x["i"] for x in items if x["task"] == "b"}
+  # deterministic in the seed; another seed draws another subsample of the larger sides
+  assert [x["i"] for x in orm.balance_by_length(items, seed=0)] == [x["i"] for x in kept]
+  draws = {tuple(x["i"] for x in orm.balance_by_length(items, seed=s)) for s in range(10)}
+  assert len(draws) > 1
+  # after balancing, the turn count alone does not predict the label (AUROC 0.5)
+  m = orm.classification_metrics([-x["turns"] for x in kept], [x["label"] for x in kept])
+  assert m["auroc"] == pytest.approx(0.5)
+  assert orm.classification_metrics([-x["turns"] for x in items], [x["label"] for x in items])["auroc"] != 0.5
+  assert orm.balance_by_length([], seed=0) == []
+
+
+def test_bootstrap_intervals_cover_the_estimate_and_resample_groups_whole():
+  rng = np.random.default_rng(0)
+  y = rng.random(200) < 0.4
+  p = np.clip(0.5 + 0.25 * (2 * y - 1) + 0.3 * rng.standard_normal(200), 0, 1)
+  point = orm.classification_metrics(p, y)
+  ci = orm.bootstrap_intervals(p, y, reps=500, seed=1)
+  assert set(ci) == set(orm.INTERVAL_METRICS)
+  for k, (lo, hi) in ci.items():
+    assert lo <= point[k] <= hi and lo < hi, k
+  assert ci == orm.bootstrap_intervals(p, y, reps=500, seed=1)  # deterministic in the seed
+  assert ci != orm.bootstrap_intervals(p, y, reps=500, seed=2)
+  # each episode copied 4 times into one group: resampling the groups whole gives the intervals of the
+  # original episodes (the metrics are ratios of counts); resampling the copies alone is too narrow
+  p4, y4, g4 = np.repeat(p, 4), np.repeat(y, 4), np.repeat(np.arange(200), 4)
+  grouped = orm.bootstrap_intervals(p4, y4, groups=g4, reps=500, seed=1)
+  for k in orm.INTERVAL_METRICS:
+    assert grouped[k] == pytest.approx(ci[k]), k
+  narrow = orm.bootstrap_intervals(p4, y4, reps=500, seed=1)
+  for k in orm.INTERVAL_METRICS:
+    assert narrow[k][1] - narrow[k][0] < ci[k][1] - ci[k][0], k
+  # stratified by the label: every replicate holds both classes in their counts (AUROC always defined)
+  strat = orm.bootstrap_intervals(p, y, strata=y, reps=200, seed=1)
+  assert strat["auroc"][0] <= point["auroc"] <= strat["auroc"][1]
+  # a perfect classifier: degenerate intervals at the point
+  perfect = orm.bootstrap_intervals(y.astype(float), y, strata=y, reps=50, seed=0)
+  assert perfect["f1"] == (1.0, 1.0) and perfect["false_positive_rate"] == (0.0, 0.0) and perfect["auroc"] == (1.0, 1.0)
+  rows = {"heldout": point}
+  assert "F1" in orm.format_interval_table(rows, {"heldout": ci})
+
+
 def test_apply_orm_rewards_replaces_only_the_outcome_term():
   class Fixed:
     dropped = {"episodes_cut": 1, "screenshots": 2, "turns": 3, "instruction_chars": 0}

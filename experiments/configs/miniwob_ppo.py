@@ -98,6 +98,11 @@ def orm_section(smoke: bool) -> mlc.ConfigDict:
   o.data = ()  # record dirs of verifier-labelled trajectories (rollouts, demos): label = Episode.success
   o.heldout = ()  # record dirs of held-out trajectories; () = `heldout_fraction` of data's (task, seed) groups
   o.heldout_fraction = 0.2
+  # "length": within each (task, number of turns) stratum keep as many successes as failures (the larger
+  # side subsampled, seeded), on the training and the held-out side alike, so that episode length does
+  # not give the label away (an ORM on raw rollouts learnt "one turn = success"); "none": keep all
+  o.balance = "none"
+  o.bootstrap_reps = 20 if smoke else 2000  # bootstrap replicates of the final held-out intervals; 0 = none
   o.screenshots = 5  # the last k turns keep their screenshot (report: 5); older turns as text
   o.max_tokens = 1024  # prompt + answer tokens; over it older turns / screenshots are left out; 0 = no bound
   o.question = "Did the agent complete the task? Answer yes or no."

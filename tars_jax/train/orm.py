@@ -418,6 +418,68 @@ def classification_metrics(p_yes, labels, threshold: float = 0.5) -> dict[str, f
           "auroc": auroc}
 
 
+BALANCE = ("none", "length")  # `orm.balance`: how the training and held-out episodes are subsampled
+
+
+def balance_by_length(items: Sequence[dict], seed: int) -> list[dict]:
+  """The episodes of `items` subsampled so that, within each (task, number of turns) stratum, successes
+  and failures are equally many: the larger side of a stratum is cut to the smaller side's count by a
+  draw without replacement from `np.random.default_rng(seed)` (strata in sorted order), so a stratum
+  with one class only is dropped. The label is then independent of (task, episode length): a classifier
+  of the turn count alone has AUROC 0.5 on the result.
+
+  items: dicts with "task" (str), "turns" (int) and "label" (bool), other keys kept. Returns the kept
+  dicts themselves, in their order in `items` (nothing added, nothing copied).
+  """
+  strata: dict[tuple[str, int], tuple[list[int], list[int]]] = {}
+  for i, x in enumerate(items):
+    pos, neg = strata.setdefault((x["task"], int(x["turns"])), ([], []))
+    (pos if x["label"] else neg).append(i)
+  rng = np.random.default_rng(seed)
+  keep: list[int] = []
+  for key in sorted(strata):
+    pos, neg = strata[key]
+    n = min(len(pos), len(neg))
+    for side in (pos, neg):
+      keep.extend(side if len(side) == n else (side[j] for j in rng.choice(len(side), n, replace=False)))
+  return [items[i] for i in sorted(keep)]
+
+
+INTERVAL_METRICS = ("f1", "precision", "recall", "false_positive_rate", "accuracy", "auroc")
+
+
+def bootstrap_intervals(p_yes, labels, *, strata=None, groups=None, reps: int = 2000, seed: int = 0,
+                        level: float = 0.95, threshold: float = 0.5) -> dict[str, tuple[float, float]]:
+  """Percentile bootstrap intervals of `classification_metrics` over episodes.
+
+  Each replicate draws, within each stratum (`strata`: [N] labels, e.g. the task; None = one stratum),
+  as many units as the stratum has, with replacement; a unit is an episode, or a group of episodes
+  (`groups`: [N] labels, e.g. the (task, seed) screen the episodes share, whose episodes are correlated)
+  taken whole. Returns {metric: (lo, hi)} for INTERVAL_METRICS at `level`; a metric undefined in a
+  replicate (AUROC without both classes) is left out of that replicate, (nan, nan) if it never is.
+  Deterministic in `seed`.
+  """
+  p = np.asarray(p_yes, np.float64).reshape(-1)
+  y = np.asarray(labels, bool).reshape(-1)
+  n = p.shape[0]
+  strata = np.zeros(n, np.int64) if strata is None else np.unique(np.asarray(strata), return_inverse=True)[1]
+  groups = np.arange(n) if groups is None else np.unique(np.asarray(groups), return_inverse=True)[1]
+  # units (groups) of each stratum, and the episodes of each unit
+  members: dict[int, np.ndarray] = {int(g): np.flatnonzero(groups == g) for g in np.unique(groups)}
+  units = [np.unique(groups[strata == s]) for s in np.unique(strata)]
+  rng = np.random.default_rng(seed)
+  out: dict[str, list[float]] = {k: [] for k in INTERVAL_METRICS}
+  for _ in range(reps):
+    idx = np.concatenate([members[int(g)] for u in units for g in rng.choice(u, len(u))] or [np.zeros(0, np.int64)])
+    m = classification_metrics(p[idx], y[idx], threshold)
+    for k in INTERVAL_METRICS:
+      if m[k] is not None:
+        out[k].append(m[k])
+  a = (1 - level) / 2
+  return {k: ((float(np.quantile(v, a)), float(np.quantile(v, 1 - a))) if v else (float("nan"), float("nan")))
+          for k, v in out.items()}
+
+
 def format_table(rows: dict[str, dict]) -> str:
   """A text table of `classification_metrics` results, one row per name (e.g. 'all', a task)."""
   head = f"{'episodes':34s} {'n':>5s} {'succ':>5s} {'F1':>6s} {'prec':>6s} {'recall':>6s} {'FPR':>6s} {'acc':>6s} {'AUROC':>6s}"
@@ -426,6 +488,21 @@ def format_table(rows: dict[str, dict]) -> str:
     au = "  -   " if m["auroc"] is None else f"{m['auroc']:6.3f}"
     lines.append(f"{name:34s} {m['n']:5d} {m['positives']:5d} {100 * m['f1']:6.1f} {100 * m['precision']:6.1f} "
                  f"{100 * m['recall']:6.1f} {100 * m['false_positive_rate']:6.1f} {100 * m['accuracy']:6.1f} {au}")
+  return "\n".join(lines)
+
+
+def format_interval_table(rows: dict[str, dict], intervals: dict[str, dict]) -> str:
+  """`format_table`'s rows with their `bootstrap_intervals` (in %; AUROC as a fraction), one line per
+  row that has intervals: 'F1 [lo, hi]' and so on."""
+  lines = [f"{'episodes':34s} {'n':>5s} {'succ':>5s}  F1 / precision / recall / FPR / accuracy [95 % CI], AUROC [95 % CI]"]
+  for name, m in rows.items():
+    ci = intervals.get(name)
+    if ci is None:
+      continue
+    parts = [f"{100 * m[k]:.1f} [{100 * ci[k][0]:.1f}, {100 * ci[k][1]:.1f}]"
+             for k in ("f1", "precision", "recall", "false_positive_rate", "accuracy")]
+    au = "-" if m["auroc"] is None else f"{m['auroc']:.3f} [{ci['auroc'][0]:.3f}, {ci['auroc'][1]:.3f}]"
+    lines.append(f"{name:34s} {m['n']:5d} {m['positives']:5d}  " + " / ".join(parts) + f", {au}")
   return "\n".join(lines)
 
 

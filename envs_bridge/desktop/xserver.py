@@ -20,11 +20,11 @@ import time
 
 from PIL import ImageGrab
 
-# python-xlib (used by PyAutoGUI) insists on an Xauthority file; Xvfb runs without access control
-# on its local socket, so an empty file is enough.
 # Xvfb dies with the thread that started it (a server killed by SIGKILL cannot clean up; its X
 # programs then lose their display and exit too). setpriv is util-linux; skipped where missing.
 _PDEATHSIG = ["setpriv", "--pdeathsig", "KILL", "--"] if shutil.which("setpriv") else []
+# python-xlib (used by PyAutoGUI) insists on an Xauthority file; Xvfb runs without access control
+# on its local socket, so an empty file is enough.
 XAUTH = os.path.join(os.environ.get("TMPDIR", "/tmp"), "tars-desktop-empty.Xauthority")
 
 

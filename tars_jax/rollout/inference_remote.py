@@ -228,12 +228,12 @@ class RemoteInference:
       self._sync.get("/health", timeout=timeout_s).raise_for_status()
       return None
     except httpx.HTTPError as e:
-      return InferenceUnavailable(f"inference service at {self.url} unreachable or silent for {timeout_s} s: "
-                                  f"{type(e).__name__}: {e}")
+      return self._unavailable(e, timeout_s)
 
-  def _unavailable(self, e: BaseException) -> InferenceUnavailable:
-    return InferenceUnavailable(f"inference service at {self.url} unreachable or silent for {self._timeout} s: "
-                                f"{type(e).__name__}: {e}")
+  def _unavailable(self, e: BaseException, timeout_s: float | None = None) -> InferenceUnavailable:
+    """The error naming this service; `timeout_s` the wait that ran out (default: the client's)."""
+    return InferenceUnavailable(f"inference service at {self.url} unreachable or silent for "
+                                f"{self._timeout if timeout_s is None else timeout_s} s: {type(e).__name__}: {e}")
 
   def _post(self, path: str, **kw):
     """`httpx.Client.post` with transport errors (refused, reset, timed out) as InferenceUnavailable."""

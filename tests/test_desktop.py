@@ -313,3 +313,48 @@ def test_processes_starting_displays_at_once_each_get_their_own_ready_server():
   assert all(p.returncode == 0 for p in procs), outs
   assert len({name for name, _ in lines}) == len(widths), lines
   assert [int(w) for _, w in lines] == widths
+
+
+def test_a_session_that_cannot_start_is_lost_and_retryable_a_missing_program_is_a_task_error(monkeypatch):
+  """Starting a session's programs on a real Xvfb: a program that exits before opening its window, or
+  opens none in time, loses the attempt (SessionLost: retryable, counted `start_failed`, nothing left
+  behind) and the sandbox serves the next session; an executable that is not installed is a TaskError
+  (no replay fixes it)."""
+  from envs_bridge.desktop import sessions as S
+  real_make = tasks.make
+  broken = {
+      "test/exits": tasks.Program("dialog", ("sh", "-c", "exit 3")),
+      "test/no-window": tasks.Program("dialog", ("sleep", "30")),
+      "test/missing": tasks.Program("dialog", ("no-such-program-tars",)),
+  }
+
+  def make(name, seed):
+    if name in broken:
+      return tasks.TaskSpec("never", {}, (broken[name],), {}), False
+    return real_make(name, seed)
+  monkeypatch.setattr(S.tasks, "make", make)
+
+  async def go():
+    sb = DesktopSandbox(step_ms=50, window_timeout_s=3.0)
+    await sb.start()
+    try:
+      errs = {}
+      for name in broken:
+        t0 = time.monotonic()
+        with pytest.raises(P.SandboxError) as e:
+          await sb.open(name, 7)
+        errs[name] = (e.value, time.monotonic() - t0)
+      assert not sb.sessions and not os.listdir(sb.root)  # no session, no directory left behind
+      sid, obs = await sb.open("desktop/terminal-mkdir", 0)  # the sandbox goes on serving
+      return errs, obs, dict(sb.counters)
+    finally:
+      await sb.stop()
+  errs, obs, counters = asyncio.run(go())
+  exits, no_window, missing = (errs[n][0] for n in broken)
+  assert isinstance(exits, P.SessionLost) and "exited with status 3 before opening its window" in str(exits)
+  assert errs["test/exits"][1] < 3.0  # found at once, not after the window timeout
+  assert isinstance(no_window, P.SessionLost) and "did not open its window in 3 s" in str(no_window)
+  assert P.is_retryable(exits) and P.is_retryable(no_window)
+  assert isinstance(missing, P.TaskError) and "program not installed: no-such-program-tars" in str(missing)
+  assert not P.is_retryable(missing)
+  assert counters["start_failed"] == 2 and counters["opened"] == 1 and obs.image().shape == (H, W, 3)

@@ -250,10 +250,10 @@ def test_grouped_moe_keeps_transformers_parity(tmp_path, impl):
 
 # --- 8 simulated devices (subprocess) ----------------------------------------------------------------
 
-def _run_worker(out, full):
+def _run_worker(out):
   env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="--xla_force_host_platform_device_count=8",
              JAX_PLATFORMS="cpu")
-  cmd = [sys.executable, os.path.abspath(__file__), str(out)] + (["full"] if full else [])
+  cmd = [sys.executable, os.path.abspath(__file__), str(out)]
   p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
   assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
   return json.loads(out.read_text())
@@ -261,20 +261,15 @@ def _run_worker(out, full):
 
 @pytest.fixture(scope="module")
 def mesh_results(tmp_path_factory):
-  """The fast worker run: ragged (expert-parallel) MoE on the (2, 1, 2, 2) mesh."""
-  return _run_worker(tmp_path_factory.mktemp("mesh") / "results.json", full=False)
-
-
-@pytest.fixture(scope="module")
-def mesh_results_full(tmp_path_factory):
-  """The full worker run: dense and ragged MoE on every mesh of MESHES, with a policy step each."""
-  return _run_worker(tmp_path_factory.mktemp("mesh_full") / "results.json", full=True)
+  """The worker run (one process for every 8-device test): each MoE implementation on its meshes, with a
+  policy step each."""
+  return _run_worker(tmp_path_factory.mktemp("mesh") / "results.json")
 
 
 MESHES = ["8,1,1,1", "2,2,2,1", "2,1,2,2"]
 
 
-def _check_run(r, full):
+def _check_run(r):
   assert r["n_devices"] == 8
   assert r["loss_diff"] <= TOL, r
   b, t = 8, 12  # `_batch` of `_small_cfg()` in the worker; gradients: forward, backward, the rows summed
@@ -282,8 +277,7 @@ def _check_run(r, full):
   assert r["grad_max_abs"] > 1e-3  # the gradients compared are not all ~0
   # (the gradients' layout is the compiler's choice in a bare value_and_grad; the step below keeps
   # the parameters' layout)
-  if full:
-    assert r["step_params_sharded_like_rules"] == [] and r["step_pg_loss_diff"] <= TOL, r
+  assert r["step_params_sharded_like_rules"] == [] and r["step_pg_loss_diff"] <= TOL, r
   # activation constraints (Shardy text): logits [B, T, V] over (batch axes, -, tensor), hidden states
   # [B, T, D] over the batch axes
   cons = "\n".join(r["constraints"])
@@ -291,29 +285,29 @@ def _check_run(r, full):
   assert '[{"data", "fsdp", "expert"}, {}, {}]' in cons, cons
 
 
-@pytest.mark.slow  # the 8-device worker run takes ~140 s
+@pytest.mark.slow  # the 8-device worker run (one per module) takes ~200 s
 def test_train_step_on_expert_parallel_mesh_equals_single_device(mesh_results):
-  _check_run(mesh_results["runs"]["ragged@2,1,2,2"], full=False)
+  _check_run(mesh_results["runs"]["ragged@2,1,2,2"])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", MESHES)
 @pytest.mark.parametrize("impl", ["dense", "ragged"])
-def test_train_step_on_every_mesh_equals_single_device(mesh_results_full, mesh, impl):
-  _check_run(mesh_results_full["runs"][f"{impl}@{mesh}"], full=True)
+def test_train_step_on_every_mesh_equals_single_device(mesh_results, mesh, impl):
+  _check_run(mesh_results["runs"][f"{impl}@{mesh}"])
 
 
-@pytest.mark.slow  # the 8-device worker run takes ~140 s
+@pytest.mark.slow  # the 8-device worker run (one per module) takes ~200 s
 def test_all_to_all_dispatch_train_step_equals_single_device(mesh_results):
   """moe_dispatch="all_to_all" on (2, 1, 2, 2): loss and gradients as one device, and the compiled
   step really exchanges tokens: forward dispatch (rows, expert ids) and return, and their transposes."""
   r = mesh_results["runs"]["a2a@2,1,2,2"]
-  _check_run(r, full=False)
+  _check_run(r)
   assert r["collectives"]["all-to-all"] == 5, r["collectives"]
   assert mesh_results["runs"]["ragged@2,1,2,2"]["collectives"]["all-to-all"] == 0
 
 
-@pytest.mark.slow  # the 8-device worker run takes ~140 s
+@pytest.mark.slow  # the 8-device worker run (one per module) takes ~200 s
 def test_all_to_all_dispatch_only_where_tokens_split_over_experts(mesh_results):
   r = mesh_results["a2a_shapes"]
   assert all(diff <= TOL for diff, _ in r.values()), r
@@ -322,7 +316,7 @@ def test_all_to_all_dispatch_only_where_tokens_split_over_experts(mesh_results):
   assert r["2x4"][1] >= 2 and r["1x1"][1] == 0 and r["3x5"][1] == 0, r
 
 
-@pytest.mark.slow  # the 8-device worker run takes ~140 s
+@pytest.mark.slow  # the 8-device worker run (one per module) takes ~200 s
 def test_all_to_all_capacity_drops_per_shard_like_numpy_reference(mesh_results):
   r = mesh_results["a2a_capacity"]
   assert r["cf0.5"]["c"] == 2 and r["cf0.5"]["want_dropped"] > 0  # ceil(0.5 * 6 * 2 / 4)
@@ -334,16 +328,16 @@ def test_all_to_all_capacity_drops_per_shard_like_numpy_reference(mesh_results):
 
 
 @pytest.mark.slow
-def test_all_to_all_dispatch_with_fsdp_and_four_expert_shards(mesh_results_full):
+def test_all_to_all_dispatch_with_fsdp_and_four_expert_shards(mesh_results):
   """(1, 2, 1, 4): one expert per shard, expert weights all-gathered over fsdp inside the shard_map."""
-  r = mesh_results_full["runs"]["a2a@1,2,1,4"]
-  _check_run(r, full=True)
+  r = mesh_results["runs"]["a2a@1,2,1,4"]
+  _check_run(r)
   assert r["collectives"]["all-to-all"] >= 5, r["collectives"]  # + the compiler's own reshards here
 
 
 @pytest.mark.slow
-def test_blocked_moe_train_step_on_expert_parallel_mesh(mesh_results_full):
-  _check_run(mesh_results_full["runs"]["blocked@2,1,2,2"], full=True)
+def test_blocked_moe_train_step_on_expert_parallel_mesh(mesh_results):
+  _check_run(mesh_results["runs"]["blocked@2,1,2,2"])
 
 
 def _shard(shape, mesh, spec):
@@ -355,15 +349,15 @@ def _shard(shape, mesh, spec):
   return out
 
 
-@pytest.mark.slow  # the 8-device worker run takes ~140 s
+@pytest.mark.slow  # the 8-device worker run (one per module) takes ~200 s
 def test_parameters_distributed_as_rules_say(mesh_results):
   _check_params(mesh_results["runs"]["ragged@2,1,2,2"]["params"], "2,1,2,2")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", MESHES)
-def test_parameters_distributed_as_rules_say_on_every_mesh(mesh_results_full, mesh):
-  _check_params(mesh_results_full["runs"][f"dense@{mesh}"]["params"], mesh)
+def test_parameters_distributed_as_rules_say_on_every_mesh(mesh_results, mesh):
+  _check_params(mesh_results["runs"][f"dense@{mesh}"]["params"], mesh)
 
 
 def _check_params(got, mesh):
@@ -388,7 +382,7 @@ def _check_params(got, mesh):
     assert got["['trunk']['decoder']['layers'][1]['mlp']['w_gate_up']"][2] == [2, 32, 2, 8]
 
 
-@pytest.mark.slow  # the 8-device worker run takes ~140 s
+@pytest.mark.slow  # the 8-device worker run (one per module) takes ~200 s
 def test_indivisible_dimension_is_a_typed_error(mesh_results):
   msg = mesh_results["indivisible_error"]
   assert msg.startswith("ShardingError")
@@ -396,7 +390,7 @@ def test_indivisible_dimension_is_a_typed_error(mesh_results):
     assert part in msg, msg
 
 
-@pytest.mark.slow  # the 8-device worker run takes ~140 s
+@pytest.mark.slow  # the 8-device worker run (one per module) takes ~200 s
 def test_load_pretrained_places_tensors_by_rules(mesh_results):
   r = mesh_results["hf_io"]
   assert r["values_equal"] and r["logits_diff"] <= TOL
@@ -404,7 +398,7 @@ def test_load_pretrained_places_tensors_by_rules(mesh_results):
   assert r["embed"] == [[264, 32], ["tensor", "fsdp"], [132, 32]]
 
 
-@pytest.mark.slow  # the 8-device worker run takes ~140 s
+@pytest.mark.slow  # the 8-device worker run (one per module) takes ~200 s
 def test_trainer_state_on_mesh_from_config(mesh_results):
   r = mesh_results["state"]
   assert r["mesh"] == [2, 1, 2, 2] and r["default_mesh"]
@@ -450,9 +444,9 @@ def _batch(cfg, b=8, t=12, seed=0):
               states=np.zeros((b, t - 1), np.int32))
 
 
-def _worker(out_path, full: bool):
-  """Writes the results JSON. `full`: both MoE impls on all MESHES with a `ppo.policy_step` each;
-  else the ragged (expert-parallel) MoE on the (2, 1, 2, 2) mesh only (the fast suite)."""
+def _worker(out_path):
+  """Writes the results JSON: the dense and ragged MoE on all MESHES, the blocked MoE and all-to-all
+  dispatch on their meshes, each with a `ppo.policy_step`; then the single-purpose checks."""
   import jax
   import jax.numpy as jnp
   from flax import nnx
@@ -480,11 +474,10 @@ def _worker(out_path, full: bool):
   t0 = time.time()
   (ref_loss, ref_m), ref_g = loss_grad(gd)(params, batch)
   print(f"reference loss/grad {time.time() - t0:.1f}s", flush=True)
-  if full:
-    ref_state = {"step": jnp.zeros((), jnp.int32), "policy": params, "policy_opt": popt.init(params)}
-    _, ref_step_m = ppo.policy_step(jax.tree.map(jnp.copy, ref_state), batch, None, policy_gd=gd, popt=popt, hp=hp, inputs=inputs)
-  runs = ([(i, m) for i in ("dense", "ragged") for m in MESHES] + [("blocked", "2,1,2,2"), ("a2a", "1,2,1,4")]
-          if full else [("ragged", "2,1,2,2"), ("a2a", "2,1,2,2")])
+  ref_state = {"step": jnp.zeros((), jnp.int32), "policy": params, "policy_opt": popt.init(params)}
+  _, ref_step_m = ppo.policy_step(jax.tree.map(jnp.copy, ref_state), batch, None, policy_gd=gd, popt=popt, hp=hp, inputs=inputs)
+  runs = ([(i, m) for i in ("dense", "ragged") for m in MESHES]
+          + [("blocked", "2,1,2,2"), ("a2a", "2,1,2,2"), ("a2a", "1,2,1,4")])
   for impl, mesh_s in runs:
     kw = dict(moe_impl="ragged", moe_dispatch="all_to_all") if impl == "a2a" else dict(moe_impl=impl)
     mesh = sharding.make_mesh(tuple(int(x) for x in mesh_s.split(",")))
@@ -505,10 +498,8 @@ def _worker(out_path, full: bool):
       hlo = jax.jit(lambda p, mb: nnx.merge(gd_i, p)(
           mb["tokens"], step_lib.positions(mb["tokens"], mb["attn_mask"], inputs), mb["attn_mask"], mb["pixel_values"],
           mb["image_mask"])[0]).lower(p_sh, mb).as_text()
-      step_m = new = None
-      if full:
-        state = {"step": jnp.zeros((), jnp.int32), "policy": p_sh, "policy_opt": jax.jit(popt.init)(p_sh)}
-        new, step_m = ppo.policy_step(state, mb, None, policy_gd=gd_i, popt=popt, hp=hp, inputs=inputs)
+      state = {"step": jnp.zeros((), jnp.int32), "policy": p_sh, "policy_opt": jax.jit(popt.init)(p_sh)}
+      new, step_m = ppo.policy_step(state, mb, None, policy_gd=gd_i, popt=popt, hp=hp, inputs=inputs)
       print(f"{impl}@{mesh_s}: loss/grad {t1 - t0:.1f}s, step {time.time() - t1:.1f}s", flush=True)
     def same_sh(tree):  # paths whose sharding differs from the rules' ([] = all as the rules say)
       got = jax.tree_util.tree_leaves_with_path(tree)
@@ -518,8 +509,8 @@ def _worker(out_path, full: bool):
         n_devices=len(mesh.devices.flat), loss_diff=abs(float(loss - ref_loss)), grad_max_diff=_maxdiff(g, ref_g),
         grad_max_abs=max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(ref_g)),
         grads_sharded_like_params=same_sh(g),
-        step_params_sharded_like_rules=None if new is None else same_sh(new["policy"]),
-        step_pg_loss_diff=None if step_m is None else abs(float(step_m["pg_loss"] - ref_step_m["pg_loss"])),
+        step_params_sharded_like_rules=same_sh(new["policy"]),
+        step_pg_loss_diff=abs(float(step_m["pg_loss"] - ref_step_m["pg_loss"])),
         constraints=[line.strip()[:300] for line in hlo.splitlines() if "sharding_constraint" in line],
         params=described, collectives=collectives)
   results["a2a_capacity"] = _a2a_capacity_run(cfg)
@@ -633,7 +624,7 @@ def _a2a_capacity_run(cfg):
 
 
 if __name__ == "__main__":
-  _worker(sys.argv[1], full=sys.argv[2:] == ["full"])
+  _worker(sys.argv[1])
 
 
 @pytest.mark.slow  # ~40 s

@@ -30,7 +30,7 @@ import uuid
 from envs_bridge import protocol as P
 from envs_bridge.desktop import checks, executor, tasks
 from envs_bridge.desktop.webfiles import WebFiles
-from envs_bridge.desktop.xserver import XDisplay, XServerError
+from envs_bridge.desktop.xserver import ProgramMissing, XDisplay, XServerError
 from envs_bridge.sdk import SdkSession
 from envs_bridge.sdk.terminal import Limits
 from tars_jax.agent import actions as A
@@ -82,8 +82,10 @@ class DesktopSandbox:
 
   def __init__(self, step_ms: int = 300, lease_s: float = 300.0, max_sessions: int = 8,
                width: int = tasks.WIDTH, height: int = tasks.HEIGHT, root: str | None = None,
-               gui_only: bool = False, limits: Limits = Limits(), mcp_servers: dict | None = None):
+               gui_only: bool = False, limits: Limits = Limits(), mcp_servers: dict | None = None,
+               window_timeout_s: float = 60.0):
     self.step_ms, self.lease_s, self.max_sessions = step_ms, lease_s, max_sessions
+    self.window_timeout_s = window_timeout_s
     self.width, self.height, self.gui_only, self.limits = width, height, gui_only, limits
     self.mcp_servers = dict(mcp_servers or {})
     self._own_root = root is None
@@ -93,7 +95,8 @@ class DesktopSandbox:
     self.web: WebFiles | None = None
     self._reaper: asyncio.Task | None = None
     self._opening = 0
-    self.counters = {"steps": 0, "opened": 0, "closed": 0, "expired": 0, "lost": 0, "sdk_calls": 0}
+    self.counters = {"steps": 0, "opened": 0, "closed": 0, "expired": 0, "lost": 0, "sdk_calls": 0,
+                     "start_failed": 0}
 
   # -- lifecycle --------------------------------------------------------------------------------
   async def start(self) -> None:
@@ -136,7 +139,9 @@ class DesktopSandbox:
                  data_mode: str = "train") -> tuple[str, P.Observation]:
     """Starts an episode: session directory with the task's files, Xvfb, the task's programs.
 
-    Raises: UnknownTask, ServerBusy, TaskError (a program or Xvfb failed to start).
+    Raises: UnknownTask, ServerBusy; TaskError (Xvfb or a task's program is not installed: no replay
+    fixes that); SessionLost (Xvfb did not come up, or a program exited or did not open its window
+    within `window_timeout_s`: the host's trouble, so a replay may succeed; counted `start_failed`).
     """
     try:
       spec, gui_only = tasks.make(task, seed)
@@ -183,8 +188,10 @@ class DesktopSandbox:
                                            stdout=subprocess.PIPE if prog.capture_stdout else subprocess.DEVNULL)
         # One at a time: without a window manager the stacking order is the mapping order, so
         # waiting for each window makes the first screenshot the same in every episode.
-        if not display.wait_for_windows(i + 1, timeout_s=60.0):
-          raise XServerError(f"{prog.label} of {task} did not open its window")
+        if not display.wait_for_windows(i + 1, timeout_s=self.window_timeout_s):
+          code = procs[prog.label].poll()
+          raise XServerError(f"{prog.label} of {task} " + (f"exited with status {code} before opening its window"
+                             if code is not None else f"did not open its window in {self.window_timeout_s:g} s"))
       time.sleep(self.step_ms / 1000)  # let them draw their first frame
       actor = executor.Actor(display.name, self.width, self.height)
     except Exception as e:  # Xvfb, a program or Xlib failed: leave nothing behind
@@ -193,7 +200,10 @@ class DesktopSandbox:
       if token:
         self.web.remove(token)
       shutil.rmtree(home, ignore_errors=True)
-      raise P.TaskError(f"could not start {task}: {e}") from e
+      if isinstance(e, ProgramMissing):
+        raise P.TaskError(f"could not start {task}: {e}") from e
+      self.counters["start_failed"] += 1
+      raise P.SessionLost(f"could not start {task} seed {seed}: {e}") from e
     sdk = SdkSession(work, self.limits, {**self.mcp_servers, **spec.mcp_servers})
     now = time.monotonic()
     return Session(sid, task, seed, spec, gui_only, coords, home, work, display, actor, sdk, procs, token, now, now)

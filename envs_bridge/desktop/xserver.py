@@ -49,6 +49,10 @@ class XServerError(RuntimeError):
   """Xvfb did not start, or a program could not be launched on it."""
 
 
+class ProgramMissing(XServerError):
+  """An executable (Xvfb or a task's program) is not installed: no retry on any session fixes it."""
+
+
 def ensure_xauthority() -> str:
   """Creates the empty Xauthority file and points XAUTHORITY at it (this process and children)."""
   if not os.path.exists(XAUTH):
@@ -80,7 +84,7 @@ class XDisplay:
           start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
           pass_fds=(w,))
     except FileNotFoundError as e:
-      raise XServerError("Xvfb is not installed (Debian package xvfb; scripts/setup.sh)") from e
+      raise ProgramMissing("Xvfb is not installed (Debian package xvfb; scripts/setup.sh)") from e
     finally:
       os.close(w)
     try:
@@ -100,13 +104,13 @@ class XDisplay:
   def launch(self, argv: list[str], cwd: str, env: dict | None = None, stdout=subprocess.DEVNULL) -> subprocess.Popen:
     """Starts an X program on this display in its own process group.
 
-    Raises: XServerError if the executable is missing.
+    Raises: ProgramMissing if the executable is missing.
     """
     try:
       p = subprocess.Popen(argv, cwd=cwd, env=self.env(**(env or {})), stdin=subprocess.DEVNULL, stdout=stdout,
                            stderr=subprocess.DEVNULL, start_new_session=True)
     except FileNotFoundError as e:
-      raise XServerError(f"program not installed: {argv[0]}") from e
+      raise ProgramMissing(f"program not installed: {argv[0]}") from e
     self.programs.append(p)
     return p
 
@@ -121,7 +125,8 @@ class XDisplay:
     return buf.getvalue()
 
   def wait_for_windows(self, n: int, timeout_s: float = 10.0) -> bool:
-    """Waits until at least `n` top-level windows are mapped (programs have drawn); True if so."""
+    """Waits until at least `n` top-level windows are mapped (programs have drawn); True if so. False
+    after `timeout_s` seconds, or at once when a program launched here has exited (it never will)."""
     from Xlib import X, display as xdisplay  # local: only sessions need python-xlib
     d = xdisplay.Display(self.name)
     try:
@@ -129,6 +134,8 @@ class XDisplay:
       while time.monotonic() < deadline:
         if self._viewable(d.screen().root.query_tree().children, X) >= n:
           return True
+        if any(p.poll() is not None for p in self.programs):
+          return False
         time.sleep(0.05)
       return False
     finally:

@@ -151,6 +151,29 @@ def test_a_fleet_that_is_down_stops_the_pool_instead_of_retrying_forever():
   assert L.lost_attempts == 3 * L.failed and L.retried == 2 * L.failed
 
 
+def test_a_lost_episode_is_replayed_on_the_next_server():
+  """Two servers, the first down: an episode whose first attempt went there is replayed on the second
+  (`client_for(clients, task, k + attempt)`), so none fails; the attempts lost there are counted."""
+  rng = np.random.default_rng(0)
+  cfg = LoopConfig(max_turns=3, image_hw=(8, 8), n_img_tokens=2, max_retries=1)
+  down, up = _DownSandbox(rng, 0.0), _ScriptedSandbox(rng, 0.0)
+
+  async def go():
+    pool = RolloutPool(_ScriptedService(rng), [down, up], job_groups(["t/a"], 8, 2, 0), cfg, TOK,
+                       PoolConfig(concurrency=8, min_batch=8))
+    await pool.start()
+    eps = await pool.take()
+    await pool.close()
+    return pool, eps
+
+  pool, eps = run(go())
+  L = pool.ledger
+  L.check()
+  assert len(eps) == 8 and not any(e.lost for e in eps) and L.failed == 0
+  assert L.lost_attempts == L.retried == pool.stats.episodes_lost == pool.stats.episodes_retried > 0
+  assert len(up.sessions) >= 8  # every taken episode was played on the server that is up
+
+
 def test_a_group_larger_than_the_pool_is_refused_at_start():
   """rollout.concurrency < rl.group_size: no group could ever start and `take` would wait forever."""
   rng = np.random.default_rng(0)

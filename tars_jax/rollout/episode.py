@@ -30,7 +30,7 @@ from typing import Awaitable, Callable, Protocol, Sequence, TypeVar
 import numpy as np
 
 from envs_bridge import protocol
-from envs_bridge.client import SandboxClient
+from envs_bridge.client import SandboxClient, client_for
 from tars_jax.agent import memory as memory_lib
 from tars_jax.agent import prompts
 from tars_jax.agent.images import preprocess
@@ -289,6 +289,37 @@ async def with_retries(attempt: Callable[[int], Awaitable[T]], *, retries: int, 
       if on_loss is not None:
         on_loss(k, e)
   return None
+
+
+async def play_retried(clients: Sequence[SandboxClient], service, task: str, seed: int, k: int, *, cfg: LoopConfig,
+                       tok: ByteTokenizer, version: Callable[[], int], stats: RolloutStats,
+                       memory: Sequence[str] = (), on_loss: Callable[[int, BaseException], None] | None = None
+                       ) -> Episode:
+  """The one episode of the service paths (the streaming pool, `evaluation.play_sessions`): `task`/`seed`
+  played by the policy behind `service` (`PolicyAgent`: one inference session per episode, multi-turn KV
+  reuse), attempt i on `client_for(clients, task, k + i)` (a replay goes to the next server that serves
+  the task), replayed up to `cfg.max_retries` times when lost to the sandbox (`with_retries`). `version()`
+  is read at each attempt (the policy version its tokens come from). Counts in `stats`:
+  `episodes_lost` per lost attempt, `episodes_retried` per replay, `episodes_failed` when every attempt was
+  lost; then returns an empty Episode flagged `lost`. `on_loss(i, error)`: the caller's own accounting.
+  Raises: as `with_retries` (InferenceFailed, the sandbox's non-retryable errors)."""
+  async def attempt(i: int) -> Episode:
+    ep, _ = await play(client_for(clients, task, k + i), task, seed, PolicyAgent(service, tok), cfg=cfg, tok=tok,
+                       version=version(), memory=memory, stats=stats)
+    return ep
+
+  def lost(i: int, e: BaseException) -> None:
+    stats.episodes_lost += 1
+    if i < cfg.max_retries:
+      stats.episodes_retried += 1
+    if on_loss is not None:
+      on_loss(i, e)
+
+  ep = await with_retries(attempt, retries=cfg.max_retries, what=f"episode {task}/{seed}", on_loss=lost)
+  if ep is not None:
+    return ep
+  stats.episodes_failed += 1
+  return Episode(task=task, seed=seed, instruction="", prefix_ids=[], lost=True, policy_version=version())
 
 
 def note_loss(error: BaseException, what: str) -> None:

@@ -9,7 +9,6 @@ from typing import Sequence
 import numpy as np
 from tqdm import tqdm
 
-from envs_bridge.client import client_for
 from tars_jax.agent.trajectory import Episode
 from tars_jax.rollout import episode as episode_lib
 from tars_jax.rollout.agent_loop import run_episodes
@@ -46,8 +45,8 @@ def play_sessions(loop: asyncio.AbstractEventLoop, service, clients, jobs: Seque
   (`episode.PolicyAgent`): a later turn runs only its new tokens into the slot that holds the episode's
   context (multi-turn KV reuse), where `play`'s lockstep batch prefills every turn's whole history,
   screenshots included, again. An episode starts as soon as one ends (no waiting for a batch's slowest).
-  Episodes lost to the sandbox are replayed (`episode.with_retries`, `loop_cfg.max_retries`) and, if
-  lost on every attempt, returned flagged `lost`. Returns the episodes in job order.
+  Episodes lost to the sandbox are replayed on the next server (`episode.play_retried`,
+  `loop_cfg.max_retries`) and, if lost on every attempt, returned flagged `lost`. Returns the episodes in job order.
   Raises: InferenceFailed / InferenceUnavailable (the service), the sandbox's non-retryable errors.
   Source: report section 2.5.3 (the policy as a service); the streaming pool's episode (`rollout/pool.py`).
   """
@@ -56,20 +55,13 @@ def play_sessions(loop: asyncio.AbstractEventLoop, service, clients, jobs: Seque
   gate = asyncio.Semaphore(sessions)
 
   async def one(k: int, task: str, seed: int) -> Episode:
-    async def attempt(i: int) -> Episode:
-      ep, _ = await episode_lib.play(client_for(clients, task, k + i), task, seed,
-                                     episode_lib.PolicyAgent(service, tok), cfg=loop_cfg, tok=tok,
-                                     version=version, stats=stats)
-      return ep
-
     async with gate:
-      ep = await episode_lib.with_retries(attempt, retries=loop_cfg.max_retries, what=f"episode {task}/{seed}")
+      ep = await episode_lib.play_retried(clients, service, task, seed, k, cfg=loop_cfg, tok=tok,
+                                          version=lambda: version, stats=stats)
     if bar is not None:
       bar.update(1)
-    if ep is None:
-      stats.episodes_failed += 1
-      return Episode(task=task, seed=seed, instruction="", prefix_ids=[], lost=True, policy_version=version)
-    stats.episodes += 1
+    if not ep.lost:
+      stats.episodes += 1
     return ep
 
   async def everything() -> list[Episode]:

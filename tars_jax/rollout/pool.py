@@ -38,7 +38,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from envs_bridge.client import SandboxClient, client_for
+from envs_bridge.client import SandboxClient
 from tars_jax.agent.tokenizer import ByteTokenizer
 from tars_jax.agent.trajectory import Episode
 from tars_jax.rollout import episode as episode_lib
@@ -227,27 +227,16 @@ class RolloutPool:
     self._fill()
 
   async def _run_one(self, task: str, seed: int, k: int) -> Episode:
-    async def attempt(_k: int) -> Episode:  # the policy behind the service, one inference session per episode
-      memory = self.episodic.summaries(task) if self.episodic is not None else ()
-      ep, _ = await episode_lib.play(client_for(self.clients, task, k), task, seed,
-                                     episode_lib.PolicyAgent(self.service, self.tok), cfg=self.cfg, tok=self.tok,
-                                     version=self.service.version, memory=memory, stats=self.stats)
-      return ep
-
-    def lost(i: int, e: BaseException) -> None:
+    def lost(i: int, e: BaseException) -> None:  # the ledger's count (stats: `play_retried`)
       self.ledger.lost_attempts += 1
-      self.stats.episodes_lost += 1
       self._last_loss = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
       if i < self.cfg.max_retries:
         self.ledger.retried += 1
-        self.stats.episodes_retried += 1
 
-    ep = await episode_lib.with_retries(attempt, retries=self.cfg.max_retries, what=f"episode {task}/{seed}",
-                                        on_loss=lost)
-    if ep is not None:
-      return ep
-    self.stats.episodes_failed += 1
-    return Episode(task=task, seed=seed, instruction="", prefix_ids=[], lost=True, policy_version=self.service.version)
+    memory = self.episodic.summaries(task) if self.episodic is not None else ()
+    return await episode_lib.play_retried(self.clients, self.service, task, seed, k, cfg=self.cfg, tok=self.tok,
+                                          version=lambda: self.service.version, stats=self.stats, memory=memory,
+                                          on_loss=lost)
 
   async def take(self, min_batch: int | None = None) -> list[Episode]:
     """Waits until finished groups hold >= min_batch (default `pool.min_batch`) episodes that pass the

@@ -126,6 +126,23 @@ def test_unreachable_server_gives_lost_episodes_and_pool_results():
   assert (pstats.episodes_lost, pstats.episodes_retried, pstats.episodes_failed) == (2, 1, 1)
 
 
+@pytest.mark.browser
+def test_an_episode_lost_on_one_server_is_replayed_on_the_next(server):
+  """The lockstep loop's replay of a lost episode goes to the next server that serves its task: job 0's
+  first attempt meets a URL nothing listens on, its replay the real server."""
+  down = f"http://127.0.0.1:{free_port()}"
+
+  async def go():
+    stats = RolloutStats()
+    async with SandboxClient(down, timeout_s=5.0) as d, SandboxClient(server.url) as up:
+      eps = await run_episodes(_act(), [d, up], [("miniwob/click-test", 0)], LoopConfig(max_turns=2, max_retries=1),
+                               TOK, stats=stats)
+    return eps, stats
+  eps, stats = run(go())
+  assert not eps[0].lost and len(eps[0].turns) >= 1
+  assert (stats.episodes, stats.episodes_lost, stats.episodes_retried, stats.episodes_failed) == (1, 1, 1, 0)
+
+
 def test_all_lost_iteration_is_skipped_not_collated(caplog):
   from tars_jax.agent.trajectory import Episode
   eps = [Episode(task="t", seed=s, instruction="", prefix_ids=[], lost=True) for s in range(2)]

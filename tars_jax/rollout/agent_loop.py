@@ -76,7 +76,8 @@ async def run_episodes(act: ActFn, clients: Sequence[SandboxClient], jobs: Seque
   pending = list(range(len(jobs)))
   attempt = 0
   while pending:
-    lost_now = await _run_round(act, clients, jobs, pending, cfg, tok, version, stats, results, on_turn, episodic)
+    lost_now = await _run_round(act, clients, jobs, pending, attempt, cfg, tok, version, stats, results, on_turn,
+                                episodic)
     stats.episodes_lost += len(lost_now)
     if not lost_now or attempt >= cfg.max_retries:
       break
@@ -102,11 +103,11 @@ def trainable(episodes: Sequence[Episode], stats: RolloutStats, what: str) -> li
   return kept
 
 
-async def _run_round(act, clients, jobs, idxs, cfg, tok, version, stats, results, on_turn, episodic) -> list[int]:
+async def _run_round(act, clients, jobs, idxs, attempt, cfg, tok, version, stats, results, on_turn, episodic
+                     ) -> list[int]:
   t0 = time.perf_counter()
-  opened = await asyncio.gather(
-      *[_open(client_for(clients, jobs[i][0], k), *jobs[i], tok, cfg, version, episodic)
-        for k, i in enumerate(idxs)],
+  opened = await asyncio.gather(  # job i's attempt a on server i + a: a replay goes to the next server
+      *[_open(client_for(clients, jobs[i][0], i + attempt), *jobs[i], tok, cfg, version, episodic) for i in idxs],
       return_exceptions=True)
   stats.env_time_s += time.perf_counter() - t0
   live: dict[int, _Live] = {i: o for i, o in zip(idxs, opened) if not isinstance(o, BaseException)}

@@ -18,13 +18,12 @@ writes it to OUT/experts.json, and records ONLY the successful episodes under OU
 The config must be able to express every expert reply (its grammar's actions, thought and content
 lengths): a reply outside it stops the run with `ReplyNotInGrammar`. Multi-step tasks need a step
 budget of their length (login-user: 5 turns; click-checkboxes: up to 7): the experts get
-max(env.max_turns, data.demo_max_turns).
+max(env.max_turns, data.demo_max_turns) (`demos.DemoSpec.from_parts`).
 Seeds must stay below the config's evaluation seeds (`env.eval_seed_offset`, 10_000_000).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging as std_logging
 import os
@@ -61,9 +60,6 @@ def main(argv):
   parts = state_lib.build(config)
   spec = demos.DemoSpec.from_parts(parts, thoughts=_THOUGHTS.value)
   d = config.data
-  # the experts' step budget: multi-step tasks need more turns than an RL stage may give its policy
-  spec = dataclasses.replace(spec, loop=dataclasses.replace(spec.loop, max_turns=max(spec.loop.max_turns,
-                                                                                     d.demo_max_turns)))
   tasks = list(_TASKS.value or d.demo_tasks or config.tasks)
   if _SEEDS.value is None:  # the config's counts: RL tasks, other tasks, per-task overrides
     seeds_of = demos.seeds_per_task(tasks, config.tasks, seeds=d.demo_seeds, rl_seeds=d.demo_seeds_rl_tasks,

@@ -11,14 +11,18 @@ WORKDIR holds the runs of scripts/verticals.sh: `sft/` and one run per vertical 
                            tars_jax.merge.interpolate; kept on a re-run): 0 is the uniform merge
                            ("merged_uniform"), the best mean validation score over the sets is
                            "merged_searched"
+  task_arithmetic/<λ>/     θ_sft + λ Σ_k (θ_k - θ_sft) for each `--ta_lambdas` candidate
+                           (tars_jax.merge.task_arithmetic); the best on validation is "task_arithmetic"
   merge_eval.json          {"episodes", "val_episodes", "search": [{alpha, scores, mean}], "alpha",
+                            "ta_search": [{lambda, path, scores, mean}], "ta_lambda",
                             "scores": {model: {set: score}}, "tasks": {model: {task: summary}}}
   merge_eval.png           grouped bars: one group per set, one bar per model
 The table (markdown) is printed. Scores: success rate per task (normalised game score / 100 for games),
 averaged over a set's tasks. Held-out evaluation uses `env.eval_seed_offset` seeds in
 `env.eval_data_mode` (held-out GUI-Browsing questions); the α search uses other seeds
 (`--val_seed_offset`) in training mode, so α is never chosen on the evaluation episodes. Every set is
-played with its own step budget (`verticals.MAX_TURNS`) whichever model plays it.
+played with its own step budget (`verticals.MAX_TURNS`, capped by the config's `env.max_turns`: the
+smoke config's 3) whichever model plays it.
 """
 
 from __future__ import annotations
@@ -49,12 +53,21 @@ _VAL_EPISODES = flags.DEFINE_integer("val_episodes", 10, "Validation episodes pe
 _VAL_SEED_OFFSET = flags.DEFINE_integer("val_seed_offset", 8_000_000, "Seeds of the α search (training mode); "
                                         "apart from training (0+), demos (2e6+), vpt (5e6+), evaluation (1e7+).")
 _ALPHA_STEP = flags.DEFINE_float("alpha_step", 0.25, "Grid spacing of the α candidates (1/m).")
+_TA_LAMBDAS = flags.DEFINE_list("ta_lambdas", ["0.5", "1.0"], "Task arithmetic's λ candidates: θ_sft + λ Σ_k (θ_k - "
+                                "θ_sft), one λ for every vertical, chosen on the validation episodes (λ = 1/N "
+                                "is the uniform interpolation, already evaluated).")
 _SERVERS = flags.DEFINE_list("servers", [], "Sandbox server URLs (default: launch the config's env.launch).")
 
 
 def _merged(ckpts: list[str], alphas, out: str) -> str:
   if not os.path.isfile(os.path.join(out, "config.json")):
     merge.interpolate(ckpts, alphas, out, overwrite=True)
+  return out
+
+
+def _task_arithmetic(base: str, ckpts: list[str], lam: float, out: str) -> str:
+  if not os.path.isfile(os.path.join(out, "config.json")):
+    merge.task_arithmetic(base, ckpts, [lam] * len(ckpts), out, overwrite=True)
   return out
 
 
@@ -72,10 +85,11 @@ def main(argv):
   parts = state_lib.build(config)
   init = parts.init_state(config.seed)
   sessions = config.env.num_sessions
+  turns = {s: min(V.MAX_TURNS[s], config.env.max_turns) for s in sets}  # the config caps (smoke)
   # One inference service for every model (weights swapped between them): each episode one session,
   # its later turns only their new tokens (multi-turn KV reuse; GUI-Browsing's episodes run 14 turns).
   service = parts.inference_service(init["policy"], slots=sessions, seed=config.seed + 7,
-                                    max_turns=max(V.MAX_TURNS[s] for s in sets))
+                                    max_turns=max(turns.values()))
   version = itertools.count(1)
 
   def evaluate(path: str, episodes: int, seed_offset: int, data_mode: str) -> tuple[dict, dict]:
@@ -84,7 +98,7 @@ def main(argv):
     service.set_params(state_lib.restore_policy(init, path)[0], v)
     summaries = {}
     for s, tasks in sets.items():
-      cfg = dataclasses.replace(parts.loop_cfg, max_turns=V.MAX_TURNS[s], data_mode=data_mode)
+      cfg = dataclasses.replace(parts.loop_cfg, max_turns=turns[s], data_mode=data_mode)
       per_task = ME.episodes_per_task(episodes, len(tasks))
       eps = evaluation.play_sessions(loop, service, clients, evaluation.eval_jobs(list(tasks), per_task, seed_offset),
                                      cfg, parts.tokenizer, sessions=sessions, version=v,
@@ -103,6 +117,17 @@ def main(argv):
     out["alpha"] = best["alpha"]
     models["merged_uniform"] = os.path.join(wd, "alpha_search", "0")  # alpha_candidates puts uniform first
     models["merged_searched"] = os.path.join(wd, "alpha_search", str(out["search"].index(best)))
+    out["ta_search"] = []
+    for lam in (float(x) for x in _TA_LAMBDAS.value):
+      path = _task_arithmetic(models["sft"], verticals, lam, os.path.join(wd, "task_arithmetic", f"{lam:g}"))
+      scores, _ = evaluate(path, _VAL_EPISODES.value, _VAL_SEED_OFFSET.value, "train")
+      out["ta_search"].append({"lambda": lam, "path": path, "scores": scores,
+                               "mean": sum(scores.values()) / len(scores)})
+      print(f"[merge_eval] task arithmetic λ={lam:g}: validation {scores}")
+    if out["ta_search"]:
+      best_ta = max(out["ta_search"], key=lambda r: r["mean"])
+      out["ta_lambda"] = best_ta["lambda"]
+      models["task_arithmetic"] = best_ta["path"]
     out["scores"], out["tasks"] = {}, {}
     for name, path in models.items():
       out["scores"][name], out["tasks"][name] = evaluate(path, _EPISODES.value, config.env.eval_seed_offset,

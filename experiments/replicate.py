@@ -41,6 +41,7 @@ import time
 from absl import app, flags
 
 from experiments.configs import load_config, load_module
+from tars_jax.analysis import replication as rep
 from tars_jax.train import run as run_lib
 from tars_jax.train.metrics import write_json
 
@@ -218,17 +219,12 @@ def collect(stages: list[dict]) -> list[dict]:
       continue
     variant, seed = st["name"][len("eval/"):].split("/seed_")
     with open(st["done"]) as f:
-      res = json.load(f)["results"]
-    for task, r in sorted(res.items()):
-      if r["episodes"]:
-        rows.append({"variant": variant, "seed": int(seed), "task": task, "episodes": int(r["episodes"]),
-                     "successes": int(round(r["success"] * r["episodes"]))})
+      rows += rep.rows_of_eval(variant, int(seed), json.load(f)["results"])
   return rows
 
 
 def main(argv):
   del argv
-  from tars_jax.analysis import replication as rep
   F = flags.FLAGS
   workdir, config = os.path.abspath(F.workdir), os.path.abspath(F.config)
   cfg_mod = load_module(config)

@@ -127,6 +127,24 @@ def test_collect_reads_finished_evaluations_once(tmp_path):
       ("ppo", "miniwob/click-button", 2), ("ppo", "miniwob/click-link", 0)}
 
 
+def test_result_rows_cli_turns_evaluations_into_rows_and_refuses_a_run_twice(tmp_path):
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  res = {"miniwob/click-test": {"success": 0.57, "episodes": 100}, "miniwob/enter-text": {"success": 0.0, "episodes": 0}}
+  (tmp_path / "a.json").write_text(json.dumps({"checkpoint": "x", "results": res}))
+  cmd = [sys.executable, "-m", "experiments.result_rows", "--out", str(tmp_path / "rows.json")]
+  p = subprocess.run(cmd + [f"grpo_orm:1={tmp_path / 'a.json'}"], cwd=root, capture_output=True, text=True)
+  assert p.returncode == 0, p.stderr
+  assert R.load_rows(str(tmp_path / "rows.json")) == [  # a task without episodes gives no row
+      {"variant": "grpo_orm", "seed": 1, "task": "miniwob/click-test", "episodes": 100, "successes": 57}]
+  p = subprocess.run(cmd + [f"x:0={tmp_path / 'a.json'}", f"x:0={tmp_path / 'a.json'}"], cwd=root,
+                     capture_output=True, text=True)
+  assert p.returncode != 0 and "('x', 0, 'miniwob/click-test') twice" in p.stderr
+  p = subprocess.run(cmd + ["x=a.json"], cwd=root, capture_output=True, text=True)
+  assert p.returncode != 0 and "expected variant:seed=path" in p.stderr
+
+
 def test_replication_config_variants_differ_in_one_knob():
   base = cfg_mod.get_config("ppo")
   sft = cfg_mod.get_config("sft")

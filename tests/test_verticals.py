@@ -179,3 +179,36 @@ def test_vertical_configs_share_what_merging_and_cross_evaluation_need():
   assert not any(t in verticals.DESKTOP for t in verticals.get_config("sft+smoke").data.demo_tasks)  # smoke: cheap
   # every action the experts write: the games' reference players click, drag and press keys
   assert {"click", "drag", "type", "hotkey", "finished"} <= set(base.grammar.actions)
+
+
+# -- end to end ---------------------------------------------------------------------------------------
+
+@pytest.mark.slow  # ~5 min on the 2-core machine: demos of 3 sets, SFT, 3 PPO runs, 6 merges, 9 evaluations
+@pytest.mark.browser
+def test_verticals_script_end_to_end_at_smoke_size(tmp_path):
+  """`scripts/verticals.sh` (MOD=smoke, from a fresh init): the shared SFT stage, a PPO run of each
+  vertical from it, the merges (uniform, α searched on validation seeds, task arithmetic with λ searched)
+  and every model on every set, with each vertical's run starting from the shared SFT checkpoint."""
+  import json
+  import os
+  import subprocess
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  run = tmp_path / "v"
+  env = dict(os.environ, RUN=str(run), MOD="smoke", INIT="", EPISODES="3", VAL_EPISODES="1")
+  p = subprocess.run(["bash", "scripts/verticals.sh"], cwd=root, env=env, capture_output=True, text=True, timeout=1700)
+  assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+  out = json.load(open(run / "merge_eval.json"))
+  sets = list(verticals.SMOKE_VERTICALS)
+  models = {"sft", *sets, "merged_uniform", "merged_searched", "task_arithmetic"}
+  assert set(out["scores"]) == models
+  assert all(set(out["scores"][m]) == set(sets) and all(0.0 <= v <= 1.0 for v in out["scores"][m].values())
+             for m in models)
+  assert len(out["search"]) == len(ME.alpha_candidates(3, 0.25)) and out["search"][0]["alpha"] == [1 / 3] * 3
+  assert [r["lambda"] for r in out["ta_search"]] == [0.5, 1.0] and out["ta_lambda"] in (0.5, 1.0)
+  # every episode of the evaluation was played at the smoke budget (3 turns), none lost
+  for m in models:
+    for task, summary in out["tasks"][m].items():
+      assert summary["lost"] == 0 and summary["mean_steps"] <= 3, (m, task, summary)
+  for v in sets:  # each vertical's PPO started from the shared SFT policy
+    assert json.load(open(run / v / "config.json"))["policy"]["init"] == str(run / "sft")
+  assert (run / "merge_eval.png").stat().st_size > 10_000

@@ -73,7 +73,8 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   # games' reference players drag) and answers as long as the longest GUI-Browsing answer (70 bytes) ---
   c.grammar.actions = ("click", "drag", "type", "hotkey", "finished")
   c.grammar.max_content_bytes = 72
-  c.env.max_turns = MAX_TURNS[stage] if stage in MAX_TURNS else max(MAX_TURNS.values())
+  budget = MAX_TURNS[stage] if stage in MAX_TURNS else max(MAX_TURNS.values())
+  c.env.max_turns = 3 if smoke else budget  # smoke: the policy's episodes only (its experts keep theirs)
   c.env.eval_data_mode = "test"  # held-out browse questions (MiniWoB++'s test mode; games and desktop ignore it)
   c.env.launch = ("browser", "desktop") if any(t in DESKTOP for t in tasks) else ("browser",)
   c.env.desktop_sessions = 4 if smoke else 8
@@ -87,7 +88,7 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.data.demo_seeds = 2 if smoke else 16
   c.data.demo_seeds_rl_tasks = 2 if smoke else 16
   c.data.demo_seeds_by_task = () if smoke else tuple((t, 40) for t in BROWSING if t in tasks)
-  c.data.demo_max_turns = c.env.max_turns
+  c.data.demo_max_turns = budget
 
   # --- The shared SFT stage: continues the main job's SFT policy on all three sets -------------------
   c.sft.steps = 4 if smoke else 1200

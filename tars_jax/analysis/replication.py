@@ -55,6 +55,14 @@ def check_rows(rows: Sequence[dict]) -> None:
     seen.add(key)
 
 
+def rows_of_eval(variant: str, seed: int, results: dict) -> list[dict]:
+  """Result rows of one evaluation: `results` is the "results" dict of an `experiments/eval.py --json`
+  file ({task: {"success", "episodes", ...}}); one row per task with episodes, sorted by task."""
+  return [{"variant": variant, "seed": int(seed), "task": task, "episodes": int(r["episodes"]),
+           "successes": int(round(r["success"] * r["episodes"]))}
+          for task, r in sorted(results.items()) if r["episodes"]]
+
+
 def score_matrix(rows: Iterable[dict], variant: str, seeds: Sequence[int] | None = None,
                  tasks: Sequence[str] | None = None) -> tuple[np.ndarray, list[int], list[str]]:
   """Success rates of `variant`: ([n_seeds, n_tasks] float64, seeds, tasks), seeds and tasks sorted

@@ -64,11 +64,14 @@ class DemoSpec:
 
   @classmethod
   def from_parts(cls, parts, thoughts: bool = True) -> "DemoSpec":
-    """From `train.state.build(config)`: parts.loop_cfg, tokenizer, grammar, config.grammar.coord_format
-    ('int' when the grammar is unconstrained, as the sandbox's parser reads any integers)."""
+    """From `train.state.build(config)`: parts.loop_cfg with the experts' step budget
+    max(env.max_turns, data.demo_max_turns) (multi-step tasks need more turns than an RL stage may give
+    its policy), tokenizer, grammar, config.grammar.coord_format ('int' when the grammar is
+    unconstrained, as the sandbox's parser reads any integers)."""
     g = parts.config.grammar
-    return cls(parts.loop_cfg, parts.tokenizer, parts.grammar, g.coord_format if g.constrained else "int",
-               thoughts)
+    loop = dataclasses.replace(parts.loop_cfg, max_turns=max(parts.loop_cfg.max_turns,
+                                                             parts.config.data.demo_max_turns))
+    return cls(loop, parts.tokenizer, parts.grammar, g.coord_format if g.constrained else "int", thoughts)
 
 
 @dataclasses.dataclass

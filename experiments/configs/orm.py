@@ -47,7 +47,7 @@ of 4, no critic; see above) from the SFT checkpoint of training seed s, rewards 
 screens the ORM never saw (`env.train_seed_offset` 7 000 000: the suite's rollouts, hence the ORM's
 training data, are seeds 0-959), then held-out success on the suite's 100 evaluation seeds per task:
 
-  for s in 0 1; do for arm in orm verifier; do
+  for s in 0 1 2; do for arm in orm verifier; do
     python -m experiments.train --config experiments/configs/orm.py:replication_ppo_$arm --config.seed=$s \
         --config.policy.init=runs/replication3/sft/seed_$s --workdir runs/orm_rep/ppo_$arm/seed_$s
     python -m experiments.eval --run runs/orm_rep/ppo_$arm/seed_$s --episodes 100 \

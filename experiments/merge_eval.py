@@ -53,21 +53,17 @@ _VAL_EPISODES = flags.DEFINE_integer("val_episodes", 10, "Validation episodes pe
 _VAL_SEED_OFFSET = flags.DEFINE_integer("val_seed_offset", 8_000_000, "Seeds of the α search (training mode); "
                                         "apart from training (0+), demos (2e6+), vpt (5e6+), evaluation (1e7+).")
 _ALPHA_STEP = flags.DEFINE_float("alpha_step", 0.25, "Grid spacing of the α candidates (1/m).")
-_TA_LAMBDAS = flags.DEFINE_list("ta_lambdas", ["0.5", "1.0"], "Task arithmetic's λ candidates: θ_sft + λ Σ_k (θ_k - "
-                                "θ_sft), one λ for every vertical, chosen on the validation episodes (λ = 1/N "
-                                "is the uniform interpolation, already evaluated).")
+_TA_LAMBDAS = flags.DEFINE_list("ta_lambdas", ["0.5", "1.0"],
+                                "Task arithmetic's λ candidates: θ_sft + λ Σ_k (θ_k - θ_sft), one λ for every "
+                                "vertical, chosen on the validation episodes (λ = 1/N is the uniform "
+                                "interpolation, already evaluated).")
 _SERVERS = flags.DEFINE_list("servers", [], "Sandbox server URLs (default: launch the config's env.launch).")
 
 
-def _merged(ckpts: list[str], alphas, out: str) -> str:
+def _kept(out: str, build) -> str:
+  """`out`, written by `build(out)` unless a re-run finds it finished (its config.json) already."""
   if not os.path.isfile(os.path.join(out, "config.json")):
-    merge.interpolate(ckpts, alphas, out, overwrite=True)
-  return out
-
-
-def _task_arithmetic(base: str, ckpts: list[str], lam: float, out: str) -> str:
-  if not os.path.isfile(os.path.join(out, "config.json")):
-    merge.task_arithmetic(base, ckpts, [lam] * len(ckpts), out, overwrite=True)
+    build(out)
   return out
 
 
@@ -109,7 +105,8 @@ def main(argv):
   out = {"episodes": _EPISODES.value, "val_episodes": _VAL_EPISODES.value, "sets": sets, "search": []}
   with service, env_fleet(config.env, urls=_SERVERS.value or None) as (loop, clients):
     for i, alpha in enumerate(ME.alpha_candidates(len(names), _ALPHA_STEP.value)):
-      path = _merged(verticals, alpha, os.path.join(wd, "alpha_search", str(i)))
+      path = _kept(os.path.join(wd, "alpha_search", str(i)),
+                   lambda o: merge.interpolate(verticals, alpha, o, overwrite=True))
       scores, _ = evaluate(path, _VAL_EPISODES.value, _VAL_SEED_OFFSET.value, "train")
       out["search"].append({"alpha": list(alpha), "scores": scores, "mean": sum(scores.values()) / len(scores)})
       print(f"[merge_eval] α={tuple(round(a, 3) for a in alpha)}: validation {scores}")
@@ -119,7 +116,8 @@ def main(argv):
     models["merged_searched"] = os.path.join(wd, "alpha_search", str(out["search"].index(best)))
     out["ta_search"] = []
     for lam in (float(x) for x in _TA_LAMBDAS.value):
-      path = _task_arithmetic(models["sft"], verticals, lam, os.path.join(wd, "task_arithmetic", f"{lam:g}"))
+      path = _kept(os.path.join(wd, "task_arithmetic", f"{lam:g}"),
+                   lambda o: merge.task_arithmetic(models["sft"], verticals, [lam] * len(verticals), o, overwrite=True))
       scores, _ = evaluate(path, _VAL_EPISODES.value, _VAL_SEED_OFFSET.value, "train")
       out["ta_search"].append({"lambda": lam, "path": path, "scores": scores,
                                "mean": sum(scores.values()) / len(scores)})

@@ -11,7 +11,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # Where a JAX compilation cache is set (JAX_COMPILATION_CACHE_DIR: CI, the replication suite, the
 # pipelines), keep every program in it, not only those that took >= 1 s (JAX's default): a smoke
 # trainer process compiles ~160 small programs (~8 s together), again in each process otherwise
-# (benchmarks/RESULTS.md, "compilation cache").
+# (benchmarks/RESULTS.md, "`.ci/run` at `242b41d`").
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0}
 if [[ ${TARS_MALLOC:-tcmalloc} != system && ${LD_PRELOAD:-} != *tcmalloc* ]]; then
   # No early-exiting reader in a pipe (awk 'exit', grep -q): under `set -o pipefail` the writer's SIGPIPE

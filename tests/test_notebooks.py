@@ -12,7 +12,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
 
-@pytest.mark.slow  # ~4-6 min on the 2-core machine: the smoke suite (demos, SFT, value pretraining, PPO, GRPO), 5 notebooks
+# ~8 min in CI's slow step (486 s beside the other worker): the smoke suite (demos, SFT, value pretraining,
+# PPO, GRPO), then 5 notebooks
 def test_every_notebook_executes_on_the_smoke_suite(tmp_path):
   runs = tmp_path / "nb"
   p = subprocess.run(["bash", "scripts/notebooks.sh"], cwd=ROOT, env=dict(os.environ, NB_RUNS=str(runs)),

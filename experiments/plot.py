@@ -255,7 +255,11 @@ def pipeline_figure(run: str) -> plt.Figure:
     x, y = _series(stages["ppo"], key)
     if len(x):
       ax.plot(x, smooth(y), label=f"ppo {label}")
-  ax.set(title="critic: value pretraining, then PPO", xlabel="iteration")
+  # A batch of near-constant returns (every episode a success) has a variance near 0, so its explained
+  # variance can reach -1e6 and flatten every other line: the axis stops at -1.
+  ax.set(title="critic: value pretraining, then PPO (axis from -1)", xlabel="iteration")
+  ys = np.concatenate([np.asarray(line.get_ydata(), float) for line in ax.lines] or [np.zeros(1)])
+  ax.set_ylim(-1.0, max(1.05, float(np.nanmax(ys, initial=0.0)) * 1.05))
   ax = axes[1, 1]
   for key, label in (("explore/entropy_free", "entropy / free decision"),
                      ("train/informative_fraction", "informative fraction"),

@@ -204,11 +204,18 @@ async def play(client: SandboxClient, task: str, seed: int, spec: DemoSpec, expe
                                 tok=spec.tokenizer)
 
 
+_NOT_PLAYED = object()  # a job `collect` counted without playing it (an inexpressible answer)
+
+
 async def collect(clients: Sequence[SandboxClient], jobs: Sequence[tuple[str, int]], spec: DemoSpec,
                   writer, *, concurrency: int = 32, experts: dict[str, E.Expert] | None = None,
                   progress: bool = True) -> dict[str, TaskStats]:
   """Plays every (task, seed) job with its task's expert, `concurrency` episodes at a time spread
-  round-robin over `clients`, and writes each successful episode as it ends (`write_demo`).
+  round-robin over `clients`, and writes the successful episodes in the order of `jobs` (`write_demo`), so
+  that one job list gives one record file whatever order the sandboxes finish in: the training iterator
+  shuffles record indices with a fixed seed, and completion order made two runs of one config train on
+  different batches. An episode that ends before an earlier job is held until that job ends (at most
+  the jobs in flight, `concurrency`, plus those held behind a retried one).
 
   A server never gets more episodes at once than its `max_sessions` (its `/health`; `session_caps`): a
   desktop server holds far fewer sessions than a browser one, and ServerBusy replies would use up the
@@ -223,7 +230,19 @@ async def collect(clients: Sequence[SandboxClient], jobs: Sequence[tuple[str, in
   caps = await session_caps(clients)
   bar = tqdm(total=len(jobs), desc="expert episodes", unit="ep", disable=not progress)
 
+  ended: dict[int, tuple[str, int, Any]] = {}  # job index -> its result, until every earlier job ended
+  next_k = 0
+
+  def ended_job(k: int, task: str, seed: int, res) -> None:
+    nonlocal next_k
+    ended[k] = (task, seed, res)
+    while next_k in ended:
+      record(*ended.pop(next_k))
+      next_k += 1
+
   def record(task: str, seed: int, res) -> None:
+    if res is _NOT_PLAYED:
+      return
     st = stats[task]
     if res is None:
       st.lost += 1
@@ -243,6 +262,7 @@ async def collect(clients: Sequence[SandboxClient], jobs: Sequence[tuple[str, in
   async def one(k: int, task: str, seed: int):
     if chosen[task].reads == "browse" and not answer_expressible(task, seed, spec):  # counted, never played
       stats[task].inexpressible += 1
+      ended_job(k, task, seed, _NOT_PLAYED)
       bar.update(1)
       return
     async def attempt(a: int):
@@ -253,8 +273,7 @@ async def collect(clients: Sequence[SandboxClient], jobs: Sequence[tuple[str, in
     async with sem:
       res = await episode_lib.with_retries(attempt, retries=spec.loop.max_retries,
                                            what=f"expert episode {task}/{seed}")
-      # Written as each episode ends (in completion order): nothing piles up in memory.
-      record(task, seed, res)
+      ended_job(k, task, seed, res)
       bar.update(1)
 
   try:

@@ -48,6 +48,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from tars_jax import sharding
 from tars_jax.data import records
 from tars_jax.train import orm as orm_lib
 from tars_jax.train import checkpoint as ckpt
@@ -81,7 +82,7 @@ def main(argv):
     state, src = state_lib.load_policy(state, config.policy.init, opt)
     print(f"[orm] initialised from {src}")
   else:
-    state = dict(state, policy_opt=opt.init(state["policy"]))
+    state = dict(state, policy_opt=sharding.committed(opt.init(state["policy"])))
   tok = parts.tokenizer
   for dirs in (o.data, o.heldout):  # mismatched or empty data fails here, before any step
     if dirs:

@@ -49,6 +49,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from tars_jax import sharding
 from tars_jax.agent.trajectory import collate, real_rows
 from tars_jax.analysis.image_dependence import image_dependence
 from tars_jax.data import pipeline, records
@@ -102,7 +103,7 @@ def main(argv):
     state, src = state_lib.load_policy(state, config.policy.init, opt)
     print(f"[sft] policy initialised from {src}")
   else:
-    state = dict(state, policy_opt=opt.init(state["policy"]))
+    state = dict(state, policy_opt=sharding.committed(opt.init(state["policy"])))
   prep = functools.partial(sft.prepare, grammar=parts.grammar, tokenizer=tok, thoughts=s.thoughts)
   coll_kw = dict(pad_id=tok.pad_id, image_hw=parts.image_hw, length_multiple=config.length_multiple,
                  batch_size=s.batch_size)

@@ -201,6 +201,26 @@ def shard(tree: Any, mesh: Mesh, rules=None) -> Any:
   return jax.device_put(tree, logical_to_sharding(tree, mesh, rules))
 
 
+def committed(tree: Any) -> Any:
+  """`tree` with every uncommitted jax.Array leaf committed: next to the tree's committed leaves
+  (replicated over their mesh for a `NamedSharding`), on the default device when none is.
+
+  jax.jit keys its compiled programs on whether each argument is committed, and the outputs of a
+  jitted step always are. A train state fresh from `jnp.zeros` / `optax.init` (step counts) went into
+  the first update uncommitted and came out committed, so the first update compiled its step twice
+  (the main job's PPO minibatch step: ~18 s each on 2 cores; benchmarks/RESULTS.md, 2026-12-05).
+  """
+  arrays = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
+  anchor = next((x for x in arrays if x.committed), None)
+  if anchor is not None and isinstance(anchor.sharding, NamedSharding):
+    target = NamedSharding(anchor.sharding.mesh, PartitionSpec())
+  else:
+    device = next(iter(anchor.sharding.device_set)) if anchor is not None else jax.devices()[0]
+    target = jax.sharding.SingleDeviceSharding(device)
+  return jax.tree.map(lambda x: jax.device_put(x, target) if isinstance(x, jax.Array) and not x.committed
+                      else x, tree)
+
+
 def sharded_init(make_model: Callable[[], nnx.Module], mesh: Mesh, rules=None):
   """(graphdef, state) of `make_model()` created directly in its sharded layout: the shapes come
   from `nnx.eval_shape`, the shardings from the rules, and the initialisers run under

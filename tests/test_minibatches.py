@@ -1,11 +1,11 @@
-"""Minibatches of the PPO update (`ppo.minibatch_rows`, `ppo.trim_padding`) and the power-of-two
-buckets (`trajectory.pow2_bucket`) that bound their jit shapes: pure logic, checked by hand. The
+"""Minibatches of the PPO update (`ppo.minibatch_rows`, `ppo.trim_padding`) and the buckets
+(`trajectory.pow2_bucket`, `trajectory.half_octave_bucket`) that bound their jit shapes: pure logic, checked by hand. The
 equality of trimmed and padded log-probs on a real rollout is in tests/test_on_policy.py."""
 
 import numpy as np
 import pytest
 
-from tars_jax.agent.trajectory import pow2_bucket
+from tars_jax.agent.trajectory import half_octave_bucket, pow2_bucket
 from tars_jax.train import ppo
 
 
@@ -46,6 +46,15 @@ def test_by_length_groups_rows_of_one_shape():
   assert any(len(set(images[m])) == 2 for m in plain)  # what the grouping avoids
 
 
+def test_half_octave_bucket_by_hand():
+  ns = (1, 64, 65, 96, 97, 128, 129, 158, 192, 193, 257, 300, 385)
+  assert [half_octave_bucket(n, 64, 1024) for n in ns] == [64, 64, 96, 96, 128, 128, 192, 192, 192, 256,
+                                                            384, 384, 512]
+  assert [half_octave_bucket(n, 64, 320) for n in (257, 320)] == [320, 320]  # capped
+  with pytest.raises(ValueError, match="exceeds its cap"):
+    half_octave_bucket(321, 64, 320)
+
+
 def test_trim_padding_cuts_every_field_to_the_minibatch():
   b, t, m = 3, 320, 6
   mb = {"tokens": np.zeros((b, t), np.int32), "attn_mask": np.zeros((b, t), bool),
@@ -57,5 +66,7 @@ def test_trim_padding_cuts_every_field_to_the_minibatch():
   assert out["loss_mask"].shape == (b, 127) and out["advantages"].shape == (b, 127)
   assert out["pixel_values"].shape == (b, 4, 4, 4, 3) and out["image_mask"].shape == (b, 4)
   assert out["row_episode"].shape == (b,)
+  # the main job's one-screen rows (158 tokens) in a batch padded for two-screen ones: 192, not 256
+  assert ppo.trim_padding(mb, np.array([158, 150, 140]), np.ones(3, int))["tokens"].shape == (b, 192)
   full = ppo.trim_padding(mb, np.array([300, 10, 10]), np.array([5, 1, 1]))
   assert full["tokens"].shape == (b, t) and full["pixel_values"].shape[1] == m

@@ -61,3 +61,24 @@ def test_eval_resolves_the_newest_stage_of_a_pipeline_run(tmp_path):
   assert resolve_run(str(run / "sft")) == str(run / "sft")
   with pytest.raises(FileNotFoundError, match="no config.json"):
     resolve_run(str(tmp_path / "empty"))
+
+
+def test_fresh_and_loaded_states_compile_a_jitted_step_once(parts, tmp_path):
+  # jax.jit keys its programs on whether each argument is committed and a step's outputs always are:
+  # an uncommitted leaf (a fresh optimiser's step count) made the first update compile twice.
+  mngr = ckpt.manager(str(tmp_path / "sft"))
+  ckpt.save(mngr, 1, parts.init_state(1), {"iteration": 1})
+  fresh = parts.init_state(0)
+  loaded, _ = state_lib.load_policy(fresh, str(tmp_path / "sft"), parts.popt)
+  for state in (fresh, loaded, state_lib.load_critic(fresh, _saved_critic(fresh, tmp_path), parts.copt)):
+    assert all(x.committed for x in jax.tree.leaves(state))
+    step = jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s))
+    step(step(state))
+    assert step._cache_size() == 1
+
+
+def _saved_critic(state, tmp_path):
+  path = str(tmp_path / "critic")
+  if not os.path.isdir(path):
+    ckpt.save_tree(path, state["critic"])
+  return path

@@ -178,6 +178,21 @@ def pow2_bucket(n: int, floor: int, cap: int) -> int:
   return min(b, cap)
 
 
+def half_octave_bucket(n: int, floor: int, cap: int) -> int:
+  """The smallest of floor * {1, 3/2, 2, 3, 4, 6, 8, ...} (powers of two and 3 x powers of two) >= n,
+  at most `cap`: twice the shapes of `pow2_bucket` over a range, with at most 1.5x padding instead of
+  2x (the PPO minibatch's sequence length: a 158-token row cut to 192, not 256, beside 257-token rows
+  in one batch). `floor` must be even. Raises ValueError if n > cap."""
+  if n > cap:
+    raise ValueError(f"size {n} exceeds its cap {cap}")
+  b = max(2, floor)
+  while b < n:
+    if b + b // 2 >= n:
+      return min(b + b // 2, cap)
+    b *= 2
+  return min(b, cap)
+
+
 def episode_arrays(ep: Episode) -> dict[str, np.ndarray]:
   """Token view of one episode, unpadded, in *input* alignment ([L] arrays).
 

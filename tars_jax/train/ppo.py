@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from tars_jax.agent.trajectory import pow2_bucket
+from tars_jax.agent.trajectory import half_octave_bucket, pow2_bucket
 from tars_jax.distributed import to_host
 from tars_jax.models.inference import sampler
 from tars_jax.rl import advantages as adv_lib
@@ -367,13 +367,13 @@ _TRIM_FLOOR = 64  # smallest sequence bucket of a trimmed minibatch (tokens)
 
 
 def _trimmed_shape(length: int, images: int, t: int, m: int) -> tuple[int, int]:
-  return (pow2_bucket(int(length), _TRIM_FLOOR, max(t, _TRIM_FLOOR)) if t >= _TRIM_FLOOR else t,
+  return (half_octave_bucket(int(length), _TRIM_FLOOR, max(t, _TRIM_FLOOR)) if t >= _TRIM_FLOOR else t,
           pow2_bucket(max(1, int(images)), 1, m))
 
 
 def trim_padding(mb: dict, lengths: np.ndarray, images: np.ndarray) -> dict:
-  """A minibatch cut to its content: tokens [b, T] -> [b, t] (t = 64 * 2**k >= its longest row, at
-  most T), target-aligned fields [b, T-1] -> [b, t-1], screenshots [b, M, ...] -> [b, m] (m = 2**k >=
+  """A minibatch cut to its content: tokens [b, T] -> [b, t] (t the smallest of 64 * {1, 1.5, 2, 3, 4,
+  6, ...} >= its longest row, at most T: `half_octave_bucket`), target-aligned fields [b, T-1] -> [b, t-1], screenshots [b, M, ...] -> [b, m] (m = 2**k >=
   its most screenshots, at most M). Rows are right-padded and the model is causal, so the real
   tokens' log-probs and values are those of the padded batch (to float rounding); a few bucketed
   shapes keep the number of compilations small. lengths, images: [b] per row."""

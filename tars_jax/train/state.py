@@ -56,7 +56,8 @@ class Parts:
   hf: Any = None  # hf_tokenizer.HFAgent of `policy.init=hf:<dir>` (its weights are the initial policy), or None
 
   def init_state(self, seed: int) -> dict:
-    """Fresh train state (random init of policy and critic) from `seed`.
+    """Fresh train state (random init of policy and critic) from `seed`, every leaf committed
+    (`sharding.committed`: the first update compiles its step once, not twice).
 
     With a mesh: parameters initialised straight into their shards (`sharding.sharded_init`) and
     optimiser states created with the same shardings (Adam moments like their parameters);
@@ -64,9 +65,12 @@ class Parts:
     """
     kp, kc = jax.random.split(jax.random.PRNGKey(seed))
     if self.hf is not None:
-      return self._init_from_hf(kc)
+      return sharding.committed(self._init_from_hf(kc))
     if self.mesh is not None:
-      return self._init_sharded(kp, kc)
+      return sharding.committed(self._init_sharded(kp, kc))
+    return sharding.committed(self._init_one_device(kp, kc))
+
+  def _init_one_device(self, kp, kc) -> dict:
     policy = Policy(self.model_cfg, rngs=nnx.Rngs(kp))
     critic = ValueModel(self.model_cfg, rngs=nnx.Rngs(kc))
     _, pp = nnx.split(policy)
@@ -195,9 +199,10 @@ class Parts:
 
 def load_critic(state: dict, path: str, copt) -> dict:
   """`state` with its critic restored from a `checkpoint.save_tree` directory (value pretraining)
-  and a fresh critic optimiser state. Raises: FileNotFoundError / ValueError (mismatched model)."""
+  and a fresh critic optimiser state (committed, `sharding.committed`).
+  Raises: FileNotFoundError / ValueError (mismatched model)."""
   critic = checkpoint.restore_tree(path, state["critic"])
-  return dict(state, critic=critic, critic_opt=copt.init(critic))
+  return dict(state, critic=critic, critic_opt=sharding.committed(copt.init(critic)))
 
 
 def checkpoint_location(path: str) -> tuple[str, int | None]:
@@ -231,7 +236,7 @@ def restore_policy(state: Any, path: str) -> tuple[Any, int, str]:
 
 def load_policy(state: dict, path: str, popt) -> tuple[dict, str]:
   """`state` with its policy restored from another run (e.g. the SFT stage) and a fresh policy
-  optimiser state; returns (state, "<checkpoint dir>/<step>") for the log.
+  optimiser state (committed, `sharding.committed`); returns (state, "<checkpoint dir>/<step>") for the log.
 
   path: a run dir (its latest complete checkpoint) or one of its step dirs `<run>/checkpoints/<step>`.
   The run must have the same model config (its train state is restored into the structure of `state`).
@@ -243,7 +248,7 @@ def load_policy(state: dict, path: str, popt) -> tuple[dict, str]:
     policy, _, src = restore_policy(state, path)
   except FileNotFoundError as e:  # name the setting that pointed there
     raise FileNotFoundError(f"policy.init: {e}") from None
-  return dict(state, policy=policy, policy_opt=popt.init(policy)), src
+  return dict(state, policy=policy, policy_opt=sharding.committed(popt.init(policy))), src
 
 
 def hparams(config) -> ppo.PPOHparams:

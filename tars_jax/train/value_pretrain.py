@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from tars_jax import sharding
 from tars_jax.rl import advantages as adv_lib
 from tars_jax.rl.checks import check_finite
 from tars_jax.train import ppo
@@ -57,8 +58,9 @@ def pretrain_hparams(hp: ppo.PPOHparams, value_clip: float | None = None) -> ppo
 
 
 def init_critic_state(critic_params, copt: optax.GradientTransformation) -> dict:
-  """{"step", "critic", "critic_opt"}: the state `value_update` transforms."""
-  return {"step": jnp.zeros((), jnp.int32), "critic": critic_params, "critic_opt": copt.init(critic_params)}
+  """{"step", "critic", "critic_opt"}: the state `value_update` transforms, committed (`sharding.committed`)."""
+  return sharding.committed({"step": jnp.zeros((), jnp.int32), "critic": critic_params,
+                             "critic_opt": copt.init(critic_params)})
 
 
 @functools.partial(jax.jit, static_argnames=("critic_gd", "copt", "hp", "inputs"), donate_argnames=("state",))

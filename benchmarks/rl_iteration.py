@@ -2,7 +2,13 @@ r"""The RL stage's iteration, two checkouts side by side in one run (issue #37 i
 iteration's time goes and episodes per second, before and after a change, on the same seeds.
 
   .venv/bin/python -m benchmarks.rl_iteration --trees /work/base,. --init runs/replication/sft/seed_0 \
-      --critic runs/replication/vpt/seed_0/critic [--config experiments/configs/replication.py:ppo] [--iterations 5] [--repeats 2]
+      --critic runs/replication/vpt/seed_0/critic [--config experiments/configs/replication.py:ppo] \
+      [--iterations 5] [--repeats 2]
+  # the main job's RL stage as a fresh user runs it: 20 iterations, nothing compiled beforehand; a third
+  # column with a config override
+  .venv/bin/python -m benchmarks.rl_iteration --trees /work/base,.,. --tree_flags ",,model.moe_impl=grouped" \
+      --init runs/main/sft --critic runs/main/vpt/critic --config experiments/configs/miniwob_pipeline.py \
+      --iterations 20 --cold
 
 Each checkout (a git worktree of another commit, or this one) runs the RL trainer as a user would
 (`python -m experiments.train`, its own code on PYTHONPATH) from the same SFT checkpoint, for
@@ -12,7 +18,9 @@ alternate `--repeats` times (A B A B), so a busy host slows both alike. Per iter
 the update, and the rest of the iteration (collating, metrics, checkpoint, logging: the wall time
 between rows minus both). Prints one table of medians per checkout, episodes per second (episodes of an
 iteration / its wall time) and the ratio to the first checkout, plus the training success of each
-iteration (the same seeds: equal within sampling noise).
+iteration (the same seeds: equal within sampling noise). The stage columns are the whole trainer
+process: its episodes over its wall time, start-up and compilations included (`--cold`: each run with
+its own empty compilation cache, as a user's first run; otherwise one cache shared by all runs).
 """
 
 from __future__ import annotations
@@ -37,16 +45,21 @@ _CONFIG = flags.DEFINE_string("config", "experiments/configs/replication.py:ppo"
 _ITERS = flags.DEFINE_integer("iterations", 5, "RL iterations per run (the first is not timed).")
 _REPEATS = flags.DEFINE_integer("repeats", 2, "Runs per checkout, alternating.")
 _JSON = flags.DEFINE_string("json", None, "Write the per-run rows here.")
+_TREE_FLAGS = flags.DEFINE_list("tree_flags", None, "Per tree (same order and count as --trees): config "
+                                "overrides 'a.b=v' joined by ';' ('' for none), passed as --config.a.b=v.")
+_COLD = flags.DEFINE_bool("cold", False, "Each run compiles from an empty compilation cache of its own.")
 
 
-def run_once(tree: str, workdir: str, cache: str) -> dict:
-  """One trainer process in `tree`; returns its per-iteration rows and wall time (seconds)."""
+def run_once(tree: str, workdir: str, cache: str, overrides: str = "") -> dict:
+  """One trainer process in `tree` with config `overrides` ('a.b=v;c=w'); returns its per-iteration
+  rows and wall time (seconds)."""
   env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), JAX_COMPILATION_CACHE_DIR=cache)
   argv = [sys.executable, "-m", "experiments.train", "--config", _CONFIG.value, "--workdir", workdir,
           f"--config.policy.init={os.path.abspath(_INIT.value)}", f"--config.iterations={_ITERS.value}",
           "--config.eval_every=0", "--config.seed=0", f"--config.ckpt_every={_ITERS.value}",
           "--config.log_trajectories=0"] + (
-              [f"--config.critic.init={os.path.abspath(_CRITIC.value)}"] if _CRITIC.value else [])
+              [f"--config.critic.init={os.path.abspath(_CRITIC.value)}"] if _CRITIC.value else []) + [
+                  f"--config.{o.strip()}" for o in overrides.split(";") if o.strip()]
   t0 = time.time()
   p = subprocess.run(argv, cwd=tree, env=env, capture_output=True, text=True)
   wall = time.time() - t0
@@ -67,31 +80,42 @@ def summarize(run: dict) -> dict:
   episodes = run["rows"][1]["episodes_total"] - run["rows"][0]["episodes_total"]
   out["episodes_per_s"] = episodes / out["iteration_s"]
   out["success"] = [round(r["success_rate"], 3) for r in run["rows"]]
+  out["stage_s"] = run["wall_s"]
+  out["stage_episodes_per_s"] = run["rows"][-1]["episodes_total"] / run["wall_s"]
   return out
 
 
 def main(_):
-  cache = os.path.abspath(os.path.join("runs", "bench_rl_iteration_cache"))
+  trees = _TREES.value
+  tree_flags = _TREE_FLAGS.value or [""] * len(trees)
+  if len(tree_flags) != len(trees):
+    raise app.UsageError(f"--tree_flags has {len(tree_flags)} entries for {len(trees)} trees")
   runs = []
   with tempfile.TemporaryDirectory(dir=os.path.abspath("runs") if os.path.isdir("runs") else None) as tmp:
+    shared = os.path.abspath(os.path.join("runs", "bench_rl_iteration_cache"))
     for r in range(_REPEATS.value):
-      for i, tree in enumerate(_TREES.value):
-        run = run_once(tree, os.path.join(tmp, f"r{r}_t{i}"), cache)
-        run.update(summarize(run), repeat=r)
+      for i, tree in enumerate(trees):
+        cache = os.path.join(tmp, f"cache_r{r}_t{i}") if _COLD.value else shared
+        run = run_once(tree, os.path.join(tmp, f"r{r}_t{i}"), cache, tree_flags[i])
+        run.update(summarize(run), repeat=r, column=i, flags=tree_flags[i])
         runs.append(run)
-        print(f"[rl_iteration] {tree} repeat {r}: {run['episodes_per_s']:.2f} episodes/s "
-              f"(iteration {run['iteration_s']:.1f} s)", flush=True)
+        print(f"[rl_iteration] {tree} {tree_flags[i]} repeat {r}: {run['episodes_per_s']:.2f} episodes/s "
+              f"(iteration {run['iteration_s']:.1f} s), stage {run['stage_episodes_per_s']:.2f} episodes/s "
+              f"({run['stage_s']:.0f} s)", flush=True)
   print(command_line("benchmarks.rl_iteration", " ".join(sys.argv[1:])))
-  keys = ("rollout_s", "policy_s", "env_wait_s", "update_s", "rest_s", "iteration_s", "episodes_per_s")
-  print("| checkout | " + " | ".join(keys) + " | x baseline | training success per iteration |")
+  keys = ("rollout_s", "policy_s", "env_wait_s", "update_s", "rest_s", "iteration_s", "episodes_per_s",
+          "stage_s", "stage_episodes_per_s")
+  print("| checkout | " + " | ".join(keys) + " | x baseline (iteration, stage) | training success per iteration |")
   print("|---" * (len(keys) + 3) + "|")
   base = None
-  for tree in _TREES.value:
-    mine = [r for r in runs if r["tree"] == tree]
+  for i, tree in enumerate(trees):
+    mine = [r for r in runs if r["column"] == i]
     m = {k: statistics.median(r[k] for r in mine) for k in keys}
-    base = base or m["episodes_per_s"]
+    base = base or m
     succ = " / ".join(",".join(f"{s:.2f}" for s in r["success"]) for r in mine)
-    print(f"| {tree} | " + " | ".join(f"{m[k]:.2f}" for k in keys) + f" | {m['episodes_per_s'] / base:.2f} | {succ} |")
+    ratio = (f"{m['episodes_per_s'] / base['episodes_per_s']:.2f}, "
+             f"{m['stage_episodes_per_s'] / base['stage_episodes_per_s']:.2f}")
+    print(f"| {tree} {tree_flags[i]} | " + " | ".join(f"{m[k]:.2f}" for k in keys) + f" | {ratio} | {succ} |")
   if _JSON.value:
     with open(_JSON.value, "w") as f:
       json.dump([{k: v for k, v in r.items() if k != "rows"} | {"rows": r["rows"]} for r in runs], f, indent=1)

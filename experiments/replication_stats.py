@@ -3,11 +3,15 @@ r"""Every interval of docs/replication.md rows 1-5, recomputed from the committe
   python -m experiments.replication_stats benchmarks/results/replication.json
   python -m experiments.replication_stats runs/replication/replication.json --reps 2000
   python -m experiments.replication_stats benchmarks/results/quantized_serving.json --compare ppo_kl_int8:ppo_kl
+  python -m experiments.replication_stats benchmarks/results/replication.json \
+      benchmarks/results/replication_rerun.json --compare ppo_kl:sft      # the runs of both files pooled
 
 Prints per variant the IQM and mean held-out success with 95 % stratified bootstrap CIs, each
 comparison's paired difference with its CI and probability of improvement (rliable; see
 tars_jax/analysis/replication.py), and per task the mean +- std over training seeds. A variant with
-fewer than 3 training seeds gets no interval (refused).
+fewer than 3 training seeds gets no interval (refused). Several files pool their runs: a run of file k
+(from 0) counts as training seed `seed + 1000 k`, another run than seed `seed` of another file (a re-run
+whose SFT checkpoint was re-made is another training run, even at the same seed).
 """
 
 from __future__ import annotations
@@ -22,10 +26,11 @@ _COMPARE = flags.DEFINE_list("compare", None, "x:y pairs of variants to compare 
 
 
 def main(argv):
-  if len(argv) != 2:
-    raise app.UsageError("usage: python -m experiments.replication_stats <replication.json>")
-  rows = R.load_rows(argv[1])
-  print(f"{argv[1]}: {len(rows)} rows; training seeds per variant: {R.runs_per_variant(rows)}\n")
+  if len(argv) < 2:
+    raise app.UsageError("usage: python -m experiments.replication_stats <replication.json> [<more.json> ...]")
+  rows = [dict(r, seed=int(r["seed"]) + 1000 * k) for k, path in enumerate(argv[1:]) for r in R.load_rows(path)]
+  R.check_rows(rows)
+  print(f"{', '.join(argv[1:])}: {len(rows)} rows; training seeds per variant: {R.runs_per_variant(rows)}\n")
   comparisons = R.COMPARISONS
   if _COMPARE.value:
     if not all(p.count(":") == 1 for p in _COMPARE.value):

@@ -145,6 +145,21 @@ def test_result_rows_cli_turns_evaluations_into_rows_and_refuses_a_run_twice(tmp
   assert p.returncode != 0 and "expected variant:seed=path" in p.stderr
 
 
+def test_stats_cli_pools_the_runs_of_several_files(tmp_path):
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  better = [[min(1.0, x + 0.1) for x in row] for row in P_SFT]
+  for name in ("first", "rerun"):  # the same seed numbers: other runs (a re-made SFT checkpoint)
+    (tmp_path / f"{name}.json").write_text(json.dumps(_rows("sft", P_SFT) + _rows("ppo", better)))
+  cmd = [sys.executable, "-m", "experiments.replication_stats", "--reps", "200", "--compare", "ppo:sft"]
+  p = subprocess.run(cmd + [str(tmp_path / "first.json"), str(tmp_path / "rerun.json")], cwd=root,
+                     capture_output=True, text=True)
+  assert p.returncode == 0, p.stderr
+  assert "training seeds per variant: {'ppo': 6, 'sft': 6}" in p.stdout
+  assert "| - | ppo vs sft (as asked) | 6 | +0.100 [" in p.stdout
+
+
 def test_replication_config_variants_differ_in_one_knob():
   base = cfg_mod.get_config("ppo")
   sft = cfg_mod.get_config("sft")

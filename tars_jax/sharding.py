@@ -208,7 +208,7 @@ def committed(tree: Any) -> Any:
   jax.jit keys its compiled programs on whether each argument is committed, and the outputs of a
   jitted step always are. A train state fresh from `jnp.zeros` / `optax.init` (step counts) went into
   the first update uncommitted and came out committed, so the first update compiled its step twice
-  (the main job's PPO minibatch step: ~18 s each on 2 cores; benchmarks/RESULTS.md, 2026-12-05).
+  (benchmarks/RESULTS.md, "The main job's RL stage: one compilation of the first update").
   """
   arrays = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
   anchor = next((x for x in arrays if x.committed), None)

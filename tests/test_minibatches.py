@@ -1,6 +1,6 @@
 """Minibatches of the PPO update (`ppo.minibatch_rows`, `ppo.trim_padding`) and the buckets
-(`trajectory.pow2_bucket`, `trajectory.half_octave_bucket`) that bound their jit shapes: pure logic, checked by hand. The
-equality of trimmed and padded log-probs on a real rollout is in tests/test_on_policy.py."""
+(`trajectory.pow2_bucket`, `trajectory.half_octave_bucket`) that bound their jit shapes: pure logic,
+checked by hand. The equality of trimmed and padded log-probs on a real rollout is in tests/test_on_policy.py."""
 
 import numpy as np
 import pytest

@@ -373,10 +373,10 @@ def _trimmed_shape(length: int, images: int, t: int, m: int) -> tuple[int, int]:
 
 def trim_padding(mb: dict, lengths: np.ndarray, images: np.ndarray) -> dict:
   """A minibatch cut to its content: tokens [b, T] -> [b, t] (t the smallest of 64 * {1, 1.5, 2, 3, 4,
-  6, ...} >= its longest row, at most T: `half_octave_bucket`), target-aligned fields [b, T-1] -> [b, t-1], screenshots [b, M, ...] -> [b, m] (m = 2**k >=
-  its most screenshots, at most M). Rows are right-padded and the model is causal, so the real
-  tokens' log-probs and values are those of the padded batch (to float rounding); a few bucketed
-  shapes keep the number of compilations small. lengths, images: [b] per row."""
+  6, ...} >= its longest row, at most T: `half_octave_bucket`), target-aligned fields [b, T-1] ->
+  [b, t-1], screenshots [b, M, ...] -> [b, m] (m = 2**k >= its most screenshots, at most M). Rows are
+  right-padded and the model is causal, so the real tokens' log-probs and values are those of the padded
+  batch (to float rounding); a few bucketed shapes keep the number of compilations small. lengths, images: [b] per row."""
   t_full, m_full = mb["tokens"].shape[1], mb["image_mask"].shape[1]
   t, m = _trimmed_shape(lengths.max(), images.max(), t_full, m_full)
   if (t, m) == (t_full, m_full):

@@ -204,7 +204,7 @@ async def play(client: SandboxClient, task: str, seed: int, spec: DemoSpec, expe
                                 tok=spec.tokenizer)
 
 
-_NOT_PLAYED = object()  # a job `collect` counted without playing it (an inexpressible answer)
+_NOT_PLAYED = object()  # the result of a job `collect` does not play (an inexpressible answer)
 
 
 async def collect(clients: Sequence[SandboxClient], jobs: Sequence[tuple[str, int]], spec: DemoSpec,
@@ -241,9 +241,10 @@ async def collect(clients: Sequence[SandboxClient], jobs: Sequence[tuple[str, in
       next_k += 1
 
   def record(task: str, seed: int, res) -> None:
-    if res is _NOT_PLAYED:
-      return
     st = stats[task]
+    if res is _NOT_PLAYED:
+      st.inexpressible += 1
+      return
     if res is None:
       st.lost += 1
       return
@@ -261,7 +262,6 @@ async def collect(clients: Sequence[SandboxClient], jobs: Sequence[tuple[str, in
 
   async def one(k: int, task: str, seed: int):
     if chosen[task].reads == "browse" and not answer_expressible(task, seed, spec):  # counted, never played
-      stats[task].inexpressible += 1
       ended_job(k, task, seed, _NOT_PLAYED)
       bar.update(1)
       return

@@ -209,8 +209,11 @@ def committed(tree: Any) -> Any:
   jitted step always are. A train state fresh from `jnp.zeros` / `optax.init` (step counts) went into
   the first update uncommitted and came out committed, so the first update compiled its step twice
   (benchmarks/RESULTS.md, "The main job's RL stage: one compilation of the first update").
+  Under tracing (`jax.jit`, `jax.eval_shape`) the tree is returned unchanged.
   """
   arrays = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
+  if any(isinstance(x, jax.core.Tracer) for x in arrays):
+    return tree  # under jit / eval_shape placement is the caller's; a tracer has no `committed`
   anchor = next((x for x in arrays if x.committed), None)
   if anchor is not None and isinstance(anchor.sharding, NamedSharding):
     target = NamedSharding(anchor.sharding.mesh, PartitionSpec())

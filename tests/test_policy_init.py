@@ -82,3 +82,12 @@ def _saved_critic(state, tmp_path):
   if not os.path.isdir(path):
     ckpt.save_tree(path, state["critic"])
   return path
+
+
+def test_init_state_traces_under_eval_shape(parts):
+  # the train state's abstract structure (merge tests, the ORM's loader) comes from tracing init_state
+  abstract = jax.eval_shape(parts.init_state, 0)
+  concrete = parts.init_state(0)
+  assert jax.tree.structure(abstract) == jax.tree.structure(concrete)
+  assert all(a.shape == c.shape and a.dtype == c.dtype
+             for a, c in zip(jax.tree.leaves(abstract), jax.tree.leaves(concrete)))

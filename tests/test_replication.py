@@ -178,6 +178,8 @@ def test_replication_config_variants_differ_in_one_knob():
   assert (base.rl.lam_policy, base.rl.lam_critic) == (0.95, 1.0)
   c = cfg_mod.get_config("ppo_coupled").rl
   assert c.lam_policy == c.lam_critic == 0.95
+  mc, kl = cfg_mod.get_config("ppo_kl_mc").rl, cfg_mod.get_config("ppo_kl").rl
+  assert (mc.lam_policy, mc.lam_critic, mc.kl_coef) == (1.0, 1.0, kl.kl_coef)
   assert cfg_mod.get_config("ppo_thoughts").sft.thoughts and not sft.sft.thoughts
   assert sft.sft.steps == base.sft.steps and sft.data.demo_seeds == base.data.demo_seeds
 

@@ -25,6 +25,10 @@ Args: "sft" = the SFT stage (and the demonstration budget); a variant of `VARIAN
   ppo_kl_1ep    ppo_kl with 1 epoch per batch and 50 iterations instead of 2 and 30: within the same
                 wall budget, 1.7x the episodes at 0.83x the updates (fresh episodes over re-used ones)
   grpo_kl       grpo with the same KL penalty (row 2 at the KL setting: PPO vs GRPO both anchored)
+  ppo_kl_mc     ppo_kl with lam_policy 1 (each token's advantage = the episode's return - V(s_t)): GAE runs
+                over every reply token, ~170 per episode here, and 0.95^170 ~ 2e-4 leaves the outcome's
+                credit for all but the last turn's tokens to a critic whose value-return correlation
+                is 0.2-0.4
   ppo_thoughts  ppo on the SFT stage that kept the templated thoughts (think length logged)
 "+smoke" appended = tiny model and budgets.
 
@@ -40,7 +44,7 @@ import ml_collections as mlc
 from experiments.configs import miniwob_pipeline
 
 VARIANTS = ("ppo", "grpo", "ppo_novpt", "ppo_coupled", "ppo_lenadapt", "ppo_kl", "grpo_kl", "ppo_topent",
-            "ppo_kl_topent", "ppo_kl_1ep", "ppo_thoughts")
+            "ppo_kl_topent", "ppo_kl_1ep", "ppo_kl_mc", "ppo_thoughts")
 STAGES = ("sft", "sft_thoughts", *VARIANTS)
 ARGS = (*STAGES, *(s + "+smoke" for s in STAGES))
 
@@ -108,8 +112,10 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
     c.rl.lam_policy = c.rl.lam_critic = 0.95
   elif stage == "ppo_lenadapt":
     c.rl.length_adaptive_alpha = 0.05
-  if stage in ("ppo_kl", "grpo_kl", "ppo_kl_topent", "ppo_kl_1ep"):
+  if stage in ("ppo_kl", "grpo_kl", "ppo_kl_topent", "ppo_kl_1ep", "ppo_kl_mc"):
     c.rl.kl_kind, c.rl.kl_coef = "k3", 0.3
+  if stage == "ppo_kl_mc":
+    c.rl.lam_policy = 1.0
   if stage == "ppo_kl_1ep":
     c.rl.epochs = 1
     c.iterations = 2 if smoke else 50

@@ -27,7 +27,8 @@ def main(argv):
   for run in argv[1:]:
     for f in tf.fidelity(tf.rollout_episodes(os.path.join(run, "rollouts"), _TASK.value), _BLOCK.value):
       share = f.exact / f.episodes if f.episodes else float("nan")
-      print(f"| {run} | {f.first}-{f.last} | {f.episodes} | {f.exact} ({share:.2f}) | {f.exact_success} | {f.other_target} | {f.no_type} |")
+      print(f"| {run} | {f.first}-{f.last} | {f.episodes} | {f.exact} ({share:.2f}) | {f.exact_success} "
+            f"| {f.other_target} | {f.no_type} |")
 
 
 if __name__ == "__main__":

@@ -69,5 +69,5 @@ def rollout_episodes(run_rollouts: str, task: str) -> list[tuple[int, str, list[
   shards = records.read_index(run_rollouts)["shards"]
   iters = [it for s in shards for it in [int(re.match(r"iter_(\d+)", s["file"]).group(1))] * s["records"]]
   eps = records.read_episodes(run_rollouts)  # shard order, then record order: aligned with `iters`
-  return [(it, ep.instruction, [t.text for t in ep.turns], bool(ep.success)) for it, (ep, _) in zip(iters, eps, strict=True)
-          if ep.task == task]
+  return [(it, ep.instruction, [t.text for t in ep.turns], bool(ep.success))
+          for it, (ep, _) in zip(iters, eps, strict=True) if ep.task == task]

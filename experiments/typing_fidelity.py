@@ -2,9 +2,8 @@ r"""Copy fidelity of typing tasks over a run's training iterations (tars_jax/ana
 
   python -m experiments.typing_fidelity runs/replication4/ppo_kl/seed_1 runs/replication4/ppo_kl_mc/seed_0
 
-One table row per run and block of iterations: episodes that typed, exact copies of the quoted text (and how many of
-them succeeded),
-another episode's text, episodes that never typed.
+One table row per run and block of iterations: episodes that typed, exact copies of the quoted text
+(and how many of them succeeded), another episode's text, episodes that never typed.
 """
 
 from __future__ import annotations

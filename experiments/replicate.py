@@ -141,6 +141,8 @@ def plan(config: str, workdir: str, seeds: list[int], variants: list[str], suffi
       rdir = W(variant, f"seed_{s}")
       train = [py, "-m", "experiments.train", "--config", cfg(variant), seed, "--workdir", rdir,
                f"--config.policy.init={sdir}"]
+      if c.rl.ptx_coef > 0:  # PPO-ptx trains on the suite's demonstrations too
+        train.append(f"--config.rl.ptx_data=('{W('demos')}',)")
       after = [f"{sft}/seed_{s}"]
       if c.vpt.enabled:
         vname = ("vpt_thoughts" if variant == THOUGHTS else "vpt") + f"/seed_{s}"

@@ -50,7 +50,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from tars_jax import sharding
-from tars_jax.agent.trajectory import collate, real_rows
+from tars_jax.agent.trajectory import real_rows
 from tars_jax.analysis.image_dependence import image_dependence
 from tars_jax.data import pipeline, records
 from tars_jax.data.sources import grounding
@@ -107,7 +107,7 @@ def main(argv):
   prep = functools.partial(sft.prepare, grammar=parts.grammar, tokenizer=tok, thoughts=s.thoughts)
   coll_kw = dict(pad_id=tok.pad_id, image_hw=parts.image_hw, length_multiple=config.length_multiple,
                  batch_size=s.batch_size)
-  coll = functools.partial(_collate, prep=prep, **coll_kw)
+  coll = functools.partial(sft.collate_demos, prep=prep, **coll_kw)
   corrupt = records.CorruptCounter()
   # Per source, once: how its episodes become a batch and the update that trains on it (SFT: reply
   # tokens under the grammar; CT: every text token, full softmax: tars_jax/train/ct.py).
@@ -235,19 +235,9 @@ def main(argv):
         f"use --config.policy.init={workdir}")
 
 
-def _collate(episodes, *, prep, pad_id, image_hw, length_multiple, batch_size) -> dict:
-  """Recorded episodes -> a training batch dict (`trajectory.Batch`), replies re-encoded by `prep`;
-  image slots per row = the batch's most turns rounded up to a power of two (few jit shapes; the
-  vision tower runs on every slot, so not the longest demonstration's count for every batch)."""
-  eps = [prep(e) for e in episodes]
-  turns = max(len(e.turns) for e in eps)
-  return collate(eps, pad_id=pad_id, max_images=1 << (turns - 1).bit_length(), image_hw=image_hw,
-                 length_multiple=length_multiple, batch_size=batch_size).as_dict()
-
-
 def _ct_collate(episodes, *, image_id, **kw) -> dict:
-  """A CT batch: `_collate` (with `ct.prepare` as `prep`) plus `text_mask`, the all-text loss mask."""
-  return ct.with_text_mask(_collate(episodes, **kw), image_id)
+  """A CT batch: `sft.collate_demos` (with `ct.prepare` as `prep`) plus `text_mask`, the all-text loss mask."""
+  return ct.with_text_mask(sft.collate_demos(episodes, **kw), image_id)
 
 
 if __name__ == "__main__":

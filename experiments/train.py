@@ -50,6 +50,7 @@ from tars_jax.train import orm as orm_lib
 from tars_jax.train import checkpoint as ckpt
 from tars_jax.train import state as state_lib
 from tars_jax.train import ppo
+from tars_jax.train import sft as sft_lib
 from tars_jax.train import run as run_lib
 from tars_jax.train.metrics import episode_metrics
 from tars_jax.train.trajectories import save_episodes
@@ -112,6 +113,23 @@ def main(argv):
     print(f"[train] policy served by {config.rollout.inference} (weights version {start_iter} pushed)")
   act = remote.act if remote is not None else policy.act
   hp = parts.hparams
+  # PPO-ptx (rl.ptx_coef): a demonstration batch's SFT loss in every policy step; the stream's position
+  # is in each checkpoint, so a resumed run draws the batches an uninterrupted one would have.
+  ptx_iter = None
+  if hp.ptx_coef > 0:
+    if not config.rl.ptx_data:
+      raise app.UsageError(f"config.rl.ptx_coef={hp.ptx_coef} needs demonstrations: "
+                           "--config.rl.ptx_data=\"('runs/x/demos',)\"")
+    sft_lib.check_data(config.rl.ptx_data, image_hw=parts.image_hw, n_img_tokens=parts.loop_cfg.n_img_tokens,
+                       tokenizer=parts.tokenizer)
+    ptx_iter = iter(sft_lib.demo_batches(
+        config.rl.ptx_data, grammar=parts.grammar, tokenizer=parts.tokenizer, thoughts=config.sft.thoughts,
+        image_hw=parts.image_hw, length_multiple=config.length_multiple, batch_size=config.rl.ptx_batch_size,
+        seed=config.seed))
+    if "ptx_data_state" in meta:
+      ptx_iter.set_state(meta["ptx_data_state"])
+    print(f"[train] PPO-ptx: coefficient {hp.ptx_coef} on {', '.join(config.rl.ptx_data)}")
+  ptx_meta = lambda: {"ptx_data_state": ptx_iter.get_state()} if ptx_iter is not None else {}  # noqa: E731
   # Outcome reward: the verifier's (the sandbox's reward), or a generative ORM's P(yes) with
   # rl.orm_run (tars_jax/train/orm.py; report 2.5.2), the verifier's still logged beside it.
   orm = orm_lib.scorer_for_ppo(config, parts)
@@ -202,7 +220,7 @@ def main(argv):
                                   rng=np.random.default_rng([config.seed, it]), n_real=len(episodes),
                                   scores=np.array([e.shaped_return for e in episodes], np.float32),
                                   group_ids=group_ids(episodes), ref_params=ref_params,
-                                  minibatch_by_length=config.rl.minibatch_by_length)
+                                  minibatch_by_length=config.rl.minibatch_by_length, ptx_batches=ptx_iter)
 
         if pool is not None:  # the update runs in a thread while the loop keeps the pool's episodes going
           state, train_m = loop.run_until_complete(asyncio.to_thread(update))
@@ -255,7 +273,7 @@ def main(argv):
                         episodes[: config.log_trajectories])
         if (it + 1) % config.ckpt_every == 0 or it + 1 == config.iterations:
           ckpt.save(mngr, it + 1, state,
-                    {"iteration": it + 1, "episodes": (it + 1) * n, "minutes": guard.minutes()})
+                    {"iteration": it + 1, "episodes": (it + 1) * n, "minutes": guard.minutes(), **ptx_meta()})
         bar.update(1)
         bar.set_postfix(success=f"{m['success_rate']:.2f}", reward=f"{m['reward']:.2f}",
                         kl=f"{train_m.get('approx_kl', 0.0):.3f}",
@@ -263,7 +281,8 @@ def main(argv):
       else:
         it = config.iterations
       if it > start_iter:
-        ckpt.save_at_stop(mngr, it, state, {"iteration": it, "episodes": it * n, "minutes": guard.minutes()})
+        ckpt.save_at_stop(mngr, it, state, {"iteration": it, "episodes": it * n, "minutes": guard.minutes(),
+                                            **ptx_meta()})
     finally:
       bar.close()
       if pool is not None:  # episodes in flight are not trained: a resumed run starts new ones

@@ -99,6 +99,10 @@ def test_plan_runs_the_bar_first_and_shares_sft_and_vpt(tmp_path):
   ppo = next(s for s in st if s["name"] == "ppo/seed_2")
   assert f"--config.policy.init={tmp_path}/sft/seed_2" in ppo["argv"]
   assert f"--config.critic.init={tmp_path}/vpt/seed_2/critic" in ppo["argv"] and "--config.seed=2" in ppo["argv"]
+  ptx = replicate.plan(CONFIG, str(tmp_path), [0], ["ppo_kl", "ppo_kl_ptx"], "+smoke")
+  argv = {s["name"]: s["argv"] for s in ptx}
+  assert f"--config.rl.ptx_data=('{tmp_path}/demos',)" in argv["ppo_kl_ptx/seed_0"]
+  assert not any("ptx_data" in a for a in argv["ppo_kl/seed_0"])
   thoughts = replicate.plan(CONFIG, str(tmp_path), [0], ["ppo_thoughts"], "+smoke")
   assert [s["name"] for s in thoughts][1:4] == ["sft_thoughts/seed_0", "eval/sft_thoughts/seed_0", "vpt_thoughts/seed_0"]
 
@@ -180,6 +184,10 @@ def test_replication_config_variants_differ_in_one_knob():
   assert c.lam_policy == c.lam_critic == 0.95
   mc, kl = cfg_mod.get_config("ppo_kl_mc").rl, cfg_mod.get_config("ppo_kl").rl
   assert (mc.lam_policy, mc.lam_critic, mc.kl_coef) == (1.0, 1.0, kl.kl_coef)
+  ptx = cfg_mod.get_config("ppo_kl_ptx").rl
+  assert ptx.ptx_coef > 0 and kl.ptx_coef == base.rl.ptx_coef == 0
+  assert {k: v for k, v in ptx.items() if not k.startswith("ptx")} == {k: v for k, v in kl.items()
+                                                                       if not k.startswith("ptx")}
   assert cfg_mod.get_config("ppo_thoughts").sft.thoughts and not sft.sft.thoughts
   assert sft.sft.steps == base.sft.steps and sft.data.demo_seeds == base.data.demo_seeds
 

@@ -334,6 +334,12 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.rl.kl_coef = 0.0  # 0 = no KL term
   # policy gradient on the highest-entropy fraction of free decisions only (Wang et al. 2025: 0.2)
   c.rl.top_entropy_frac = 1.0
+  # PPO-ptx (Ouyang et al. 2022, eq. 2): + ptx_coef x the SFT cross-entropy of a batch of demonstrations
+  # (records in ptx_data, ptx_batch_size episodes) in every policy step, so the skills the reward does not
+  # reinforce stay learnt; 0 = off.
+  c.rl.ptx_coef = 0.0
+  c.rl.ptx_data = ()
+  c.rl.ptx_batch_size = 8
   # Decoupled PPO (Hilton et al. 2022; AReaL): clip around the pre-update policy, behaviour log-probs as
   # an importance weight; meant for stale streaming rollouts (rollout.streaming). False: ratio to behaviour.
   c.rl.decoupled = False

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +45,7 @@ from tars_jax.rl import advantages as adv_lib
 from tars_jax.rl import losses
 from tars_jax.rl import metrics as rl_metrics
 from tars_jax.rl.checks import check_finite
+from tars_jax.train import sft as sft_lib
 from tars_jax.train import step as step_lib
 from tars_jax.train.step import ModelInputs
 
@@ -69,6 +70,9 @@ class PPOHparams:
   top_entropy_frac: the policy gradient only on the highest-entropy fraction of each minibatch's free
     decisions (`losses.top_entropy_mask`, Wang et al. 2025); 1.0 = every free decision. Entropy bonus
     and KL term keep every free decision.
+  ptx_coef: PPO-ptx (Ouyang et al. 2022, eq. 2): each policy step also descends ptx_coef x the SFT
+    cross-entropy (`sft.loss_and_metrics`) of a batch of demonstrations (`ppo_update(ptx_batches=...)`);
+    0 = off.
   Raises: ValueError for unknown algo / loss_agg / kl_kind names (listing the known ones) and for
     out-of-range constants.
   """
@@ -92,6 +96,7 @@ class PPOHparams:
   decoupled: bool
   behaviour_weight_cap: float | None
   top_entropy_frac: float
+  ptx_coef: float
   temperature: float
 
   def __post_init__(self):
@@ -110,6 +115,8 @@ class PPOHparams:
         raise ValueError(f"rl.{name} must be in [0, 1], got {getattr(self, name)}")
     if self.kl_coef < 0:
       raise ValueError(f"rl.kl_coef must be >= 0, got {self.kl_coef}")
+    if self.ptx_coef < 0:
+      raise ValueError(f"rl.ptx_coef must be >= 0, got {self.ptx_coef}")
     if not 0.0 < self.top_entropy_frac <= 1.0:
       raise ValueError(f"rl.top_entropy_frac must be in (0, 1], got {self.top_entropy_frac}")
     if self.behaviour_weight_cap is not None and self.behaviour_weight_cap <= 1.0:
@@ -252,9 +259,25 @@ def critic_loss(params, gd, mb, hp: PPOHparams, inputs: ModelInputs):
   return hp.vf_coef * vl + hp.aux_loss_coef * aux, dict(m, value_loss=vl)
 
 
-def _policy_update(state: dict, mb: dict, table, policy_gd, popt, hp: PPOHparams, inputs: ModelInputs) -> tuple[dict, dict]:
+@functools.partial(jax.jit, static_argnames=("policy_gd", "hp", "inputs"))
+def ptx_gradients(params, batch: dict, table, *, policy_gd, hp: PPOHparams, inputs: ModelInputs):
+  """PPO-ptx's demonstration term at `params` (jitted, one compile per demonstration batch shape):
+  (gradient tree of hp.ptx_coef x the SFT cross-entropy of `batch` under the grammar `table`, metrics
+  ptx_ce / ptx_ce_free (nats per reply token / per free decision) and ptx_acc_free).
+  batch: a collated demonstration batch (`sft.demo_batches`: tokens [B, T] int32, loss_mask / states
+  [B, T-1], pixel_values [B, M, H, W, 3] float32, image_mask [B, M] bool)."""
+  def loss_fn(p):
+    ce, m = sft_lib.loss_and_metrics(p, batch, table, graphdef=policy_gd, inputs=inputs, aux_coef=0.0)
+    return hp.ptx_coef * ce, {"ptx_ce": m["ce"], "ptx_ce_free": m["ce_free"], "ptx_acc_free": m["acc_free"]}
+  (_, m), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
+  return g, m
+
+
+def _policy_update(state: dict, mb: dict, table, policy_gd, popt, hp: PPOHparams, inputs: ModelInputs,
+                   ptx_grads=None) -> tuple[dict, dict]:
   loss_fn = lambda p: policy_loss(p, policy_gd, table, mb, hp, inputs)  # noqa: E731
-  params, opt_state, _, pm, gnorm = step_lib.apply_gradients(loss_fn, state["policy"], state["policy_opt"], popt)
+  params, opt_state, _, pm, gnorm = step_lib.apply_gradients(loss_fn, state["policy"], state["policy_opt"], popt,
+                                                             extra_grads=ptx_grads)
   return dict(state, policy=params, policy_opt=opt_state), dict(pm, policy_grad_norm=gnorm)
 
 
@@ -268,20 +291,22 @@ def critic_update(state: dict, mb: dict, critic_gd, copt, hp: PPOHparams, inputs
 
 @functools.partial(jax.jit, static_argnames=("policy_gd", "critic_gd", "popt", "copt", "hp", "inputs"),
                    donate_argnames=("state",))
-def minibatch_step(state: dict, mb: dict, table, *, policy_gd, critic_gd, popt, copt, hp: PPOHparams,
-                   inputs: ModelInputs):
+def minibatch_step(state: dict, mb: dict, table, ptx_grads=None, *, policy_gd, critic_gd, popt, copt,
+                   hp: PPOHparams, inputs: ModelInputs):
   """One PPO step on a minibatch, policy and critic in one program: returns (new state, metrics dict
   of scalars). `state` = {"step", "policy", "critic", "policy_opt", "critic_opt"} (nnx.State / optax
-  pytrees)."""
-  new, pm = _policy_update(state, mb, table, policy_gd, popt, hp, inputs)
+  pytrees); ptx_grads: None, or `ptx_gradients` at state["policy"], added to the policy's gradient."""
+  new, pm = _policy_update(state, mb, table, policy_gd, popt, hp, inputs, ptx_grads)
   new, vm = critic_update(new, mb, critic_gd, copt, hp, inputs)
   return dict(new, step=state["step"] + 1), dict(pm, **vm)
 
 
 @functools.partial(jax.jit, static_argnames=("policy_gd", "popt", "hp", "inputs"), donate_argnames=("state",))
-def policy_step(state: dict, mb: dict, table, *, policy_gd, popt, hp: PPOHparams, inputs: ModelInputs):
-  """One clipped policy-gradient step without a critic (group-relative algos); (state, metrics)."""
-  new, pm = _policy_update(state, mb, table, policy_gd, popt, hp, inputs)
+def policy_step(state: dict, mb: dict, table, ptx_grads=None, *, policy_gd, popt, hp: PPOHparams,
+                inputs: ModelInputs):
+  """One clipped policy-gradient step without a critic (group-relative algos); (state, metrics).
+  ptx_grads as in `minibatch_step`."""
+  new, pm = _policy_update(state, mb, table, policy_gd, popt, hp, inputs, ptx_grads)
   return dict(new, step=state["step"] + 1), pm
 
 
@@ -397,7 +422,8 @@ def trim_padding(mb: dict, lengths: np.ndarray, images: np.ndarray) -> dict:
 def ppo_update(state: dict, batch: dict[str, np.ndarray], table, *, policy_gd, critic_gd, popt, copt,
                hp: PPOHparams, inputs: ModelInputs, epochs: int, minibatch_size: int, rng: np.random.Generator,
                n_real: int, scores: np.ndarray | None = None, group_ids: np.ndarray | None = None,
-               ref_params=None, minibatch_by_length: bool = False) -> tuple[dict, dict[str, float]]:
+               ref_params=None, minibatch_by_length: bool = False,
+               ptx_batches: Iterator[dict] | None = None) -> tuple[dict, dict[str, float]]:
   """Full update on one rollout batch; returns (state, mean metrics over minibatch steps, plus
   `tokens_trained`, the real tokens that went through a training step).
 
@@ -414,13 +440,17 @@ def ppo_update(state: dict, batch: dict[str, np.ndarray], table, *, policy_gd, c
   `rl.metrics.PPO_INFORMATIVE_EPS` (`prepare`). Per-token means (entropy, clip fractions, KL)
   are over free decisions (`free_decisions`).
   `hp.kl_coef > 0` needs `ref_params` (the reference policy's nnx.State, e.g. the initial policy).
+  `hp.ptx_coef > 0` needs `ptx_batches`, an iterator of collated demonstration batches
+  (`sft.demo_batches`): one is drawn for every minibatch step (epochs x minibatches per call).
   Each minibatch is cut to its own content (`trim_padding`); `minibatch_by_length` (config
   `rl.minibatch_by_length`) groups rows of similar length into minibatches (`minibatches`).
-  Raises: ValueError if a group-relative algo gets no scores/group_ids or a KL penalty gets no
-    reference; NonFiniteError (a ValueError) naming the positions of NaN/inf in rewards,
+  Raises: ValueError if a group-relative algo gets no scores/group_ids, a KL penalty no reference or
+    a ptx term no demonstrations; NonFiniteError (a ValueError) naming the positions of NaN/inf in rewards,
     behaviour log-probs, critic values or scores.
   """
   check_finite(rewards=batch["rewards"], old_logp=batch["old_logp"])
+  if hp.ptx_coef > 0 and ptx_batches is None:
+    raise ValueError("rl.ptx_coef > 0 needs ptx_batches (demonstration batches: config rl.ptx_data)")
   batch = {k: jnp.asarray(v) for k, v in batch.items()}
   if hp.kl_coef > 0:
     if ref_params is None:
@@ -467,7 +497,13 @@ def ppo_update(state: dict, batch: dict[str, np.ndarray], table, *, policy_gd, c
   tokens = 0.0
   for _ in range(epochs if len(rows) else 0):
     for idx, mb in minibatches(batch, rows, lengths, images, minibatch_size, rng, minibatch_by_length):
-      state, m = step(state, mb, table)
+      ptx_grads = None
+      if hp.ptx_coef > 0:  # the demonstration term's gradient at the params this step starts from
+        ptx_grads, ptx_m = ptx_gradients(state["policy"], next(ptx_batches), table, policy_gd=policy_gd, hp=hp,
+                                         inputs=inputs)
+      state, m = step(state, mb, table, ptx_grads)
+      if hp.ptx_coef > 0:
+        m = dict(m, **ptx_m)
       collected.append(m)
       tokens += float(attn[idx].sum())
   out = {k: float(np.mean([float(m[k]) for m in collected])) for k in collected[0]} if collected else {}

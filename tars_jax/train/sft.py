@@ -28,8 +28,8 @@ import optax
 
 from tars_jax.agent.grammar import Grammar, walk
 from tars_jax.agent.tokenizer import ByteTokenizer
-from tars_jax.agent.trajectory import Episode
-from tars_jax.data import records
+from tars_jax.agent.trajectory import Episode, collate
+from tars_jax.data import pipeline, records
 from tars_jax.train import step as step_lib
 from tars_jax.train.step import ModelInputs
 
@@ -88,6 +88,31 @@ def check_data(dirs: Sequence[str], *, image_hw: tuple[int, int], n_img_tokens: 
   if not sum(shard["records"] for d in dirs for shard in records.read_index(d)["shards"]):
     raise records.EmptyDataset(f"no records in {list(dirs)}")
   return meta
+
+
+def collate_demos(episodes: Sequence[Episode], *, prep, pad_id: int, image_hw: tuple[int, int], length_multiple: int,
+                  batch_size: int) -> dict:
+  """Recorded episodes -> a training batch dict (`trajectory.Batch`), replies re-encoded by `prep`
+  (`prepare`, or `ct.prepare`); image slots per row = the batch's most turns rounded up to a power of
+  two (few jit shapes; the vision tower runs on every slot, so not the longest demonstration's count
+  for every batch). batch_size: rows (padded with empty rows); image_hw: (height, width) pixels."""
+  eps = [prep(e) for e in episodes]
+  turns = max(len(e.turns) for e in eps)
+  return collate(eps, pad_id=pad_id, max_images=1 << (turns - 1).bit_length(), image_hw=image_hw,
+                 length_multiple=length_multiple, batch_size=batch_size).as_dict()
+
+
+def demo_batches(dirs: Sequence[str], *, grammar: Grammar, tokenizer: ByteTokenizer, thoughts: bool,
+                 image_hw: tuple[int, int], length_multiple: int, batch_size: int, seed: int):
+  """An endless, shuffled, length-bucketed stream of SFT batches (`collate_demos` of `prepare`d
+  episodes) of the records in `dirs`: the demonstrations of PPO-ptx (`ppo.ppo_update(ptx_batches=)`).
+  Returns a grain IterDataset (`pipeline.batches`); its iterator's get_state() / set_state() resume
+  exactly. Raises: FileNotFoundError / records.EmptyDataset for dirs that hold no records."""
+  prep = functools.partial(prepare, grammar=grammar, tokenizer=tokenizer, thoughts=thoughts)
+  coll = functools.partial(collate_demos, prep=prep, pad_id=tokenizer.pad_id, image_hw=image_hw,
+                           length_multiple=length_multiple, batch_size=batch_size)
+  return pipeline.batches(records.episodes(tuple(dirs)), seed=seed, batch_size=batch_size, collate_fn=coll,
+                          shuffle=True, length_multiple=length_multiple)
 
 
 def make_optimizer(lr: float, warmup_steps: int, total_steps: int, final_fraction: float,

@@ -66,12 +66,17 @@ def target_logp(logits: jax.Array, tokens: jax.Array, allowed: jax.Array | None 
   return jnp.take_along_axis(logp_all, tokens[:, 1:, None].astype(jnp.int32), axis=-1)[..., 0], logp_all
 
 
-def apply_gradients(loss_fn: Callable, params, opt_state, opt: optax.GradientTransformation, *args
-                    ) -> tuple[Any, Any, jax.Array, dict, jax.Array]:
+def apply_gradients(loss_fn: Callable, params, opt_state, opt: optax.GradientTransformation, *args,
+                    extra_grads=None) -> tuple[Any, Any, jax.Array, dict, jax.Array]:
   """One optimiser step on `loss_fn(params, *args) -> (loss scalar, metrics dict)`, traced inside the
   caller's jit: (new params, new opt_state, loss, metrics, global norm of the gradient before
-  clipping). Every update of the project is this step (PPO's joint policy + critic step makes two)."""
+  clipping). Every update of the project is this step (PPO's joint policy + critic step makes two).
+  extra_grads: None, or a gradient tree like `params` added before the step: the gradient of a further
+  loss term at the same params, computed by its own jitted call (PPO-ptx's demonstration term: its
+  batch shapes then do not multiply the compiled shapes of this step)."""
   (loss, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(params, *args)
+  if extra_grads is not None:
+    g = jax.tree.map(jnp.add, g, extra_grads)
   updates, opt_state = opt.update(g, opt_state, params)
   return optax.apply_updates(params, updates), opt_state, loss, metrics, optax.global_norm(g)
 

@@ -102,10 +102,10 @@ def _run(*args, check=True):
   return p
 
 
-def _train(workdir, demos, iterations, *extra, check=True):
+def _train(workdir, demos, iterations, check=True):
   return _run("experiments.train", "--config", f"{CONFIG}:ppo_kl_ptx+smoke", "--workdir", str(workdir),
               "--config.vpt.enabled=False", f"--config.iterations={iterations}", "--config.ckpt_every=1",
-              f"--config.rl.ptx_data=('{demos}',)", *extra, check=check)
+              *([f"--config.rl.ptx_data=('{demos}',)"] if demos else []), check=check)
 
 
 def _ptx_rows(workdir):
@@ -132,5 +132,9 @@ def test_trainer_trains_on_demonstrations_and_resumes_their_stream(tmp_path):
   assert a.keys() == b.keys()
   for k in a:
     np.testing.assert_array_equal(a[k], b[k], err_msg=k)
-  bad = _train(tmp_path / "none", demos, 1, "--config.rl.ptx_data=()", check=False)
+
+
+@pytest.mark.slow  # ~30 s: the trainer builds the model, then refuses before any sandbox starts
+def test_trainer_refuses_ptx_without_demonstrations(tmp_path):
+  bad = _train(tmp_path / "none", None, 1, check=False)
   assert bad.returncode != 0 and "needs demonstrations" in bad.stderr

@@ -11,7 +11,8 @@
 # Notebooks -> runs: training_dynamics and trajectories read ppo/seed_0 (metrics, rollouts) and the demos;
 # merging interpolates ppo/seed_0 and grpo/seed_0 (same model, same SFT start) and evaluates 3 α;
 # step_budget evaluates ppo/seed_0 at budgets 1,2,4; replication reads the suite (one seed: intervals
-# refused) and the committed benchmarks/results/replication.json. Every evaluation uses 2 held-out seeds per task.
+# refused) and the committed benchmarks/results/replication.json; flywheel reads benchmarks/results/flywheel.json.
+# Every evaluation uses 2 held-out seeds per task.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
@@ -42,4 +43,6 @@ run_nb replication -p SWEEP "$REP" -p REPS 1000
 run_nb step_budget -p RUN "$PPO" -p BUDGETS 1,2,4 -p EPISODES 2 -p JSON "$RUNS/eval_budgets.json" -p RERUN True
 run_nb merging -p CKPT_A "$PPO" -p CKPT_B "$REP/grpo/seed_0" -y "ALPHAS: [0.0, 0.5, 1.0]" \
   -p EPISODES 2 -p OUT "$RUNS/merge_line"
+# flywheel: no flywheel run in the smoke suite (one takes ~25 min); the committed rows of docs/replication.md row 9
+run_nb flywheel -p FLYWHEEL_RUNS "$RUNS/flywheel_seed*" -p CONTROL_RUNS "$RUNS/ppo_continue_seed*" -p REPS 1000
 stamp "all notebooks ran; executed copies in $RUNS/executed"

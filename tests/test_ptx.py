@@ -5,6 +5,7 @@ demonstration stream where it stopped (real demonstrations of the MiniWoB++ expe
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -113,7 +114,7 @@ def _ptx_rows(workdir):
     return [{k: v for k, v in json.loads(line).items() if k.startswith("train/ptx")} for line in f]
 
 
-@pytest.mark.slow  # ~4 min: the experts' demonstrations, then three smoke trainer runs against real Chromium
+@pytest.mark.slow  # ~3 min: the experts' demonstrations, then two smoke trainer runs against real Chromium
 @pytest.mark.browser
 def test_trainer_trains_on_demonstrations_and_resumes_their_stream(tmp_path):
   from test_resume import _params
@@ -124,9 +125,12 @@ def test_trainer_trains_on_demonstrations_and_resumes_their_stream(tmp_path):
   assert "[train] PPO-ptx: coefficient 1.0" in out
   rows = _ptx_rows(straight)
   assert len(rows) == 2 and all(r["train/ptx_ce"] > 0 for r in rows)
+  # the same run stopped after its first checkpoint: resuming must draw the second iteration's demonstrations
   resumed = tmp_path / "resumed"
-  _train(resumed, demos, 1)
-  _train(resumed, demos, 2)  # resumes from iteration 1, the demonstration stream where it stopped
+  shutil.copytree(straight, resumed)
+  shutil.rmtree(resumed / "checkpoints" / "2")
+  os.remove(resumed / "done.json")
+  _train(resumed, demos, 2)
   assert _ptx_rows(resumed) == rows
   a, b = _params(straight), _params(resumed)
   assert a.keys() == b.keys()

@@ -162,6 +162,8 @@ COMPARISONS = (
     (1, "ppo_kl_1ep", "ppo_kl", "at the same wall budget, 1 epoch over 50 iterations beats 2 epochs over 30"),
     ("3b", "ppo_kl_mc", "ppo_kl", "with the KL penalty: lam_policy 1 (Monte-Carlo advantages) vs 0.95"),
     (1, "ppo_kl_mc", "sft", "PPO with the KL penalty and lam_policy 1 improves on its SFT start"),
+    (1, "ppo_kl_ptx", "sft", "PPO with the KL penalty and PPO-ptx (SFT loss on demonstrations) improves on SFT"),
+    (1, "ppo_kl_ptx", "ppo_kl", "PPO-ptx (SFT loss on the demonstrations in each policy step) helps PPO with KL"),
     (2, "ppo_kl", "grpo_kl", "PPO beats GRPO, both with the KL penalty to the SFT policy"),
     ("3b", "ppo", "ppo_coupled", "decoupled GAE (lam_critic 1, lam_policy 0.95) beats coupled lam 0.95"),
     ("3b", "ppo_lenadapt", "ppo", "length-adaptive GAE helps"),

@@ -416,7 +416,7 @@ def _grpo_hp(cfg, aux_loss_coef=0.01, ent_coef=0.0):
                         whiten_advantages=True, clip_low=0.2, clip_high=0.28, clip_c=None, value_clip=0.2,
                         vf_coef=1.0, ent_coef=ent_coef, aux_loss_coef=aux_loss_coef, loss_agg="token-mean",
                         kl_kind="k3", kl_coef=0.0, decoupled=False, behaviour_weight_cap=None, top_entropy_frac=1.0,
-                        temperature=1.0)
+                        ptx_coef=0.0, temperature=1.0)
 
 
 def _inputs(cfg):

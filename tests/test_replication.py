@@ -188,6 +188,10 @@ def test_replication_config_variants_differ_in_one_knob():
   assert ptx.ptx_coef > 0 and kl.ptx_coef == base.rl.ptx_coef == 0
   assert {k: v for k, v in ptx.items() if not k.startswith("ptx")} == {k: v for k, v in kl.items()
                                                                        if not k.startswith("ptx")}
+  ppo_ptx = cfg_mod.get_config("ppo_ptx").rl  # PPO-ptx without the KL anchor: ppo + the ptx fields
+  assert {k: v for k, v in ppo_ptx.items() if not k.startswith("ptx")} == {k: v for k, v in base.rl.items()
+                                                                           if not k.startswith("ptx")}
+  assert (ppo_ptx.ptx_coef, ppo_ptx.ptx_batch_size) == (ptx.ptx_coef, ptx.ptx_batch_size)
   assert cfg_mod.get_config("ppo_thoughts").sft.thoughts and not sft.sft.thoughts
   assert sft.sft.steps == base.sft.steps and sft.data.demo_seeds == base.data.demo_seeds
 

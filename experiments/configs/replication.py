@@ -32,6 +32,8 @@ Args: "sft" = the SFT stage (and the demonstration budget); a variant of `VARIAN
   ppo_kl_ptx    ppo_kl with PPO-ptx (Ouyang et al. 2022): every policy step also descends the SFT loss
                 of a batch of 8 of the suite's demonstrations (coefficient 1): under ppo_kl, enter-text's
                 exact copies of the quoted name fell from 0.33-0.42 to 0.05-0.23 of episodes
+  ppo_ptx       ppo with PPO-ptx and no KL penalty: the demonstrations, not the SFT policy, anchor the
+                skills RL does not reinforce, so the rewarded ones (where to click) can move further
   ppo_thoughts  ppo on the SFT stage that kept the templated thoughts (think length logged)
 "+smoke" appended = tiny model and budgets.
 
@@ -47,7 +49,7 @@ import ml_collections as mlc
 from experiments.configs import miniwob_pipeline
 
 VARIANTS = ("ppo", "grpo", "ppo_novpt", "ppo_coupled", "ppo_lenadapt", "ppo_kl", "grpo_kl", "ppo_topent",
-            "ppo_kl_topent", "ppo_kl_1ep", "ppo_kl_mc", "ppo_kl_ptx", "ppo_thoughts")
+            "ppo_kl_topent", "ppo_kl_1ep", "ppo_kl_mc", "ppo_kl_ptx", "ppo_ptx", "ppo_thoughts")
 STAGES = ("sft", "sft_thoughts", *VARIANTS)
 ARGS = (*STAGES, *(s + "+smoke" for s in STAGES))
 
@@ -119,7 +121,7 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
     c.rl.kl_kind, c.rl.kl_coef = "k3", 0.3
   if stage == "ppo_kl_mc":
     c.rl.lam_policy = 1.0
-  if stage == "ppo_kl_ptx":  # rl.ptx_data: experiments/replicate.py passes the demonstrations' directory
+  if stage in ("ppo_kl_ptx", "ppo_ptx"):  # rl.ptx_data: experiments/replicate.py passes the demonstrations' directory
     c.rl.ptx_coef, c.rl.ptx_batch_size = 1.0, 2 if smoke else 8
   if stage == "ppo_kl_1ep":
     c.rl.epochs = 1

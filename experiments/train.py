@@ -70,6 +70,9 @@ def main(argv):
     raise app.UsageError("config has vpt.enabled=True: value pretraining must run before PPO; use "
                          "experiments/sweep.py (runs both stages), or run experiments/value_pretrain.py "
                          "and pass --config.critic.init=<its workdir>/critic")
+  if config.rl.ptx_coef > 0 and not config.rl.ptx_data:  # refused before the model is built
+    raise app.UsageError(f"config.rl.ptx_coef={config.rl.ptx_coef} needs demonstrations: "
+                         "--config.rl.ptx_data=\"('runs/x/demos',)\"")
   # The budget is `iterations`; `max_minutes` only guards this process against a hung or far too slow
   # host (tars_jax/train/guard.py): it checkpoints and stops the run loudly.
   run = run_lib.start("train", config, workdir, budget=config.iterations, unit="iteration",
@@ -117,9 +120,6 @@ def main(argv):
   # is in each checkpoint, so a resumed run draws the batches an uninterrupted one would have.
   ptx_iter = None
   if hp.ptx_coef > 0:
-    if not config.rl.ptx_data:
-      raise app.UsageError(f"config.rl.ptx_coef={hp.ptx_coef} needs demonstrations: "
-                           "--config.rl.ptx_data=\"('runs/x/demos',)\"")
     sft_lib.check_data(config.rl.ptx_data, image_hw=parts.image_hw, n_img_tokens=parts.loop_cfg.n_img_tokens,
                        tokenizer=parts.tokenizer)
     ptx_iter = iter(sft_lib.demo_batches(

@@ -40,7 +40,7 @@ def _batch(parts, cfg, b, t, seed, loss_span):
               image_mask=np.ones((b, cfg.env.max_turns), bool))
 
 
-@pytest.mark.slow  # ~40 s: a tiny policy, three compiled update programs
+@pytest.mark.slow  # ~40 s: a tiny policy, two compiled update programs and the reference gradient
 def test_a_ptx_step_adds_the_demonstrations_sft_gradient_and_draws_one_batch_per_step():
   cfg = miniwob_ppo.get_config("smoke")
   cfg.rl.algo, cfg.rl.group_size = "grpo", 2
@@ -63,15 +63,15 @@ def test_a_ptx_step_adds_the_demonstrations_sft_gradient_and_draws_one_batch_per
   plain, _ = update(0.0, None)
   with_ptx, out = update(coef, iter([demo]))
   # the reference: the SFT loss's own gradient at the initial policy (train/sft.py), scaled by coef
+  # (jitted: one compile instead of op-by-op dispatch of the model's forward and backward)
   params0 = parts.init_state(0)["policy"]
-  g = jax.grad(lambda p: sft.loss_and_metrics(p, demo, None, graphdef=parts.policy_gd, inputs=parts.inputs,
-                                              aux_coef=0.0)[0])(params0)
+  ce, g = jax.jit(jax.value_and_grad(lambda p: sft.loss_and_metrics(
+      p, demo, None, graphdef=parts.policy_gd, inputs=parts.inputs, aux_coef=0.0)[0]))(params0)
   want = jax.tree.map(lambda x: -lr * coef * np.asarray(x), g)
   got = jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), with_ptx["policy"], plain["policy"])
   scale = max(float(np.abs(x).max()) for x in jax.tree.leaves(want))
   assert scale > 0
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-3 * scale), got, want)
-  ce, _ = sft.loss_and_metrics(params0, demo, None, graphdef=parts.policy_gd, inputs=parts.inputs, aux_coef=0.0)
   assert out["ptx_ce"] == pytest.approx(float(ce), rel=1e-4)
 
   drawn = []
@@ -138,7 +138,7 @@ def test_trainer_trains_on_demonstrations_and_resumes_their_stream(tmp_path):
     np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
-@pytest.mark.slow  # ~30 s: the trainer builds the model, then refuses before any sandbox starts
+# ~5 s (a fast test): the trainer refuses before it builds the model
 def test_trainer_refuses_ptx_without_demonstrations(tmp_path):
   bad = _train(tmp_path / "none", None, 1, check=False)
   assert bad.returncode != 0 and "needs demonstrations" in bad.stderr

@@ -31,6 +31,9 @@ REP=$RUNS/replication
   || { tail -n 40 "$REP"/logs/*.log; exit 1; }
 
 PPO=$REP/ppo/seed_0
+# bootstrap resamples of the intervals from committed rows: CI checks that the cells run, not the intervals'
+# last digit (the notebooks' own default, 10 000, takes minutes per notebook on 2 cores)
+REPS=${NB_REPS:-200}
 run_nb() {  # notebook name, then papermill -p NAME VALUE pairs
   local name=$1; shift
   stamp "notebook $name"
@@ -39,10 +42,11 @@ run_nb() {  # notebook name, then papermill -p NAME VALUE pairs
 }
 run_nb training_dynamics -p RUN "$PPO"
 run_nb trajectories -p ROLLOUTS "$PPO/rollouts" -p DEMOS "$REP/demos" -p N 2
-run_nb replication -p SWEEP "$REP" -p REPS 1000
-run_nb step_budget -p RUN "$PPO" -p BUDGETS 1,2,4 -p EPISODES 2 -p JSON "$RUNS/eval_budgets.json" -p RERUN True
+run_nb replication -p SWEEP "$REP" -p REPS $REPS
+run_nb step_budget -p RUN "$PPO" -p BUDGETS 1,2,4 -p EPISODES 2 -p JSON "$RUNS/eval_budgets.json" -p RERUN True \
+  -p REPS $REPS
 run_nb merging -p CKPT_A "$PPO" -p CKPT_B "$REP/grpo/seed_0" -y "ALPHAS: [0.0, 0.5, 1.0]" \
   -p EPISODES 2 -p OUT "$RUNS/merge_line"
 # flywheel: no flywheel run in the smoke suite (one takes ~25 min); the committed rows of docs/replication.md row 9
-run_nb flywheel -p FLYWHEEL_RUNS "$RUNS/flywheel_seed*" -p CONTROL_RUNS "$RUNS/ppo_continue_seed*" -p REPS 1000
+run_nb flywheel -p FLYWHEEL_RUNS "$RUNS/flywheel_seed*" -p CONTROL_RUNS "$RUNS/ppo_continue_seed*" -p REPS $REPS
 stamp "all notebooks ran; executed copies in $RUNS/executed"

@@ -410,13 +410,15 @@ def test_trainer_state_on_mesh_from_config(mesh_results):
 # --- the 8-device worker -----------------------------------------------------------------------------
 
 def _grpo_hp(cfg, aux_loss_coef=0.01, ent_coef=0.0):
-  """PPOHparams of a critic-free update of `cfg`'s model, every field given (PPOHparams has no defaults)."""
-  from tars_jax.train import ppo
-  return ppo.PPOHparams(algo="grpo", gamma=1.0, lam_policy=0.95, lam_critic=1.0, length_adaptive_alpha=None,
-                        whiten_advantages=True, clip_low=0.2, clip_high=0.28, clip_c=None, value_clip=0.2,
-                        vf_coef=1.0, ent_coef=ent_coef, aux_loss_coef=aux_loss_coef, loss_agg="token-mean",
-                        kl_kind="k3", kl_coef=0.0, decoupled=False, behaviour_weight_cap=None, top_entropy_frac=1.0,
-                        ptx_coef=0.0, temperature=1.0)
+  """PPOHparams of a critic-free update of `cfg`'s model: the smoke config's, with the fields these tests
+  depend on set here (a new PPOHparams field gets its default from the config)."""
+  from experiments.configs import miniwob_ppo
+  from tars_jax.train import state as state_lib
+  return dataclasses.replace(
+      state_lib.hparams(miniwob_ppo.get_config("smoke")), algo="grpo", gamma=1.0, whiten_advantages=True,
+      clip_low=0.2, clip_high=0.28, clip_c=None, ent_coef=ent_coef, aux_loss_coef=aux_loss_coef,
+      loss_agg="token-mean", kl_coef=0.0, decoupled=False, behaviour_weight_cap=None, top_entropy_frac=1.0,
+      ptx_coef=0.0, temperature=1.0)
 
 
 def _inputs(cfg):

@@ -46,7 +46,7 @@ from tars_jax.rollout.step_budget import (budget_loop_cfgs, budgets_json, format
                                           play_budgets, plot_budgets)
 from tars_jax.train import checkpoint as ckpt
 from tars_jax.train import state as state_lib
-from tars_jax.train.metrics import write_json
+from tars_jax.train.metrics import think_tokens_per_task, write_json
 
 _RUN = flags.DEFINE_string("run", None, "Run directory (has config.json and checkpoints/).")
 _CKPT = flags.DEFINE_integer("checkpoint", None, "Checkpoint step (default: latest); 0 without a step-0 "
@@ -74,7 +74,8 @@ def evaluate(run: str, tasks: list[str] | None, episodes: int, step: int | None 
              episodes_out: list | None = None, max_turns: int | None = None,
              temperature: float | None = None, inference: str | None = None,
              quantize: str | None = None) -> tuple[int, dict]:
-  """Returns (checkpoint step, {task: {success, episodes, ...}}) for the run's policy; game tasks
+  """Returns (checkpoint step, {task: {success, episodes, ..., think_tokens}}) for the run's policy
+  (think_tokens: mean tokens of a reply's thought per turn, `metrics.think_tokens`); game tasks
   also get normalized_score, mean_score and reference_score (`game_scores`). `episodes_out`, if
   given, receives every evaluated Episode. `step = 0` with no checkpoint 0 evaluates the policy the
   run started from (`init_state(config.seed)`, what iteration 1 sampled with): the untrained
@@ -153,7 +154,11 @@ def evaluate_budgets(run: str, tasks: list[str] | None, episodes: int, budgets: 
       remote.close()
   if episodes_out is not None:
     episodes_out.update(results)
-  return step, {b: summarize_with_games(eps) for b, eps in results.items()}
+  summaries = {b: summarize_with_games(eps) for b, eps in results.items()}
+  for b, eps in results.items():  # think length on held-out episodes (docs/replication.md row 5)
+    for task, n in think_tokens_per_task(eps, parts.tokenizer).items():
+      summaries[b][task]["think_tokens"] = n
+  return step, summaries
 
 
 def main(argv):

@@ -5,6 +5,8 @@ r"""Every interval of docs/replication.md rows 1-5, recomputed from the committe
   python -m experiments.replication_stats benchmarks/results/quantized_serving.json --compare ppo_kl_int8:ppo_kl
   python -m experiments.replication_stats benchmarks/results/replication.json \
       benchmarks/results/replication_rerun.json --compare ppo_kl:sft      # the runs of both files pooled
+  python -m experiments.replication_stats runs/replication5/replication.json --score think_tokens \
+      --compare ppo_thoughts:sft_thoughts                                  # think length (row 5)
 
 Prints per variant the IQM and mean held-out success with 95 % stratified bootstrap CIs, each
 comparison's paired difference with its CI and probability of improvement (rliable; see
@@ -21,6 +23,8 @@ from absl import app, flags
 from tars_jax.analysis import replication as R
 
 _REPS = flags.DEFINE_integer("reps", 10_000, "Bootstrap resamples.")
+_SCORE = flags.DEFINE_string("score", "success", "What the intervals are of: held-out success, or a numeric "
+                             "field of the rows (think_tokens: mean tokens of a thought per turn, row 5).")
 _COMPARE = flags.DEFINE_list("compare", None, "x:y pairs of variants to compare (paired x - y) instead of "
                              "docs/replication.md's comparisons.")
 
@@ -36,7 +40,9 @@ def main(argv):
     if not all(p.count(":") == 1 for p in _COMPARE.value):
       raise app.UsageError(f"--compare takes x:y pairs, got {_COMPARE.value}")
     comparisons = [("-", *p.split(":"), "as asked") for p in _COMPARE.value]
-  print(R.report(rows, reps=_REPS.value, comparisons=comparisons))
+  print(R.report(rows, reps=_REPS.value, comparisons=comparisons, key=_SCORE.value))
+  if _SCORE.value != "success":
+    return
   print("\n| variant | task | mean success over seeds | std | seeds |\n|---|---|---|---|---|")
   for v in R.runs_per_variant(rows):
     for task, (m, s, n) in R.per_task(rows, v).items():

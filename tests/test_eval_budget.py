@@ -33,7 +33,7 @@ from tars_jax.train.state import build
 from tests.test_demos import demo_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SUMMARY_KEYS = {"success", "episodes", "mean_reward", "mean_steps", "invalid_rate", "lost"}
+SUMMARY_KEYS = {"success", "episodes", "mean_reward", "mean_steps", "invalid_rate", "lost", "think_tokens"}
 
 
 def run_eval_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -168,3 +168,4 @@ def test_cli_on_an_untrained_policy_several_budgets_and_the_one_budget_format(se
     for task in cfg.tasks:
       assert one[task] == one["results"][task] and set(one[task]) == SUMMARY_KEYS
       assert one[task]["episodes"] + one[task]["lost"] == 2 and 1 <= one[task]["mean_steps"] <= 2
+      assert one[task]["think_tokens"] >= 0  # the thoughts the grammar lets the policy write

@@ -90,3 +90,17 @@ def test_episode_metrics_reports_exploration_of_the_first_turns():
   assert m["explore/entropy_free"] == pytest.approx(2.0)
   assert m["explore/free_decisions_per_turn"] == pytest.approx(1.5)
   assert m["success/a"] == 0.0
+
+
+def test_think_tokens_per_task_counts_the_thought_bytes_of_scored_episodes():
+  """Held-out think length (docs/replication.md row 5): bytes of the text between `Thought:` and
+  `Action:` under the byte tokenizer, averaged over each task's turns; lost episodes are not scored."""
+  def ep(task, thoughts, lost=False):
+    return Episode(task=task, seed=0, instruction="", prefix_ids=[], lost=lost,
+                   turns=[_turn(f"Thought: {t}\nAction: click(start_box='(1,2)')") for t in thoughts])
+  eps = [ep("a", ["go", "press ok"]), ep("a", ["abcdef"]), ep("b", [""]), ep("a", ["x" * 40], lost=True),
+         ep("c", ["never scored"], lost=True)]
+  got = TM.think_tokens_per_task(eps, TOK)
+  assert set(got) == {"a", "b", "c"}
+  assert got["a"] == pytest.approx((2 + 8 + 6) / 3) and got["b"] == 0.0 and np.isnan(got["c"])
+  assert TM.episode_metrics(eps[:2], ["a"], TOK)["think_tokens"] == pytest.approx(got["a"])

@@ -79,6 +79,30 @@ def test_bad_rows_are_named():
     R.check_rows([dict(rows[0], successes=101)])
 
 
+def test_think_length_rows_compare_paired_like_numpy_and_rows_without_it_are_named():
+  """Row 5's measure: mean thought tokens per turn on the held-out episodes, SFT start vs after RL."""
+  res = {"t1": {"success": 0.5, "episodes": 10, "think_tokens": 12.5}, "t2": {"success": 0.1, "episodes": 10}}
+  assert R.rows_of_eval("sft_thoughts", 0, res) == [
+      {"variant": "sft_thoughts", "seed": 0, "task": "t1", "episodes": 10, "successes": 5, "think_tokens": 12.5},
+      {"variant": "sft_thoughts", "seed": 0, "task": "t2", "episodes": 10, "successes": 1}]
+  rng = np.random.default_rng(0)
+  start = rng.uniform(8, 14, (3, 4))
+  after = start - rng.uniform(1, 3, (3, 4))  # shorter on every (seed, task)
+  rows = [dict(r, think_tokens=float(m[r["seed"], "abcd".index(r["task"])]))
+          for v, m in (("sft_thoughts", start), ("ppo_thoughts", after)) for r in _rows(v, P_SFT)]
+  x, _, _ = R.score_matrix(rows, "ppo_thoughts", key="think_tokens")
+  np.testing.assert_array_equal(x, after)
+  c = R.compare(rows, "ppo_thoughts", "sft_thoughts", reps=500, key="think_tokens")
+  assert c["diff"] == pytest.approx(np.mean(after - start)) and c["diff_hi"] < 0
+  assert c["verdict"] == "sft_thoughts higher think_tokens" and c["poi"] < 0.5
+  text = R.report(rows + _rows("ppo", P_SFT), reps=200, comparisons=[(5, "ppo_thoughts", "sft_thoughts", "-"),
+                                                                     (1, "ppo", "sft_thoughts", "-")],
+                  key="think_tokens")
+  assert "| ppo_thoughts | 3 |" in text and "| ppo |" not in text and "not run (or no think_tokens)" in text
+  with pytest.raises(R.BadRows, match="no 'think_tokens'"):
+    R.score_matrix(_rows("ppo", P_SFT), "ppo", key="think_tokens")
+
+
 def test_committed_results_file_is_well_formed():
   path = os.path.join(os.path.dirname(CONFIG), "..", "..", "benchmarks", "results", "replication.json")
   rows = R.load_rows(path)  # docs/replication.md's intervals are computed from it

@@ -57,17 +57,28 @@ def check_rows(rows: Sequence[dict]) -> None:
 
 def rows_of_eval(variant: str, seed: int, results: dict) -> list[dict]:
   """Result rows of one evaluation: `results` is the "results" dict of an `experiments/eval.py --json`
-  file ({task: {"success", "episodes", ...}}); one row per task with episodes, sorted by task."""
+  file ({task: {"success", "episodes", ...}}); one row per task with episodes, sorted by task, with the
+  evaluation's mean think tokens per turn as "think_tokens" where it has them."""
   return [{"variant": variant, "seed": int(seed), "task": task, "episodes": int(r["episodes"]),
-           "successes": int(round(r["success"] * r["episodes"]))}
+           "successes": int(round(r["success"] * r["episodes"])),
+           **({"think_tokens": float(r["think_tokens"])} if "think_tokens" in r else {})}
           for task, r in sorted(results.items()) if r["episodes"]]
 
 
+def _score(r: dict, key: str) -> float:
+  if key == "success":
+    return r["successes"] / r["episodes"]
+  if key not in r:
+    raise BadRows(f"replication row {r} has no {key!r} (an evaluation from before it was recorded)")
+  return float(r[key])
+
+
 def score_matrix(rows: Iterable[dict], variant: str, seeds: Sequence[int] | None = None,
-                 tasks: Sequence[str] | None = None) -> tuple[np.ndarray, list[int], list[str]]:
-  """Success rates of `variant`: ([n_seeds, n_tasks] float64, seeds, tasks), seeds and tasks sorted
-  (or as given). Raises BadRows when a (seed, task) cell has no row, or the variant has no rows."""
-  by = {(int(r["seed"]), r["task"]): r["successes"] / r["episodes"] for r in rows if r["variant"] == variant}
+                 tasks: Sequence[str] | None = None, key: str = "success") -> tuple[np.ndarray, list[int], list[str]]:
+  """Scores of `variant`: ([n_seeds, n_tasks] float64, seeds, tasks), seeds and tasks sorted (or as
+  given). `key`: "success" (successes / episodes) or another numeric field of the rows ("think_tokens").
+  Raises BadRows when a (seed, task) cell has no row (or a row lacks `key`), or the variant has no rows."""
+  by = {(int(r["seed"]), r["task"]): _score(r, key) for r in rows if r["variant"] == variant}
   if not by:
     raise BadRows(f"no rows of variant {variant!r}")
   seeds = sorted({s for s, _ in by}) if seeds is None else list(seeds)
@@ -101,13 +112,14 @@ def aggregate(scores: np.ndarray, reps: int = 10_000, seed: int = 0) -> dict[str
           "mean_lo": float(mean_lo), "mean_hi": float(mean_hi), "seeds": int(scores.shape[0])}
 
 
-def compare(rows: Sequence[dict], x: str, y: str, reps: int = 10_000, seed: int = 0) -> dict[str, float]:
-  """Variant `x` against `y` on the training seeds and tasks both have.
+def compare(rows: Sequence[dict], x: str, y: str, reps: int = 10_000, seed: int = 0,
+            key: str = "success") -> dict[str, float]:
+  """Variant `x` against `y` on the training seeds and tasks both have, scored by `key` (as `score_matrix`).
 
   Returns {diff, diff_lo, diff_hi}: mean over seeds and tasks of the paired difference x - y with its
   95 % stratified bootstrap CI; {poi, poi_lo, poi_hi}: probability of improvement P(x > y) (rliable,
   per task, averaged) with its CI; `verdict`: "x better" / "y better" when the difference's CI excludes
-  0, else "inconclusive"; `seeds`, `tasks`. Raises TooFewSeeds, BadRows.
+  0 ("x higher <key>" for another key than success), else "inconclusive"; `seeds`, `tasks`. Raises TooFewSeeds, BadRows.
   """
   from rliable import library as rly
   from rliable import metrics
@@ -117,14 +129,15 @@ def compare(rows: Sequence[dict], x: str, y: str, reps: int = 10_000, seed: int 
   _need_seeds(len(seeds), f"{x} vs {y}")
   tx = {r["task"] for r in rows if r["variant"] == x}
   tasks = sorted(tx & {r["task"] for r in rows if r["variant"] == y})
-  a, _, _ = score_matrix(rows, x, seeds, tasks)
-  b, _, _ = score_matrix(rows, y, seeds, tasks)
+  a, _, _ = score_matrix(rows, x, seeds, tasks, key)
+  b, _, _ = score_matrix(rows, y, seeds, tasks, key)
   np.random.seed(seed)
   point, ci = rly.get_interval_estimates({"d": a - b}, lambda d: np.array([metrics.aggregate_mean(d)]), reps=reps)
   diff, lo, hi = float(point["d"][0]), float(ci["d"][0, 0]), float(ci["d"][1, 0])
   np.random.seed(seed)
   ppoint, pci = rly.get_interval_estimates({"p": (a, b)}, metrics.probability_of_improvement, reps=reps)
-  verdict = f"{x} better" if lo > 0 else f"{y} better" if hi < 0 else "inconclusive"
+  more = "better" if key == "success" else f"higher {key}"
+  verdict = f"{x} {more}" if lo > 0 else f"{y} {more}" if hi < 0 else "inconclusive"
   poi_lo, poi_hi = np.ravel(pci["p"])
   return {"diff": diff, "diff_lo": lo, "diff_hi": hi, "poi": float(ppoint["p"]), "poi_lo": float(poi_lo),
           "poi_hi": float(poi_hi), "verdict": verdict, "seeds": len(seeds), "tasks": len(tasks)}
@@ -164,33 +177,41 @@ COMPARISONS = (
     (1, "ppo_kl_mc", "sft", "PPO with the KL penalty and lam_policy 1 improves on its SFT start"),
     (1, "ppo_kl_ptx", "sft", "PPO with the KL penalty and PPO-ptx (SFT loss on demonstrations) improves on SFT"),
     (1, "ppo_kl_ptx", "ppo_kl", "PPO-ptx (SFT loss on the demonstrations in each policy step) helps PPO with KL"),
+    (1, "ppo_ptx", "sft", "PPO with PPO-ptx and no KL penalty improves on its SFT start"),
+    (1, "ppo_ptx", "ppo_kl_ptx", "with PPO-ptx, dropping the KL penalty helps"),
+    (5, "ppo_thoughts", "sft_thoughts", "PPO on the SFT start that writes thoughts improves on it"),
     (2, "ppo_kl", "grpo_kl", "PPO beats GRPO, both with the KL penalty to the SFT policy"),
     ("3b", "ppo", "ppo_coupled", "decoupled GAE (lam_critic 1, lam_policy 0.95) beats coupled lam 0.95"),
     ("3b", "ppo_lenadapt", "ppo", "length-adaptive GAE helps"),
 )
 
 
-def report(rows: Sequence[dict], reps: int = 10_000, comparisons: Sequence[tuple] = COMPARISONS) -> str:
-  """Markdown: per-variant IQM / mean with CIs, then each comparison (row, x, y, claim) of `comparisons`
-  whose variants have >= MIN_SEEDS shared seeds (the others are listed as not run, never given an
-  interval)."""
-  lines = ["| variant | runs (seeds) | IQM [95% CI] | mean [95% CI] |", "|---|---|---|---|"]
+def report(rows: Sequence[dict], reps: int = 10_000, comparisons: Sequence[tuple] = COMPARISONS,
+           key: str = "success") -> str:
+  """Markdown: per-variant IQM / mean of `key` (as `score_matrix`) with CIs, then each comparison
+  (row, x, y, claim) of `comparisons` whose variants have >= MIN_SEEDS shared seeds (the others are
+  listed as not run, never given an interval). With another key than success, variants whose rows lack
+  it are listed as such. Raises BadRows where a compared variant's rows lack `key`."""
+  lines = [f"| variant | runs (seeds) | IQM of {key} [95% CI] | mean of {key} [95% CI] |", "|---|---|---|---|"]
   counts = runs_per_variant(rows)
+  if key != "success":
+    counts = {v: n for v, n in counts.items() if all(key in r for r in rows if r["variant"] == v)}
   for v, n in counts.items():
     if n < MIN_SEEDS:
       lines.append(f"| {v} | {n} | refused: < {MIN_SEEDS} seeds | refused: < {MIN_SEEDS} seeds |")
       continue
-    a = aggregate(score_matrix(rows, v)[0], reps)
+    a = aggregate(score_matrix(rows, v, key=key)[0], reps)
     lines.append(f"| {v} | {n} | {a['iqm']:.3f} [{a['iqm_lo']:.3f}, {a['iqm_hi']:.3f}] | "
                  f"{a['mean']:.3f} [{a['mean_lo']:.3f}, {a['mean_hi']:.3f}] |")
   lines += ["", "| row | comparison | seeds | mean difference [95% CI] | P(improvement) [95% CI] | verdict |",
             "|---|---|---|---|---|---|"]
   for row, x, y, claim in comparisons:
     if x not in counts or y not in counts:
-      lines.append(f"| {row} | {x} vs {y} ({claim}) | - | not run | - | not measured |")
+      lines.append(f"| {row} | {x} vs {y} ({claim}) | - | not run{'' if key == 'success' else f' (or no {key})'} | - "
+                   "| not measured |")
       continue
     try:
-      c = compare(rows, x, y, reps)
+      c = compare(rows, x, y, reps, key=key)
     except TooFewSeeds as e:
       lines.append(f"| {row} | {x} vs {y} ({claim}) | - | refused: {e} | - | not measured |")
       continue

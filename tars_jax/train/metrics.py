@@ -154,9 +154,21 @@ def exploration_metrics(episodes, table=None) -> dict[str, float]:
   }
 
 
+def think_tokens(turns, tokenizer) -> float:
+  """Mean tokens (`tokenizer.encode`) of the `Thought:` text of `turns`' replies (0 for a reply
+  without one); NaN for no turns. The think length of report section 2.5.3 (docs/replication.md row 5)."""
+  return float(np.mean([len(tokenizer.encode(thought_of(t.text))) for t in turns])) if turns else float("nan")
+
+
+def think_tokens_per_task(episodes, tokenizer) -> dict[str, float]:
+  """{task: `think_tokens` over the turns of its scored (not lost) episodes} (held-out evaluations)."""
+  return {task: think_tokens([t for e in episodes if e.task == task and not e.lost for t in e.turns], tokenizer)
+          for task in sorted({e.task for e in episodes})}
+
+
 def episode_metrics(episodes, tasks, tokenizer, table=None) -> dict[str, float]:
   """Per-iteration episode statistics (overall and per task); think_tokens = mean tokens of a
-  reply's `Thought:` text, steps_per_episode = episode_length = mean turns per episode; plus
+  reply's `Thought:` text (`think_tokens`), steps_per_episode = episode_length = mean turns per episode; plus
   `exploration_metrics(episodes, table)` (pass the grammar table the run samples under)."""
   turns = [t for e in episodes for t in e.turns]
   m = {
@@ -168,7 +180,7 @@ def episode_metrics(episodes, tasks, tokenizer, table=None) -> dict[str, float]:
                                    max(1, sum(len(e.turns) for e in episodes))),
       "truncated_rate": float(np.mean([e.truncated for e in episodes])),
       "reply_tokens": float(np.mean([len(t.reply_ids) for t in turns])),
-      "think_tokens": float(np.mean([len(tokenizer.encode(thought_of(t.text))) for t in turns])),
+      "think_tokens": think_tokens(turns, tokenizer),
   }
   m["steps_per_episode"] = m["episode_length"]
   for task in tasks:

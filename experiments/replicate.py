@@ -7,6 +7,8 @@ experiments/configs/replication.py.
       --variants ppo,grpo,ppo_novpt,ppo_coupled,ppo_lenadapt,ppo_kl,ppo_thoughts
   python -m experiments.replicate --workdir /tmp/rep --seeds 0,1,2 --variants ppo,grpo --suffix +smoke
   python -m experiments.replicate --workdir runs/replication --report   # tables again, nothing run
+  python -m experiments.replicate --workdir runs/rl_seeds --seeds 0,1,2 --variants ppo_thoughts --sft_seed 0
+      # every RL seed from seed 0's SFT start: one SFT stage, RL's seed variance alone
 
 Layout of the work dir (every stage a normal run dir of its trainer, resumable):
   replicate.json           the plan: config file, suffix, each stage arg's resolved config (a re-run
@@ -27,6 +29,7 @@ seed. A training stage is done when its run dir says so (`tars_jax.train.run.is_
 naming a complete checkpoint), the demonstrations and an evaluation when their output exists; a re-run
 skips done stages and resumes an interrupted one from its checkpoint, so no run is counted twice. A
 failed stage is reported, its dependants skipped, the others still run; the exit code is 1 if any failed.
+A work dir keeps the way its RL runs were started (`--sft_seed` or not): another is refused.
 """
 
 from __future__ import annotations
@@ -104,9 +107,12 @@ def sft_name(variant: str) -> str:
   return "sft_thoughts" if variant == THOUGHTS else "sft"
 
 
-def plan(config: str, workdir: str, seeds: list[int], variants: list[str], suffix: str) -> list[dict]:
+def plan(config: str, workdir: str, seeds: list[int], variants: list[str], suffix: str,
+         sft_seed: int | None = None) -> list[dict]:
   """The stages in run order: [{name, argv, done (path that exists once done, or {"run": dir} of a
-  training stage), after (names of the stages it needs), dir}]. Pure: reads the config files, runs nothing."""
+  training stage), after (names of the stages it needs), dir}]. `sft_seed`: None = each training seed
+  `s` has its own SFT start (and value pretraining); an int = every RL seed starts from the SFT start
+  and value-pretrained critic of that training seed. Pure: reads the config files, runs nothing."""
   py, cfg = sys.executable, lambda a: f"{config}:{a}{suffix}"
   W = lambda *p: os.path.join(workdir, *p)  # noqa: E731
   stages, have = [], set()
@@ -130,26 +136,27 @@ def plan(config: str, workdir: str, seeds: list[int], variants: list[str], suffi
   order = ["ppo"] + [v for v in variants if v != "ppo"] if "ppo" in variants else list(variants)
   for variant in order:
     for s in seeds:
+      t = s if sft_seed is None else sft_seed  # the training seed of this RL run's SFT start
       sft = sft_name(variant)
-      sdir = W(sft, f"seed_{s}")
-      seed = f"--config.seed={s}"
-      add(f"{sft}/seed_{s}", [py, "-m", "experiments.sft", "--config", cfg(sft), seed, "--workdir", sdir,
+      sdir = W(sft, f"seed_{t}")
+      seed, sft_cfg_seed = f"--config.seed={s}", f"--config.seed={t}"
+      add(f"{sft}/seed_{t}", [py, "-m", "experiments.sft", "--config", cfg(sft), sft_cfg_seed, "--workdir", sdir,
                               f"--config.sft.data=('{W('demos')}',)"], {"run": sdir}, ["demos"], sdir,
           heavy=True)  # ~15 GB at batch 16 of multi-turn episodes: beside an RL run it exhausts 24 GB
-      evaluate(f"{sft}/seed_{s}", sdir, sft, f"{sft}/seed_{s}")
+      evaluate(f"{sft}/seed_{t}", sdir, sft, f"{sft}/seed_{t}")
       c = loaded[variant]
       rdir = W(variant, f"seed_{s}")
       train = [py, "-m", "experiments.train", "--config", cfg(variant), seed, "--workdir", rdir,
                f"--config.policy.init={sdir}"]
       if c.rl.ptx_coef > 0:  # PPO-ptx trains on the suite's demonstrations too
         train.append(f"--config.rl.ptx_data=('{W('demos')}',)")
-      after = [f"{sft}/seed_{s}"]
+      after = [f"{sft}/seed_{t}"]
       if c.vpt.enabled:
-        vname = ("vpt_thoughts" if variant == THOUGHTS else "vpt") + f"/seed_{s}"
+        vname = ("vpt_thoughts" if variant == THOUGHTS else "vpt") + f"/seed_{t}"
         vdir = W(vname)
-        # value pretraining is the same for every variant of a seed (lam_critic = 1, the SFT policy)
-        add(vname, [py, "-m", "experiments.value_pretrain", "--config", cfg(variant), seed, "--workdir", vdir,
-                    f"--config.vpt.policy_run={sdir}"], {"run": vdir}, after, vdir)
+        # value pretraining is the same for every variant of an SFT start (lam_critic = 1, the SFT policy)
+        add(vname, [py, "-m", "experiments.value_pretrain", "--config", cfg(variant), sft_cfg_seed, "--workdir",
+                    vdir, f"--config.vpt.policy_run={sdir}"], {"run": vdir}, after, vdir)
         train.append(f"--config.critic.init={os.path.join(vdir, 'critic')}")
         after = after + [vname]
       add(f"{variant}/seed_{s}", train, {"run": rdir}, after, rdir, heavy=True)  # ~7 GB
@@ -213,16 +220,33 @@ def execute(stages: list[dict], workdir: str, timeout_min: float, jobs: int = 1)
   return status
 
 
-def collect(stages: list[dict]) -> list[dict]:
-  """Result rows of every finished evaluation: one per (run, task), variant = the run dir's parent name."""
+def collect(stages: list[dict], sft_seed: int | None = None, seeds: list[int] = ()) -> list[dict]:
+  """Result rows of every finished evaluation: one per (run, task), variant = the run dir's parent name.
+  With one SFT start for every RL seed (`sft_seed`), every row names it ("sft_seed") and the SFT
+  start's rows stand once for each RL seed of `seeds` (the pairs of the paired differences: the
+  intervals then cover RL's seed variance, not SFT's)."""
   rows = []
   for st in stages:
     if not st["name"].startswith("eval/") or not is_done(st["done"]):
       continue
     variant, seed = st["name"][len("eval/"):].split("/seed_")
     with open(st["done"]) as f:
-      rows += rep.rows_of_eval(variant, int(seed), json.load(f)["results"])
+      results = json.load(f)["results"]
+    if sft_seed is None:
+      rows += rep.rows_of_eval(variant, int(seed), results)
+      continue
+    for s in seeds if variant in ("sft", sft_name(THOUGHTS)) else [int(seed)]:
+      rows += [dict(r, sft_seed=sft_seed) for r in rep.rows_of_eval(variant, s, results)]
   return rows
+
+
+def check_same_start(old_manifest: dict, sft_seed: int | None) -> None:
+  """Raises ConfigMismatch when the work dir's runs started from SFT starts chosen otherwise (one per
+  training seed vs one `--sft_seed` for all): their RL runs would be mixed under one name."""
+  if old_manifest and old_manifest.get("sft_seed") != sft_seed:
+    how = lambda x: "one SFT start per training seed" if x is None else f"every RL seed from sft seed {x}"  # noqa: E731
+    raise ConfigMismatch(f"the work dir's RL runs started from {how(old_manifest.get('sft_seed'))}, this call "
+                         f"asks for {how(sft_seed)}; use another --workdir")
 
 
 def main(argv):
@@ -237,7 +261,7 @@ def main(argv):
   seeds = [int(s) for s in F.seeds]
   os.makedirs(workdir, exist_ok=True)
   lock = lock_workdir(workdir)  # held until the end of main (or of the process)
-  stages = plan(config, workdir, seeds, variants, F.suffix)
+  stages = plan(config, workdir, seeds, variants, F.suffix, F.sft_seed)
   args = sorted({"sft", *(sft_name(v) for v in variants), *variants})
   conf = resolved(config, [a + F.suffix for a in args])
   manifest_path = os.path.join(workdir, "replicate.json")
@@ -245,22 +269,26 @@ def main(argv):
   if os.path.exists(manifest_path):
     with open(manifest_path) as f:
       old = json.load(f)
+    check_same_start(old, F.sft_seed)
     one_sided = check_same(old.get("configs", {}), conf)
     if one_sided:
       print(f"[replicate] settings the work dir's plan does not have, or no longer has (not compared): "
             f"{', '.join(one_sided)}")
   manifest = {"config": config, "suffix": F.suffix, "configs": {**old.get("configs", {}), **conf},
               "seeds": sorted(set(old.get("seeds", [])) | set(seeds)),
-              "variants": sorted(set(old.get("variants", [])) | set(variants))}
+              "variants": sorted(set(old.get("variants", [])) | set(variants)), "sft_seed": F.sft_seed}
   write_json(manifest_path, manifest)
 
   status = {} if F.report else execute(stages, workdir, F.stage_timeout_min, F.jobs)
-  rows = collect(stages)
+  rows = collect(stages, F.sft_seed, seeds)
   write_json(os.path.join(workdir, "replication.json"), rows)
   finished = rep.runs_per_variant(rows)
   summary = [f"# Replication suite: {workdir}", "",
              "Finished runs per variant (seeds with a held-out evaluation): "
              + ", ".join(f"{v} {n}" for v, n in finished.items()), "", rep.report(rows)]
+  if F.sft_seed is not None:
+    summary[2:2] = [f"Every RL seed started from the SFT start of training seed {F.sft_seed}: the intervals "
+                    "cover RL's seed variance, not SFT's.", ""]
   with open(os.path.join(workdir, "summary.md"), "w") as f:
     f.write("\n".join(summary) + "\n")
   from experiments import plot
@@ -288,6 +316,8 @@ def define_flags() -> None:
   flags.DEFINE_bool("report", False, "Only collect the rows and write the tables and curves.")
   flags.DEFINE_float("stage_timeout_min", 180.0, "Kill a stage's process after this many minutes.")
   flags.DEFINE_integer("jobs", 1, "Stages run at once (each its own process and sandbox).")
+  flags.DEFINE_integer("sft_seed", None, "Every RL seed starts from this training seed's SFT start and "
+                       "value-pretrained critic (default: each seed its own SFT start).")
 
 
 if __name__ == "__main__":

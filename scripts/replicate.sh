@@ -5,6 +5,7 @@
 #   bash scripts/replicate.sh                                # runs/replication, seeds 0,1,2, every variant
 #   SEEDS=0,1,2,3,4 VARIANTS=ppo,grpo bash scripts/replicate.sh
 #   MOD=smoke RUN=/tmp/rep bash scripts/replicate.sh         # tiny model and budgets
+#   RUN=runs/rl_seeds VARIANTS=ppo_thoughts bash scripts/replicate.sh --sft_seed 0   # every RL seed from seed 0's SFT
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

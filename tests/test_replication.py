@@ -131,6 +131,34 @@ def test_plan_runs_the_bar_first_and_shares_sft_and_vpt(tmp_path):
   assert [s["name"] for s in thoughts][1:4] == ["sft_thoughts/seed_0", "eval/sft_thoughts/seed_0", "vpt_thoughts/seed_0"]
 
 
+def test_one_sft_start_for_every_rl_seed_plans_it_once_and_pairs_its_rows_with_each_rl_seed(tmp_path):
+  st = replicate.plan(CONFIG, str(tmp_path), [0, 1, 2], ["ppo_thoughts"], "+smoke", sft_seed=1)
+  names = [s["name"] for s in st]
+  assert [n for n in names if not n.startswith(("ppo_thoughts", "eval/ppo_thoughts"))] == [
+      "demos", "sft_thoughts/seed_1", "eval/sft_thoughts/seed_1", "vpt_thoughts/seed_1"]
+  argv = {s["name"]: s["argv"] for s in st}
+  assert "--config.seed=1" in argv["sft_thoughts/seed_1"] and "--config.seed=1" in argv["vpt_thoughts/seed_1"]
+  for s in (0, 1, 2):
+    rl = argv[f"ppo_thoughts/seed_{s}"]
+    assert f"--config.seed={s}" in rl and f"--config.policy.init={tmp_path}/sft_thoughts/seed_1" in rl
+    assert f"--config.critic.init={tmp_path}/vpt_thoughts/seed_1/critic" in rl
+  res = {"miniwob/a": {"success": 0.5, "episodes": 10}}
+  for run in ("sft_thoughts/seed_1", "ppo_thoughts/seed_0", "ppo_thoughts/seed_2"):
+    os.makedirs(tmp_path / run)
+    (tmp_path / run / "eval.json").write_text(json.dumps({"results": res}))
+  rows = replicate.collect(st, 1, [0, 1, 2])
+  assert sorted((r["variant"], r["seed"], r["sft_seed"]) for r in rows) == [
+      ("ppo_thoughts", 0, 1), ("ppo_thoughts", 2, 1), ("sft_thoughts", 0, 1), ("sft_thoughts", 1, 1),
+      ("sft_thoughts", 2, 1)]
+  R.check_rows(rows)
+  replicate.check_same_start({"sft_seed": 1}, 1)
+  replicate.check_same_start({}, 1)  # a new work dir
+  with pytest.raises(replicate.ConfigMismatch, match="one SFT start per training seed.*from sft seed 1"):
+    replicate.check_same_start({"configs": {}}, 1)
+  with pytest.raises(replicate.ConfigMismatch, match="from sft seed 0.*one SFT start per training seed"):
+    replicate.check_same_start({"sft_seed": 0}, None)
+
+
 def test_a_workdir_of_another_config_is_refused_naming_the_fields():
   old = replicate.resolved(CONFIG, ["sft+smoke", "ppo+smoke"])
   new = json.loads(json.dumps(old))

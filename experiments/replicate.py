@@ -9,6 +9,7 @@ experiments/configs/replication.py.
   python -m experiments.replicate --workdir runs/replication --report   # tables again, nothing run
   python -m experiments.replicate --workdir runs/rl_seeds --seeds 0,1,2 --variants ppo_thoughts --sft_seed 0
       # every RL seed from seed 0's SFT start: one SFT stage, RL's seed variance alone
+  python -m experiments.replicate --workdir runs/short --set sft.steps=600 --set sft.decay_steps=800   # a setting changed
 
 Layout of the work dir (every stage a normal run dir of its trainer, resumable):
   replicate.json           the plan: config file, suffix, each stage arg's resolved config (a re-run
@@ -34,6 +35,7 @@ A work dir keeps the way its RL runs were started (`--sft_seed` or not): another
 
 from __future__ import annotations
 
+import ast
 import concurrent.futures as cf
 import json
 import os
@@ -80,9 +82,40 @@ def _flat(d: dict, prefix: str = "") -> dict:
   return out
 
 
-def resolved(config: str, args: list[str]) -> dict[str, dict]:
-  """{arg: flat dict of its resolved config} (JSON round trip: tuples as lists)."""
-  return {a: _flat(json.loads(load_config(config, a).to_json_best_effort())) for a in args}
+def parse_overrides(overrides: list[str]) -> dict[str, object]:
+  """{"sft.steps": 600} of ["sft.steps=600"]: each value a Python literal (600, 1e-3, True, ('a',)),
+  else the string itself. Raises ValueError for an override without '='."""
+  out = {}
+  for o in overrides:
+    key, eq, val = o.partition("=")
+    if not eq or not key:
+      raise ValueError(f"override {o!r} is not key=value")
+    try:
+      out[key] = ast.literal_eval(val)
+    except (ValueError, SyntaxError):
+      out[key] = val
+  return out
+
+
+def load_stage_config(config: str, arg: str, overrides: list[str] = ()):
+  """`load_config(config, arg)` with the `--set` overrides applied, as the stage's process applies them
+  (`--config.<key>=<value>`). Raises ValueError (bad override) or ml_collections' errors (unknown key,
+  wrong type)."""
+  c = load_config(config, arg)
+  parsed = parse_overrides(list(overrides))
+  for key in parsed:  # as config_flags: only settings the config has (a typo would otherwise add one)
+    node = c
+    for part in key.split("."):
+      if not hasattr(node, "keys") or part not in node:
+        raise KeyError(f"{arg}: the config has no setting {key!r}")
+      node = node[part]
+  c.update_from_flattened_dict(parsed)
+  return c
+
+
+def resolved(config: str, args: list[str], overrides: list[str] = ()) -> dict[str, dict]:
+  """{arg: flat dict of its resolved config, overrides applied} (JSON round trip: tuples as lists)."""
+  return {a: _flat(json.loads(load_stage_config(config, a, overrides).to_json_best_effort())) for a in args}
 
 
 def check_same(old: dict, new: dict) -> list[str]:
@@ -108,15 +141,17 @@ def sft_name(variant: str) -> str:
 
 
 def plan(config: str, workdir: str, seeds: list[int], variants: list[str], suffix: str,
-         sft_seed: int | None = None) -> list[dict]:
+         sft_seed: int | None = None, overrides: list[str] = ()) -> list[dict]:
   """The stages in run order: [{name, argv, done (path that exists once done, or {"run": dir} of a
   training stage), after (names of the stages it needs), dir}]. `sft_seed`: None = each training seed
   `s` has its own SFT start (and value pretraining); an int = every RL seed starts from the SFT start
-  and value-pretrained critic of that training seed. Pure: reads the config files, runs nothing."""
-  py, cfg = sys.executable, lambda a: f"{config}:{a}{suffix}"
+  and value-pretrained critic of that training seed. `overrides`: "key=value" settings every training
+  stage gets (`--config.key=value`). Pure: reads the config files, runs nothing."""
+  py, sets = sys.executable, [f"--config.{o}" for o in overrides]
+  cfg = lambda a: f"{config}:{a}{suffix}"  # noqa: E731
   W = lambda *p: os.path.join(workdir, *p)  # noqa: E731
   stages, have = [], set()
-  loaded = {a: load_config(config, a + suffix) for a in {*variants, *(sft_name(v) for v in variants)}}
+  loaded = {a: load_stage_config(config, a + suffix, overrides) for a in {*variants, *(sft_name(v) for v in variants)}}
 
   def add(name, argv, done, after=(), run_dir=None, heavy=False):
     if name not in have:
@@ -131,7 +166,7 @@ def plan(config: str, workdir: str, seeds: list[int], variants: list[str], suffi
                              "--tasks", ",".join(loaded[arg].tasks), "--json", os.path.join(run_dir, "eval.json")],
         os.path.join(run_dir, "eval.json"), [after])
 
-  add("demos", [py, "-m", "experiments.demos", "--config", cfg("sft"), "--out", W("demos")],
+  add("demos", [py, "-m", "experiments.demos", "--config", cfg("sft"), *sets, "--out", W("demos")],
       W("demos", "experts.json"))
   order = ["ppo"] + [v for v in variants if v != "ppo"] if "ppo" in variants else list(variants)
   for variant in order:
@@ -140,13 +175,13 @@ def plan(config: str, workdir: str, seeds: list[int], variants: list[str], suffi
       sft = sft_name(variant)
       sdir = W(sft, f"seed_{t}")
       seed, sft_cfg_seed = f"--config.seed={s}", f"--config.seed={t}"
-      add(f"{sft}/seed_{t}", [py, "-m", "experiments.sft", "--config", cfg(sft), sft_cfg_seed, "--workdir", sdir,
+      add(f"{sft}/seed_{t}", [py, "-m", "experiments.sft", "--config", cfg(sft), *sets, sft_cfg_seed, "--workdir", sdir,
                               f"--config.sft.data=('{W('demos')}',)"], {"run": sdir}, ["demos"], sdir,
           heavy=True)  # ~15 GB at batch 16 of multi-turn episodes: beside an RL run it exhausts 24 GB
       evaluate(f"{sft}/seed_{t}", sdir, sft, f"{sft}/seed_{t}")
       c = loaded[variant]
       rdir = W(variant, f"seed_{s}")
-      train = [py, "-m", "experiments.train", "--config", cfg(variant), seed, "--workdir", rdir,
+      train = [py, "-m", "experiments.train", "--config", cfg(variant), *sets, seed, "--workdir", rdir,
                f"--config.policy.init={sdir}"]
       if c.rl.ptx_coef > 0:  # PPO-ptx trains on the suite's demonstrations too
         train.append(f"--config.rl.ptx_data=('{W('demos')}',)")
@@ -155,7 +190,7 @@ def plan(config: str, workdir: str, seeds: list[int], variants: list[str], suffi
         vname = ("vpt_thoughts" if variant == THOUGHTS else "vpt") + f"/seed_{t}"
         vdir = W(vname)
         # value pretraining is the same for every variant of an SFT start (lam_critic = 1, the SFT policy)
-        add(vname, [py, "-m", "experiments.value_pretrain", "--config", cfg(variant), sft_cfg_seed, "--workdir",
+        add(vname, [py, "-m", "experiments.value_pretrain", "--config", cfg(variant), *sets, sft_cfg_seed, "--workdir",
                     vdir, f"--config.vpt.policy_run={sdir}"], {"run": vdir}, after, vdir)
         train.append(f"--config.critic.init={os.path.join(vdir, 'critic')}")
         after = after + [vname]
@@ -261,9 +296,12 @@ def main(argv):
   seeds = [int(s) for s in F.seeds]
   os.makedirs(workdir, exist_ok=True)
   lock = lock_workdir(workdir)  # held until the end of main (or of the process)
-  stages = plan(config, workdir, seeds, variants, F.suffix, F.sft_seed)
+  try:
+    stages = plan(config, workdir, seeds, variants, F.suffix, F.sft_seed, F.set)
+  except (ValueError, KeyError, TypeError) as e:  # not key=value, an unknown key, a value of the wrong type
+    raise app.UsageError(f"--set: {e}") from None
   args = sorted({"sft", *(sft_name(v) for v in variants), *variants})
-  conf = resolved(config, [a + F.suffix for a in args])
+  conf = resolved(config, [a + F.suffix for a in args], F.set)
   manifest_path = os.path.join(workdir, "replicate.json")
   old = {}
   if os.path.exists(manifest_path):
@@ -316,6 +354,8 @@ def define_flags() -> None:
   flags.DEFINE_bool("report", False, "Only collect the rows and write the tables and curves.")
   flags.DEFINE_float("stage_timeout_min", 180.0, "Kill a stage's process after this many minutes.")
   flags.DEFINE_integer("jobs", 1, "Stages run at once (each its own process and sandbox).")
+  flags.DEFINE_multi_string("set", [], "key=value config setting of every training stage (--config.key=value), "
+                            "e.g. sft.steps=600; kept in replicate.json's resolved configs.")
   flags.DEFINE_integer("sft_seed", None, "Every RL seed starts from this training seed's SFT start and "
                        "value-pretrained critic (default: each seed its own SFT start).")
 

@@ -159,6 +159,26 @@ def test_one_sft_start_for_every_rl_seed_plans_it_once_and_pairs_its_rows_with_e
     replicate.check_same_start({"sft_seed": 0}, None)
 
 
+def test_set_overrides_reach_every_training_stage_the_plan_and_the_resolved_configs(tmp_path):
+  sets = ["sft.steps=3", "sft.decay_steps=8", "final_eval_episodes=5"]
+  st = replicate.plan(CONFIG, str(tmp_path), [0], ["ppo"], "+smoke", overrides=sets)
+  argv = {s["name"]: s["argv"] for s in st}
+  for name in ("demos", "sft/seed_0", "vpt/seed_0", "ppo/seed_0"):
+    assert all(f"--config.{o}" in argv[name] for o in sets), name
+  assert argv["eval/ppo/seed_0"][argv["eval/ppo/seed_0"].index("--episodes") + 1] == "5"
+  conf = replicate.resolved(CONFIG, ["sft+smoke"], sets)["sft+smoke"]
+  assert (conf["sft.steps"], conf["sft.decay_steps"], conf["final_eval_episodes"]) == (3, 8, 5)
+  assert replicate.parse_overrides(["a.b=x/y", "c=('p',)", "d=1e-3"]) == {"a.b": "x/y", "c": ("p",), "d": 1e-3}
+  with pytest.raises(ValueError, match="not key=value"):
+    replicate.parse_overrides(["sft.steps"])
+  with pytest.raises(KeyError, match="no setting 'sft.no_such_setting'"):
+    replicate.resolved(CONFIG, ["sft+smoke"], ["sft.no_such_setting=1"])
+  with pytest.raises(TypeError):
+    replicate.resolved(CONFIG, ["sft+smoke"], ["sft.steps=many"])
+  with pytest.raises(replicate.ConfigMismatch, match="sft.steps = 3 there, 4 now"):
+    replicate.check_same({"sft+smoke": conf}, replicate.resolved(CONFIG, ["sft+smoke"], ["sft.steps=4", *sets[1:]]))
+
+
 def test_a_workdir_of_another_config_is_refused_naming_the_fields():
   old = replicate.resolved(CONFIG, ["sft+smoke", "ppo+smoke"])
   new = json.loads(json.dumps(old))

@@ -102,14 +102,12 @@ def load_stage_config(config: str, arg: str, overrides: list[str] = ()):
   (`--config.<key>=<value>`). Raises ValueError (bad override) or ml_collections' errors (unknown key,
   wrong type)."""
   c = load_config(config, arg)
-  parsed = parse_overrides(list(overrides))
-  for key in parsed:  # as config_flags: only settings the config has (a typo would otherwise add one)
-    node = c
-    for part in key.split("."):
-      if not hasattr(node, "keys") or part not in node:
-        raise KeyError(f"{arg}: the config has no setting {key!r}")
-      node = node[part]
-  c.update_from_flattened_dict(parsed)
+  c.lock()  # as config_flags: only settings the config has (unlocked, a typo would add one)
+  for key, value in parse_overrides(list(overrides)).items():
+    try:
+      c.update_from_flattened_dict({key: value})
+    except KeyError as e:
+      raise KeyError(f"{arg}: the config has no setting {key!r}") from e
   return c
 
 
@@ -267,11 +265,10 @@ def collect(stages: list[dict], sft_seed: int | None = None, seeds: list[int] = 
     variant, seed = st["name"][len("eval/"):].split("/seed_")
     with open(st["done"]) as f:
       results = json.load(f)["results"]
-    if sft_seed is None:
-      rows += rep.rows_of_eval(variant, int(seed), results)
-      continue
-    for s in seeds if variant in ("sft", sft_name(THOUGHTS)) else [int(seed)]:
-      rows += [dict(r, sft_seed=sft_seed) for r in rep.rows_of_eval(variant, s, results)]
+    shared_start = sft_seed is not None and variant in ("sft", sft_name(THOUGHTS))
+    named = {} if sft_seed is None else {"sft_seed": sft_seed}
+    for s in seeds if shared_start else [int(seed)]:
+      rows += [dict(r, **named) for r in rep.rows_of_eval(variant, s, results)]
   return rows
 
 

@@ -115,7 +115,7 @@ def test_decode_form_is_attention_for_one_query(dtype, tol):
     assert np.abs(g_ - w_).max() <= tol * np.abs(w_).max()
 
 
-@pytest.mark.slow  # ~40 s of compiles
+@pytest.mark.long  # ~40 s of compiles
 def test_train_step_keeps_fewer_bytes_and_the_same_gradients():
   """A 4-layer scanned policy (text only, 256 tokens): loss and gradients equal between the cores, and
   the compiled value-and-grad step's temporaries shrink by 1.5 float32 [B, heads, L, L] arrays per
@@ -148,7 +148,7 @@ def test_train_step_keeps_fewer_bytes_and_the_same_gradients():
   assert temp0 - temp1 >= 1.5 * layers * probs_bytes, (temp0, temp1, probs_bytes)
 
 
-@pytest.mark.parametrize("impl", [pytest.param("einsum", marks=pytest.mark.slow), "recompute"])
+@pytest.mark.parametrize("impl", [pytest.param("einsum", marks=pytest.mark.long), "recompute"])
 def test_causal_blocks_equal_the_full_square_on_real_rows(impl):
   """Causal self-attention by query blocks (`attend_causal_blocks`, blocks of 4 over L = S = 11, left
   padding of 0 / 3 / 6 slots): outputs and gradients of q, k, v equal the full L x L square's on every
@@ -178,7 +178,7 @@ def test_causal_blocks_equal_the_full_square_on_real_rows(impl):
     ModelConfig(attention_block=-1)
 
 
-@pytest.mark.slow  # ~40 s of compiles
+@pytest.mark.long  # ~40 s of compiles
 def test_prefill_by_causal_blocks_samples_what_one_square_does():
   """The sampler's prefill (a KV cache written from slot 0) also runs by causal blocks: greedy tokens
   and their log-probs from a left-padded batch of ~60-token prompts with one image equal those of the

@@ -86,7 +86,7 @@ def test_gpu_benchmark_preset_and_peaks():
     bench_config("nope")
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_gpu_benchmark_runs_end_to_end_on_the_smoke_preset(tmp_path):
   """`benchmarks/train_step_gpu.py --preset smoke` on the CPU: transformers builds and saves the
   weights, both sides train on them, and the JSON it writes says the two sides computed the same loss
@@ -166,7 +166,7 @@ def test_page_call_cost_sorts_processes_and_compares_each_round_with_its_capture
     summarise([])
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_train_step_memory_counts_parameters_and_batch():
   """`benchmarks/bench_model.step_memory` on the smoke preset: the compiled step's argument bytes
   are the float32 parameters plus the batch arrays (counted here from the abstract model), its outputs

@@ -325,7 +325,7 @@ def test_expert_solves_held_out_questions_and_a_wrong_answer_gets_zero(server, s
 
 @needs_corpus
 @pytest.mark.browser
-@pytest.mark.slow  # ~1.5 min: 20 episodes of ~20 turns
+@pytest.mark.long  # ~1.5 min: 20 episodes of ~20 turns
 def test_expert_success_on_ten_held_out_questions_per_family(server, suite):
   async def go():
     async with SandboxClient(server.url) as c:

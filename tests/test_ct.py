@@ -230,7 +230,7 @@ def test_trainer_refuses_bad_ct_settings_before_training(parts, tmp_path):
   assert not os.path.exists(tmp_path / "run" / "checkpoints")
 
 
-@pytest.mark.slow  # ~5 min on 2 busy cores: three trainer processes, each compiling the SFT and CT updates
+@pytest.mark.long  # ~5 min on 2 busy cores: three trainer processes, each compiling the SFT and CT updates
 def test_trainer_mixes_ct_batches_logs_ct_ce_and_resumes(parts, tmp_path):
   """experiments/sft.py with ct_ratio 0.5 alternates SFT and CT batches (log rows of train/ce or
   train/ct_ce), and resumed from its step-2 checkpoint repeats steps 3-4 exactly (the mix position and

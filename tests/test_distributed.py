@@ -143,14 +143,14 @@ def _compare(single: dict, multi: dict, prefix: str):
   assert moved > 1e-5, "the update did not move the parameters: the comparison would be vacuous"
 
 
-@pytest.mark.slow  # ~2 min for one process and ~6 min for the pair on a loaded 2-core machine
+@pytest.mark.long  # ~2 min for one process and ~6 min for the pair on a loaded 2-core machine
 def test_ppo_update_on_two_processes_equals_one_process_process_local_rows(updates):
   single, multi = updates
   assert int(multi["processes"]) == 2 and int(single["processes"]) == 1
   _compare(single, multi, "local/")
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_ppo_update_on_two_processes_equals_one_process_whole_batch(updates):
   single, multi = updates
   _compare(single, multi, "whole/")
@@ -158,7 +158,7 @@ def test_ppo_update_on_two_processes_equals_one_process_whole_batch(updates):
 
 # --- test 2: a dead peer, then resume ---------------------------------------------------------------
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_dead_peer_fails_fast_naming_its_rank_and_run_resumes(tmp_path):
   work = str(tmp_path / "run")
   # Phase 1: both processes make one update and checkpoint it; then process 1 is SIGKILLed during

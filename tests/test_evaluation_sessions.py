@@ -12,7 +12,7 @@ from tars_jax.rollout import evaluation
 from tars_jax.train import state as state_lib
 
 
-@pytest.mark.slow  # ~90 s: the smoke policy compiled for the service and the lockstep sampler; real Chromium
+@pytest.mark.long  # ~90 s: the smoke policy compiled for the service and the lockstep sampler; real Chromium
 @pytest.mark.browser
 def test_play_sessions_reuses_each_episodes_context_and_plays_the_same_task_instances():
   cfg = miniwob_ppo.get_config("smoke")

@@ -318,7 +318,7 @@ def smoke_run(tmp_path_factory, server):
   return run, tmp / "demos", p.stdout, overrides
 
 
-@pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.browser
 def test_smoke_iteration_end_to_end(smoke_run):
   run, demos_dir, out, _ = smoke_run
@@ -357,7 +357,7 @@ def test_smoke_iteration_end_to_end(smoke_run):
   assert "[flywheel]" in out.splitlines()[-1] and "flywheel.json" in out.splitlines()[-1]
 
 
-@pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.browser
 def test_smoke_rerun_skips_finished_stages_and_writes_nothing_twice(smoke_run):
   run, _, _, overrides = smoke_run

@@ -148,7 +148,7 @@ def _policy_batch(rng, q, n_rows=3, reply=8):
               image_mask=np.ones((n_rows, 1), bool))
 
 
-@pytest.mark.slow  # ~30 s: two jitted value-and-grads of a tiny policy
+@pytest.mark.long  # ~30 s: two jitted value-and-grads of a tiny policy
 def test_trainer_loss_treats_forced_tokens_as_outside_the_mask():
   v, q = TINY_CFG.vocab_size, ord("q")
   table = np.zeros((2, v), np.int32)  # state 0: every token; state 1: only `q`
@@ -182,7 +182,7 @@ def test_trainer_loss_treats_forced_tokens_as_outside_the_mask():
 # ---------------------------------------------------------------- critic PPO: prepare
 
 
-@pytest.mark.slow  # ~20 s: builds the smoke config's models
+@pytest.mark.long  # ~20 s: builds the smoke config's models
 def test_prepare_lambda_and_informative_fraction_count_free_decisions():
   cfg = miniwob_ppo.get_config("smoke")
   cfg.rl.algo = "ppo"

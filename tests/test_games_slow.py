@@ -9,7 +9,7 @@ from envs_bridge.browser.sessions import BrowserSandbox
 from envs_bridge.games import catalog
 from envs_bridge.games import reference as R
 
-pytestmark = [pytest.mark.slow, pytest.mark.browser]
+pytestmark = [pytest.mark.long, pytest.mark.browser]
 
 
 def test_reference_players_reproduce_reference_scores():

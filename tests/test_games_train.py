@@ -85,7 +85,7 @@ async def _replay_scores(records, step_ms):
     await sb.stop()
 
 
-@pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.browser
 def test_games_smoke_trains_and_eval_reports_normalised_scores(tmp_path):
   run, out = tmp_path / "run", tmp_path / "eval.json"

@@ -169,7 +169,7 @@ def _run(module, *args):
                         timeout=900)
 
 
-@pytest.mark.slow  # the trainer and the exporter as subprocesses against real Chromium (minutes on 2 cores)
+@pytest.mark.long  # the trainer and the exporter as subprocesses against real Chromium (minutes on 2 cores)
 @pytest.mark.browser
 def test_end_to_end_rollout_ppo_orbax_export_transformers(tmp_path):
   from transformers import AutoModelForImageTextToText, AutoTokenizer

@@ -91,7 +91,7 @@ def _prompt(parts, rng, turns):
   return ids, images
 
 
-@pytest.mark.slow  # ~60 s: a server process and an in-process service each compile the smoke model
+@pytest.mark.long  # ~60 s: a server process and an in-process service each compile the smoke model
 def test_remote_equals_in_process_and_swaps_weights(server, tmp_path):
   cfg = miniwob_ppo.get_config("smoke")
   parts = state_lib.build(cfg)
@@ -137,7 +137,7 @@ def test_remote_equals_in_process_and_swaps_weights(server, tmp_path):
     RemoteInference(server, expect_model=state_lib.build(other).served_model_id())
 
 
-@pytest.mark.slow  # ~60 s: its own server process compiles the smoke model; real Chromium
+@pytest.mark.long  # ~60 s: its own server process compiles the smoke model; real Chromium
 @pytest.mark.browser
 def test_a_dead_inference_server_stops_the_pool_as_an_inference_failure_not_a_lost_session():
   """The pool's episodes meet a killed inference server: its probe names it, `take` raises
@@ -172,7 +172,7 @@ def test_a_dead_inference_server_stops_the_pool_as_an_inference_failure_not_a_lo
   assert health["opened"] == health["closed"] + health["expired"] + health["sessions"] and health["sessions"] == 0
 
 
-@pytest.mark.slow  # ~150 s: a server process, a streaming trainer and an evaluation, against real Chromium
+@pytest.mark.long  # ~150 s: a server process, a streaming trainer and an evaluation, against real Chromium
 @pytest.mark.browser
 def test_a_trainer_and_the_evaluation_sample_through_a_separate_server(tmp_path):
   """rollout.inference=<url>: the streaming trainer's episodes are sampled by the server process,
@@ -206,7 +206,7 @@ def test_a_trainer_and_the_evaluation_sample_through_a_separate_server(tmp_path)
     proc.wait(timeout=30)
 
 
-@pytest.mark.slow  # ~30 s: a server process compiles the smoke model
+@pytest.mark.long  # ~30 s: a server process compiles the smoke model
 def test_a_server_with_a_token_refuses_clients_without_it():
   """serve.py with a token (env TARS_INFERENCE_TOKEN): requests and weight pushes without it, or with
   another, get Unauthorized naming the server; the right one is served. Without a token, serve.py
@@ -237,7 +237,7 @@ def test_a_server_with_a_token_refuses_clients_without_it():
   assert p.returncode != 0 and "refusing to bind '0.0.0.0' without a token" in p.stderr
 
 
-@pytest.mark.slow  # ~120 s: a server process, the flywheel's generate stage and value pretraining, real Chromium
+@pytest.mark.long  # ~120 s: a server process, the flywheel's generate stage and value pretraining, real Chromium
 @pytest.mark.browser
 def test_the_flywheel_and_value_pretraining_sample_through_a_separate_server(tmp_path):
   """rollout.inference=<url> in the data stages: the flywheel's generate stage and value pretraining

@@ -493,7 +493,7 @@ def test_ppo_trains_on_exactly_the_context_the_policy_saw():
   _chained_advantages_are_one_rows(parts, state, batch, len(episodes))
 
 
-@pytest.mark.slow  # ~4 min on the loaded 2-core machine: Chromium, two rollouts, sampler + PPO compiles
+@pytest.mark.long  # ~4 min on the loaded 2-core machine: Chromium, two rollouts, sampler + PPO compiles
 @pytest.mark.browser
 def test_working_memory_against_the_real_browser(server):
   """End to end on real MiniWoB++ pages with working memory K = 1 and template episodic memory: two

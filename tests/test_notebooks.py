@@ -12,7 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
 
-# ~8 min in CI's slow step (486 s beside the other worker): the smoke suite (demos, SFT, value pretraining,
+# 8-20 min in CI's slow step (486 s on 2026-12-04, 1219 s on 12-06 beside the other worker): the smoke suite (demos, SFT, value pretraining,
 # PPO, GRPO), then 5 notebooks
 def test_every_notebook_executes_on_the_smoke_suite(tmp_path):
   runs = tmp_path / "nb"

@@ -22,7 +22,7 @@ from tars_jax.train import state as state_lib
 TOL = 1e-5
 
 
-@pytest.mark.slow  # ~60 s: sandbox server + Chromium start, two compilations of the smoke policy
+@pytest.mark.long  # ~60 s: sandbox server + Chromium start, two compilations of the smoke policy
 @pytest.mark.browser
 def test_first_minibatch_of_a_real_rollout_is_on_policy():
   cfg = miniwob_ppo.get_config("smoke")

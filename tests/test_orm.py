@@ -380,7 +380,7 @@ def orm_run(parts, tmp_path_factory):
   return run, tmp / "data", first, second
 
 
-@pytest.mark.slow  # 1.5-3.5 min on the 2-core machine (load): the fixture's two trainer processes (compiles, 36 steps)
+@pytest.mark.long  # 1.5-3.5 min on the 2-core machine (load): the fixture's two trainer processes (compiles, 36 steps)
 def test_orm_training_lowers_the_loss_separates_the_classes_and_resumes(orm_run, parts):
   run, data, first, second = orm_run
   rows = read_metrics(str(run))
@@ -406,7 +406,7 @@ def test_orm_training_lowers_the_loss_separates_the_classes_and_resumes(orm_run,
   assert orm.classification_metrics(p, y)["auroc"] >= 0.9
 
 
-@pytest.mark.slow  # 1-2 min after the ORM fixture: 2 PPO iterations against real Chromium
+@pytest.mark.long  # 1-2 min after the ORM fixture: 2 PPO iterations against real Chromium
 @pytest.mark.browser
 def test_ppo_smoke_run_on_orm_rewards(orm_run, tmp_path):
   run = tmp_path / "ppo"

@@ -40,7 +40,7 @@ def _batch(parts, cfg, b, t, seed, loss_span):
               image_mask=np.ones((b, cfg.env.max_turns), bool))
 
 
-@pytest.mark.slow  # ~40 s: a tiny policy, two compiled update programs and the reference gradient
+@pytest.mark.long  # ~40 s: a tiny policy, two compiled update programs and the reference gradient
 def test_a_ptx_step_adds_the_demonstrations_sft_gradient_and_draws_one_batch_per_step():
   cfg = miniwob_ppo.get_config("smoke")
   cfg.rl.algo, cfg.rl.group_size = "grpo", 2
@@ -114,7 +114,7 @@ def _ptx_rows(workdir):
     return [{k: v for k, v in json.loads(line).items() if k.startswith("train/ptx")} for line in f]
 
 
-@pytest.mark.slow  # ~3 min: the experts' demonstrations, then two smoke trainer runs against real Chromium
+@pytest.mark.long  # ~3 min: the experts' demonstrations, then two smoke trainer runs against real Chromium
 @pytest.mark.browser
 def test_trainer_trains_on_demonstrations_and_resumes_their_stream(tmp_path):
   from test_resume import _params

@@ -187,7 +187,7 @@ def bounds(split):
   return out
 
 
-@pytest.mark.slow  # the `bounds` fixture: 528 VJPs of the tiny model (~80 s)
+@pytest.mark.long  # the `bounds` fixture: 528 VJPs of the tiny model (~80 s)
 @pytest.mark.parametrize("bits", ["int8", "int4"])
 def test_weight_only_logits_equal_dequantized_model_and_within_bound(bounds, bits):
   """Weight-only: logits equal the float model with the dequantised weights (same arithmetic, to
@@ -204,7 +204,7 @@ def test_weight_only_logits_equal_dequantized_model_and_within_bound(bounds, bit
   assert np.all(diff <= tol), (diff / tol).max()
 
 
-@pytest.mark.slow  # the `bounds` fixture: 528 VJPs of the tiny model (~80 s)
+@pytest.mark.long  # the `bounds` fixture: 528 VJPs of the tiny model (~80 s)
 @pytest.mark.parametrize("bits", ["int8", "int4"])
 def test_activation_quantized_logits_within_bound(bounds, bits):
   """W8A8 / W4A8 logits vs float32: within N_SIGMA x sqrt(weight term^2 + activation term^2) of the

@@ -64,7 +64,7 @@ def _params(workdir):
   return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(tree)}
 
 
-@pytest.mark.slow  # ~3 min: two runs of the trainer against real Chromium
+@pytest.mark.long  # ~3 min: two runs of the trainer against real Chromium
 @pytest.mark.browser
 def test_run_killed_after_a_checkpoint_resumes_as_if_never_stopped(straight, tmp_path):
   killed = tmp_path / "killed"
@@ -91,7 +91,7 @@ def test_run_killed_after_a_checkpoint_resumes_as_if_never_stopped(straight, tmp
     assert g == w, {k: (w.get(k), g.get(k)) for k in set(w) | set(g) if w.get(k) != g.get(k)}
 
 
-@pytest.mark.slow  # ~2 min: one run of the trainer on one core
+@pytest.mark.long  # ~2 min: one run of the trainer on one core
 @pytest.mark.browser
 def test_budgets_are_counts_a_run_on_one_core_ends_where_and_as_a_run_on_all(straight, tmp_path):
   """The budget is a count: the same command in a process pinned to one core (half this machine's
@@ -122,7 +122,7 @@ def test_budgets_are_counts_a_run_on_one_core_ends_where_and_as_a_run_on_all(str
     np.testing.assert_allclose(b[k], a[k], rtol=1e-3, atol=1e-4 * scale, err_msg=k)
 
 
-@pytest.mark.slow  # ~3 min: two runs of the trainer against real Chromium
+@pytest.mark.long  # ~3 min: two runs of the trainer against real Chromium
 @pytest.mark.browser
 def test_the_wall_clock_guard_stops_loudly_and_the_same_run_continues_to_its_count(tmp_path):
   """`max_minutes` only guards a process: tripped, the trainer checkpoints, exits non-zero and names

@@ -100,11 +100,11 @@ def _loss(model, toks, pos, mask, pix):
 
 
 @pytest.mark.parametrize("family,remat,moe", [
-    pytest.param("qwen3_vl_moe", "dots", dict(moe_impl="ragged", moe_capacity_factor=0.5), marks=pytest.mark.slow),
-    pytest.param("qwen2_5_vl", "full", {}, marks=pytest.mark.slow),
-    pytest.param("qwen3_vl_moe", "none", {}, marks=pytest.mark.slow),
-    pytest.param("qwen2_5_vl", "none", {}, marks=pytest.mark.slow),
-    pytest.param("qwen3_vl_moe", "full", {}, marks=pytest.mark.slow),
+    pytest.param("qwen3_vl_moe", "dots", dict(moe_impl="ragged", moe_capacity_factor=0.5), marks=pytest.mark.long),
+    pytest.param("qwen2_5_vl", "full", {}, marks=pytest.mark.long),
+    pytest.param("qwen3_vl_moe", "none", {}, marks=pytest.mark.long),
+    pytest.param("qwen2_5_vl", "none", {}, marks=pytest.mark.long),
+    pytest.param("qwen3_vl_moe", "full", {}, marks=pytest.mark.long),
 ])
 def test_scanned_equals_unscanned_logits_aux_and_grads(family, remat, moe):
   cfg = _cfg(family, remat=remat, **moe)
@@ -136,7 +136,7 @@ def test_scanned_equals_unscanned_logits_aux_and_grads(family, remat, moe):
     assert float(np.abs(f0[BLOCKS[:3] + (i, "attn", "qkv", "kernel")]).max()) > 1e-4, i
 
 
-@pytest.mark.slow  # ~25 s
+@pytest.mark.long  # ~25 s
 def test_window_and_full_attention_blocks_differ_in_the_scanned_vit():
   """The qwen2_5_vl case above is not vacuous: with every block full-attention the scanned ViT's
   output changes (so the per-block window / full switch really selects different masks), and the
@@ -331,7 +331,7 @@ def test_bad_tensor_shape_names_tensor_and_shapes_when_scanned(hf_pair, tmp_path
 
 # --- 8 simulated devices (subprocess) ------------------------------------------------------------------
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_scanned_loss_and_grads_on_mesh_equal_single_device(tmp_path):
   out = tmp_path / "scan_mesh.json"
   env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="--xla_force_host_platform_device_count=8",

@@ -157,7 +157,7 @@ def test_check_data_names_the_mismatch_before_training(parts, tmp_path):
     sft.check_data([], **kw)
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_killed_run_resumes_with_the_same_data_order(parts, tmp_path):
   """experiments/sft.py resumed from its step-2 checkpoint repeats steps 3-4 exactly as the
   uninterrupted run did: the same batches (grain iterator state in the checkpoint), the same losses."""
@@ -189,7 +189,7 @@ def test_killed_run_resumes_with_the_same_data_order(parts, tmp_path):
     assert a["train/ce"] == b["train/ce"] and a["train/tokens"] == b["train/tokens"]
 
 
-@pytest.mark.slow  # ~2 min: compiles, two sandbox evaluations
+@pytest.mark.long  # ~2 min: compiles, two sandbox evaluations
 @pytest.mark.browser
 def test_wall_clock_guard_excludes_evaluations_stops_loudly_and_the_same_command_continues(parts, tmp_path):
   """`sft.max_minutes` guards a process's training time after a sandbox evaluation too (the evaluation's

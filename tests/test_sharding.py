@@ -146,7 +146,7 @@ def test_block_bound_holds_for_any_routing(sizes, rows):
   check_block_bound(sizes, rows)
 
 
-@pytest.mark.slow
+@pytest.mark.long
 @settings(max_examples=100, deadline=None)
 @given(*_ROUTINGS)
 def test_block_bound_holds_for_many_more_routings(sizes, rows):
@@ -233,7 +233,7 @@ def test_config_and_rule_errors():
   assert rules["embed"] == () and rules["mlp"] == ("tensor", "fsdp") and rules["vocab"] == ("tensor",)
 
 
-@pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize("impl", ["ragged", "blocked", "grouped"])
 def test_grouped_moe_keeps_transformers_parity(tmp_path, impl):
   import torch  # installed by scripts/setup.sh: a missing torch fails, never skips
@@ -287,14 +287,14 @@ def _check_run(r):
   assert '[{"data", "fsdp", "expert"}, {}, {}]' in cons, cons
 
 
-@pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize("mesh", MESHES)
 @pytest.mark.parametrize("impl", ["dense", "ragged"])
 def test_train_step_on_every_mesh_equals_single_device(mesh_results, mesh, impl):
   _check_run(mesh_results["runs"][f"{impl}@{mesh}"])
 
 
-@pytest.mark.slow  # the 8-device worker run (one per module) takes ~250 s
+@pytest.mark.long  # the 8-device worker run (one per module) takes ~250 s
 def test_all_to_all_dispatch_train_step_equals_single_device(mesh_results):
   """moe_dispatch="all_to_all" on (2, 1, 2, 2): loss and gradients as one device, and the compiled
   step really exchanges tokens: forward dispatch (rows, expert ids) and return, and their transposes."""
@@ -304,7 +304,7 @@ def test_all_to_all_dispatch_train_step_equals_single_device(mesh_results):
   assert mesh_results["runs"]["ragged@2,1,2,2"]["collectives"]["all-to-all"] == 0
 
 
-@pytest.mark.slow  # the 8-device worker run (one per module) takes ~250 s
+@pytest.mark.long  # the 8-device worker run (one per module) takes ~250 s
 def test_all_to_all_dispatch_only_where_tokens_split_over_experts(mesh_results):
   r = mesh_results["a2a_shapes"]
   assert all(diff <= TOL for diff, _ in r.values()), r
@@ -313,7 +313,7 @@ def test_all_to_all_dispatch_only_where_tokens_split_over_experts(mesh_results):
   assert r["2x4"][1] >= 2 and r["1x1"][1] == 0 and r["3x5"][1] == 0, r
 
 
-@pytest.mark.slow  # the 8-device worker run (one per module) takes ~250 s
+@pytest.mark.long  # the 8-device worker run (one per module) takes ~250 s
 def test_all_to_all_capacity_drops_per_shard_like_numpy_reference(mesh_results):
   r = mesh_results["a2a_capacity"]
   assert r["cf0.5"]["c"] == 2 and r["cf0.5"]["want_dropped"] > 0  # ceil(0.5 * 6 * 2 / 4)
@@ -324,7 +324,7 @@ def test_all_to_all_capacity_drops_per_shard_like_numpy_reference(mesh_results):
   assert r["mlp_error"].startswith("ShardingError") and "'mlp' rule's mesh axes ('data',)" in r["mlp_error"], r
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_all_to_all_dispatch_with_fsdp_and_four_expert_shards(mesh_results):
   """(1, 2, 1, 4): one expert per shard, expert weights all-gathered over fsdp inside the shard_map."""
   r = mesh_results["runs"]["a2a@1,2,1,4"]
@@ -332,7 +332,7 @@ def test_all_to_all_dispatch_with_fsdp_and_four_expert_shards(mesh_results):
   assert r["collectives"]["all-to-all"] >= 5, r["collectives"]  # + the compiler's own reshards here
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_blocked_moe_train_step_on_expert_parallel_mesh(mesh_results):
   _check_run(mesh_results["runs"]["blocked@2,1,2,2"])
 
@@ -346,12 +346,12 @@ def _shard(shape, mesh, spec):
   return out
 
 
-@pytest.mark.slow  # the 8-device worker run (one per module) takes ~250 s
+@pytest.mark.long  # the 8-device worker run (one per module) takes ~250 s
 def test_parameters_distributed_as_rules_say(mesh_results):
   _check_params(mesh_results["runs"]["ragged@2,1,2,2"]["params"], "2,1,2,2")
 
 
-@pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize("mesh", MESHES)
 def test_parameters_distributed_as_rules_say_on_every_mesh(mesh_results, mesh):
   _check_params(mesh_results["runs"][f"dense@{mesh}"]["params"], mesh)
@@ -379,7 +379,7 @@ def _check_params(got, mesh):
     assert got["['trunk']['decoder']['layers'][1]['mlp']['w_gate_up']"][2] == [2, 32, 2, 8]
 
 
-@pytest.mark.slow  # the 8-device worker run (one per module) takes ~250 s
+@pytest.mark.long  # the 8-device worker run (one per module) takes ~250 s
 def test_indivisible_dimension_is_a_typed_error(mesh_results):
   msg = mesh_results["indivisible_error"]
   assert msg.startswith("ShardingError")
@@ -387,7 +387,7 @@ def test_indivisible_dimension_is_a_typed_error(mesh_results):
     assert part in msg, msg
 
 
-@pytest.mark.slow  # the 8-device worker run (one per module) takes ~250 s
+@pytest.mark.long  # the 8-device worker run (one per module) takes ~250 s
 def test_load_pretrained_places_tensors_by_rules(mesh_results):
   r = mesh_results["hf_io"]
   assert r["values_equal"] and r["logits_diff"] <= TOL
@@ -395,7 +395,7 @@ def test_load_pretrained_places_tensors_by_rules(mesh_results):
   assert r["embed"] == [[264, 32], ["tensor", "fsdp"], [132, 32]]
 
 
-@pytest.mark.slow  # the 8-device worker run (one per module) takes ~250 s
+@pytest.mark.long  # the 8-device worker run (one per module) takes ~250 s
 def test_trainer_state_on_mesh_from_config(mesh_results):
   r = mesh_results["state"]
   assert r["mesh"] == [2, 1, 2, 2] and r["default_mesh"]
@@ -626,7 +626,7 @@ if __name__ == "__main__":
   _worker(sys.argv[1])
 
 
-@pytest.mark.slow  # ~40 s
+@pytest.mark.long  # ~40 s
 def test_ppo_metrics_report_the_fraction_of_moe_assignments_dropped():
   from tars_jax.train import ppo
   from tars_jax.train import step as step_lib

@@ -27,7 +27,7 @@ from test_distributed import _env, _free_port, _wait
 from test_inference_remote import _start_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-pytestmark = [pytest.mark.slow, pytest.mark.browser]
+pytestmark = [pytest.mark.long, pytest.mark.browser]
 
 
 def _trainers(work: str, sandbox: str, inference: str, iterations: int) -> list[subprocess.Popen]:

@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "experiments/configs/miniwob_ablations.py")
 
 
-@pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.browser
 def test_sweep_value_pretraining_then_ppo_and_grpo(tmp_path):
   work = tmp_path / "sweep"

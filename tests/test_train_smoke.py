@@ -18,7 +18,7 @@ def _train(workdir, *extra, config="miniwob_ppo.py:smoke"):
   return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.slow  # ~140 s: two runs of the trainer against real Chromium
+@pytest.mark.long  # ~140 s: two runs of the trainer against real Chromium
 @pytest.mark.browser
 def test_smoke_run_checkpoints_and_resumes(tmp_path):
   run = tmp_path / "run"
@@ -81,7 +81,7 @@ def test_vpt_config_refused_without_pretrained_critic(tmp_path):
   assert not os.path.exists(tmp_path / "vpt")  # refused before anything was written
 
 
-@pytest.mark.slow  # ~100 s: the trainer and the inference service compile, against real Chromium
+@pytest.mark.long  # ~100 s: the trainer and the inference service compile, against real Chromium
 @pytest.mark.browser
 def test_streaming_run_trains_on_pool_batches(tmp_path):
   """rollout.streaming with the decoupled objective (rl.decoupled, the importance weight capped): the

@@ -52,7 +52,7 @@ def test_stop_rule_streak_and_hparams():
   assert (hp.algo, hp.lam_critic, hp.value_clip) == ("ppo", 1.0, None)
 
 
-@pytest.mark.slow  # ~30 s
+@pytest.mark.long  # ~30 s
 def test_value_update_trains_only_the_critic_on_monte_carlo_returns(tmp_path):
   parts, cfg = _parts()
   full = parts.init_state(0)
@@ -84,7 +84,7 @@ def test_value_update_trains_only_the_critic_on_monte_carlo_returns(tmp_path):
     state_lib.load_critic(other, str(tmp_path / "missing"), parts.copt)
 
 
-@pytest.mark.slow  # ~30 s
+@pytest.mark.long  # ~30 s
 def test_kl_to_initial_policy_is_zero_first_then_positive():
   parts, cfg = _parts(kl_coef=0.5, kl_kind="k3")
   assert parts.hparams.kl_coef == 0.5
@@ -116,7 +116,7 @@ def _vpt(workdir, iterations: int):
   return out.stdout
 
 
-@pytest.mark.slow  # ~3 min: three value-pretraining processes with the browser sandbox
+@pytest.mark.long  # ~3 min: three value-pretraining processes with the browser sandbox
 def test_a_resumed_value_pretraining_makes_the_updates_of_an_uninterrupted_one(tmp_path):
   """Two iterations, then a re-run asked for three: it resumes at iteration 2 and its critic equals, to
   float tolerance, the critic of one process that ran the three iterations (same rollout seeds, sampling

@@ -19,10 +19,10 @@ from tars_jax.train import state as state_lib
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.slow
+@pytest.mark.long
 # More than 25 min on 2 cores under load (eight processes with their own compiles and sandboxes; ten
 # evaluations over three sets): beyond what CI's slow step and its 30-min per-test limit can hold, so
-# it runs when asked: TARS_LONG_TESTS=1 pytest -m slow tests/test_verticals_e2e.py
+# it runs when asked: TARS_LONG_TESTS=1 pytest -m long tests/test_verticals_e2e.py
 @pytest.mark.skipif(not os.environ.get("TARS_LONG_TESTS"), reason="~25+ min; set TARS_LONG_TESTS=1")
 def test_verticals_script_trains_merges_and_evaluates_every_model_on_every_set(tmp_path):
   run = tmp_path / "v"

@@ -4,7 +4,6 @@ several runs' per-task success side by side (ablations).
 
   python -m experiments.plot --run runs/miniwob_ppo [--out runs/miniwob_ppo/learning_curve.png]
   python -m experiments.plot --compare runs/ppo,runs/grpo --out docs/ppo_vs_grpo.png
-  python -m experiments.plot --sweep runs/ablations [--out runs/ablations/comparison.png]
   python -m experiments.plot --pipeline runs/main [--out runs/main/pipeline.png]   # scripts/demo.sh
   python -m experiments.plot --flywheel runs/flywheel [--out runs/flywheel/flywheel.png]   # experiments/flywheel.py
 """
@@ -27,7 +26,6 @@ from tars_jax.train.metrics import read_metrics  # noqa: E402
 _RUN = flags.DEFINE_string("run", None, "Run directory.")
 _OUT = flags.DEFINE_string("out", None, "Output PNG (default <run>/learning_curve.png).")
 _COMPARE = flags.DEFINE_list("compare", None, "Run directories to compare (per-task success).")
-_SWEEP = flags.DEFINE_string("sweep", None, "Parent dir of experiments/sweep.py (mean +- std over seeds).")
 _PIPELINE = flags.DEFINE_string("pipeline", None, "Pipeline run dir of scripts/demo.sh (all its stages).")
 _FLYWHEEL = flags.DEFINE_string("flywheel", None, "Run dir of experiments/flywheel.py (its flywheel.json).")
 
@@ -118,42 +116,6 @@ def plot_compare(runs: list[str], out: str) -> str:
     ax.legend()
   fig.tight_layout()
   fig.savefig(out, dpi=100)
-  return out
-
-
-SWEEP_PANELS = (("success_rate", "training success rate"), ("reward", "env reward"),
-                ("train/explained_variance", "value explained variance (PPO)"),
-                ("train/value_return_corr", "corr(value, return) (PPO)"))
-
-
-def plot_sweep(runs: list[dict], out: str, k: int = 5) -> str:
-  """Mean +- std over seeds of each variant's smoothed curves (one panel per metric in SWEEP_PANELS
-  that some run logged), against episodes. `runs`: [{"variant", "seed", "dir"}] (sweep.json rows).
-  Curves of a variant are cut to its shortest run. Raises FileNotFoundError if a run has no metrics."""
-  by_variant: dict[str, list[list[dict]]] = {}
-  for r in runs:
-    rows = read_metrics(r["dir"])
-    if not rows:
-      raise FileNotFoundError(f"no metrics.jsonl rows in {r['dir']}")
-    by_variant.setdefault(r["variant"], []).append(rows)
-  panels = [(key, title) for key, title in SWEEP_PANELS
-            if any(key in row for rs in by_variant.values() for rows in rs for row in rows)]
-  fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
-  for ax, (key, title) in zip(axes[0], panels):
-    for ci, (variant, rs) in enumerate(by_variant.items()):  # one colour per variant in every panel
-      n = min(len(rows) for rows in rs)
-      ys = np.array([smooth(np.array([row.get(key, np.nan) for row in rows[:n]], float), k) for rows in rs])
-      if np.all(np.isnan(ys)):
-        continue
-      ep = np.array([row.get("episodes_total", row["step"]) for row in rs[0][:n]])
-      mean, std = np.nanmean(ys, 0), np.nanstd(ys, 0)
-      ax.plot(ep, mean, label=f"{variant} ({len(rs)} seeds)", marker="o" if n < 3 else None, color=f"C{ci}")
-      ax.fill_between(ep, mean - std, mean + std, alpha=0.2, color=f"C{ci}")
-    ax.set(title=f"{title} ({k}-iter avg, mean +- std)", xlabel="episodes")
-    ax.legend()
-  fig.tight_layout()
-  fig.savefig(out, dpi=100)
-  plt.close(fig)
   return out
 
 
@@ -348,12 +310,6 @@ def main(argv):
   del argv
   if _FLYWHEEL.value:
     print(f"[plot] wrote {flywheel_plot(_FLYWHEEL.value, _OUT.value)}")
-    return
-  if _SWEEP.value:
-    with open(os.path.join(_SWEEP.value, "sweep.json")) as f:
-      runs = json.load(f)["runs"]
-    out = _OUT.value or os.path.join(_SWEEP.value, "comparison.png")
-    print(f"[plot] wrote {plot_sweep(runs, out)}")
     return
   if _PIPELINE.value:
     out = _OUT.value or os.path.join(_PIPELINE.value, "pipeline.png")

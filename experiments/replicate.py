@@ -1,7 +1,9 @@
-r"""The replication suite's driver (issue #37): demonstrations -> SFT per training seed -> value
+r"""Variants x seeds of a config, resumable (issue #37): demonstrations -> SFT per training seed -> value
 pretraining -> RL variants from that seed's SFT checkpoint -> held-out evaluation of every checkpoint ->
-result rows, intervals (rliable) and curves. `scripts/replicate.sh` runs it; the config is
-experiments/configs/replication.py.
+result rows, intervals (rliable) and curves. `scripts/replicate.sh` runs the replication suite
+(experiments/configs/replication.py). A config without an "sft" stage (its module's `STAGES` lacks it,
+e.g. experiments/configs/miniwob_ablations.py) runs its variants from the config's own policy init:
+no demonstrations or SFT, value pretraining per seed where a variant asks for it.
 
   python -m experiments.replicate --workdir runs/replication --seeds 0,1,2 \
       --variants ppo,grpo,ppo_novpt,ppo_coupled,ppo_lenadapt,ppo_kl,ppo_thoughts
@@ -10,13 +12,16 @@ experiments/configs/replication.py.
   python -m experiments.replicate --workdir runs/rl_seeds --seeds 0,1,2 --variants ppo_thoughts --sft_seed 0
       # every RL seed from seed 0's SFT start: one SFT stage, RL's seed variance alone
   python -m experiments.replicate --workdir runs/short --set sft.steps=600 --set sft.decay_steps=800   # a setting changed
+  python -m experiments.replicate --config experiments/configs/miniwob_ablations.py --workdir runs/ablations \
+      --variants ppo,grpo,ppo_vpt,ppo_coupled,ppo_lenadapt      # RL from the config's init, no SFT stage
 
 Layout of the work dir (every stage a normal run dir of its trainer, resumable):
   replicate.json           the plan: config file, suffix, each stage arg's resolved config (a re-run
                            with another config is refused, naming the differing fields)
   demos/                   expert demonstrations (shared by every seed and variant)
   sft/seed_<s>/            SFT from the demonstrations (sft_thoughts/ for the thoughts variant)
-  vpt/seed_<s>/            value pretraining under that SFT policy (vpt_thoughts/ likewise)
+  vpt/seed_<s>/            value pretraining under that SFT policy (vpt_thoughts/ likewise; without an
+                           SFT stage, under the config's initial policy of seed s)
   <variant>/seed_<s>/      the RL run from sft/seed_<s> (critic from vpt/seed_<s> where the variant
                            pretrains it)
   <run>/eval.json          held-out evaluation (final_eval_episodes seeds per task)
@@ -138,18 +143,34 @@ def sft_name(variant: str) -> str:
   return "sft_thoughts" if variant == THOUGHTS else "sft"
 
 
+def has_sft(config: str) -> bool:
+  """Whether the config's variants start from an SFT stage it defines (its module's `STAGES` holds "sft")."""
+  return "sft" in getattr(load_module(config), "STAGES", ())
+
+
+def stage_args(config: str, variants: list[str]) -> list[str]:
+  """The config args a plan resolves: the variants and, with an SFT stage, "sft" (the demonstrations'
+  config) and the SFT stages they start from."""
+  return sorted({*variants, *(("sft", *(sft_name(v) for v in variants)) if has_sft(config) else ())})
+
+
 def plan(config: str, workdir: str, seeds: list[int], variants: list[str], suffix: str,
          sft_seed: int | None = None, overrides: list[str] = ()) -> list[dict]:
   """The stages in run order: [{name, argv, done (path that exists once done, or {"run": dir} of a
   training stage), after (names of the stages it needs), dir}]. `sft_seed`: None = each training seed
   `s` has its own SFT start (and value pretraining); an int = every RL seed starts from the SFT start
   and value-pretrained critic of that training seed. `overrides`: "key=value" settings every training
-  stage gets (`--config.key=value`). Pure: reads the config files, runs nothing."""
+  stage gets (`--config.key=value`). A config without an SFT stage (`has_sft`): each RL run starts from
+  the config's policy init, after value pretraining under that policy where the variant asks for it.
+  Raises ValueError for `sft_seed` with such a config. Pure: reads the config files, runs nothing."""
   py, sets = sys.executable, [f"--config.{o}" for o in overrides]
   cfg = lambda a: f"{config}:{a}{suffix}"  # noqa: E731
   W = lambda *p: os.path.join(workdir, *p)  # noqa: E731
   stages, have = [], set()
-  loaded = {a: load_stage_config(config, a + suffix, overrides) for a in {*variants, *(sft_name(v) for v in variants)}}
+  from_sft = has_sft(config)
+  if sft_seed is not None and not from_sft:
+    raise ValueError(f"--sft_seed {sft_seed}: {config} has no SFT stage")
+  loaded = {a: load_stage_config(config, a + suffix, overrides) for a in stage_args(config, variants)}
 
   def add(name, argv, done, after=(), run_dir=None, heavy=False):
     if name not in have:
@@ -164,32 +185,37 @@ def plan(config: str, workdir: str, seeds: list[int], variants: list[str], suffi
                              "--tasks", ",".join(loaded[arg].tasks), "--json", os.path.join(run_dir, "eval.json")],
         os.path.join(run_dir, "eval.json"), [after])
 
-  add("demos", [py, "-m", "experiments.demos", "--config", cfg("sft"), *sets, "--out", W("demos")],
-      W("demos", "experts.json"))
+  if from_sft:
+    add("demos", [py, "-m", "experiments.demos", "--config", cfg("sft"), *sets, "--out", W("demos")],
+        W("demos", "experts.json"))
   order = ["ppo"] + [v for v in variants if v != "ppo"] if "ppo" in variants else list(variants)
   for variant in order:
     for s in seeds:
       t = s if sft_seed is None else sft_seed  # the training seed of this RL run's SFT start
-      sft = sft_name(variant)
-      sdir = W(sft, f"seed_{t}")
       seed, sft_cfg_seed = f"--config.seed={s}", f"--config.seed={t}"
-      add(f"{sft}/seed_{t}", [py, "-m", "experiments.sft", "--config", cfg(sft), *sets, sft_cfg_seed, "--workdir", sdir,
-                              f"--config.sft.data=('{W('demos')}',)"], {"run": sdir}, ["demos"], sdir,
-          heavy=True)  # ~15 GB at batch 16 of multi-turn episodes: beside an RL run it exhausts 24 GB
-      evaluate(f"{sft}/seed_{t}", sdir, sft, f"{sft}/seed_{t}")
       c = loaded[variant]
       rdir = W(variant, f"seed_{s}")
-      train = [py, "-m", "experiments.train", "--config", cfg(variant), *sets, seed, "--workdir", rdir,
-               f"--config.policy.init={sdir}"]
+      train = [py, "-m", "experiments.train", "--config", cfg(variant), *sets, seed, "--workdir", rdir]
+      after, start = [], []
+      if from_sft:
+        sft = sft_name(variant)
+        sdir = W(sft, f"seed_{t}")
+        add(f"{sft}/seed_{t}", [py, "-m", "experiments.sft", "--config", cfg(sft), *sets, sft_cfg_seed, "--workdir",
+                                sdir, f"--config.sft.data=('{W('demos')}',)"], {"run": sdir}, ["demos"], sdir,
+            heavy=True)  # ~15 GB at batch 16 of multi-turn episodes: beside an RL run it exhausts 24 GB
+        evaluate(f"{sft}/seed_{t}", sdir, sft, f"{sft}/seed_{t}")
+        train.append(f"--config.policy.init={sdir}")
+        after, start = [f"{sft}/seed_{t}"], [f"--config.vpt.policy_run={sdir}"]
       if c.rl.ptx_coef > 0:  # PPO-ptx trains on the suite's demonstrations too
+        if not from_sft:
+          raise ValueError(f"{variant}: rl.ptx_coef needs the demonstrations of an SFT stage; {config} has none")
         train.append(f"--config.rl.ptx_data=('{W('demos')}',)")
-      after = [f"{sft}/seed_{t}"]
       if c.vpt.enabled:
         vname = ("vpt_thoughts" if variant == THOUGHTS else "vpt") + f"/seed_{t}"
         vdir = W(vname)
-        # value pretraining is the same for every variant of an SFT start (lam_critic = 1, the SFT policy)
+        # value pretraining is the same for every variant of a start (lam_critic = 1, the start's policy)
         add(vname, [py, "-m", "experiments.value_pretrain", "--config", cfg(variant), *sets, sft_cfg_seed, "--workdir",
-                    vdir, f"--config.vpt.policy_run={sdir}"], {"run": vdir}, after, vdir)
+                    vdir, *start], {"run": vdir}, after, vdir)
         train.append(f"--config.critic.init={os.path.join(vdir, 'critic')}")
         after = after + [vname]
       add(f"{variant}/seed_{s}", train, {"run": rdir}, after, rdir, heavy=True)  # ~7 GB
@@ -296,9 +322,8 @@ def main(argv):
   try:
     stages = plan(config, workdir, seeds, variants, F.suffix, F.sft_seed, F.set)
   except (ValueError, KeyError, TypeError) as e:  # not key=value, an unknown key, a value of the wrong type
-    raise app.UsageError(f"--set: {e}") from None
-  args = sorted({"sft", *(sft_name(v) for v in variants), *variants})
-  conf = resolved(config, [a + F.suffix for a in args], F.set)
+    raise app.UsageError(str(e)) from None
+  conf = resolved(config, [a + F.suffix for a in stage_args(config, variants)], F.set)
   manifest_path = os.path.join(workdir, "replicate.json")
   old = {}
   if os.path.exists(manifest_path):
@@ -318,7 +343,7 @@ def main(argv):
   rows = collect(stages, F.sft_seed, seeds)
   write_json(os.path.join(workdir, "replication.json"), rows)
   finished = rep.runs_per_variant(rows)
-  summary = [f"# Replication suite: {workdir}", "",
+  summary = [f"# {os.path.basename(config)} variants x seeds: {workdir}", "",
              "Finished runs per variant (seeds with a held-out evaluation): "
              + ", ".join(f"{v} {n}" for v, n in finished.items()), "", rep.report(rows)]
   if F.sft_seed is not None:
@@ -343,7 +368,8 @@ def main(argv):
 def define_flags() -> None:
   """The command line, defined only when run as a script: importing this module (tests, notebooks)
   defines no flags that could clash with another script's."""
-  flags.DEFINE_string("config", "experiments/configs/replication.py", "The suite's config file.")
+  flags.DEFINE_string("config", "experiments/configs/replication.py", "The config file (its VARIANTS; an "
+                      "SFT stage first where its STAGES hold 'sft').")
   flags.DEFINE_string("workdir", None, "Work dir of the suite (created; resumed).", required=True)
   flags.DEFINE_list("seeds", ["0", "1", "2"], "Training seeds (config.seed of SFT and RL).")
   flags.DEFINE_list("variants", None, "RL variants (default: the config's VARIANTS).")

@@ -15,7 +15,7 @@ episodes as PNG + JSON for a person), rollouts/ (every trained episode as trajec
 Every `eval_every` iterations the policy plays `eval_episodes` held-out seeds per task
 (env.eval_seed_offset + k) through the same rollout path, logged as eval/<task>/success.
 A config with `vpt.enabled` (value pretraining first) is refused unless `critic.init` holds the
-pretrained critic: experiments/sweep.py runs both stages.
+pretrained critic: experiments/replicate.py runs both stages.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def main(argv):
   dist.default_mesh(config)
   if config.vpt.enabled and not config.critic.init:  # PPO alone would silently skip the stage
     raise app.UsageError("config has vpt.enabled=True: value pretraining must run before PPO; use "
-                         "experiments/sweep.py (runs both stages), or run experiments/value_pretrain.py "
+                         "experiments/replicate.py (runs both stages), or run experiments/value_pretrain.py "
                          "and pass --config.critic.init=<its workdir>/critic")
   if config.rl.ptx_coef > 0 and not config.rl.ptx_data:  # refused before the model is built
     raise app.UsageError(f"config.rl.ptx_coef={config.rl.ptx_coef} needs demonstrations: "

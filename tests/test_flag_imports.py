@@ -3,8 +3,7 @@
 The scripts under `benchmarks/` and `experiments/` define absl flags at import time, and absl raises
 `DuplicateFlagError` when two modules define one name. Each script runs alone, so sharing a name like
 `--batch` is fine there; but pytest loads every test file into one process, so a test that imports a
-script's helper drags its flags in (CI of 2026-11-25 failed this way: `--variants` of
-`experiments.sweep` and `benchmarks.train_step_memory`). Helpers meant for tests live in flag-free
+script's helper drags its flags in (CI of 2026-11-25 failed this way: `--variants` of two scripts). Helpers meant for tests live in flag-free
 modules (`benchmarks/bench_model.py`)."""
 
 import ast
@@ -22,7 +21,7 @@ def imported_script_modules() -> list[str]:
   for path in sorted((ROOT / "tests").glob("*.py")):
     for node in ast.walk(ast.parse(path.read_text())):
       if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in PACKAGES:
-        for alias in node.names:  # `from experiments import sweep` imports a module; `from x.y import f` does not
+        for alias in node.names:  # `from experiments import plot` imports a module; `from x.y import f` does not
           sub = ROOT / node.module.replace(".", "/") / f"{alias.name}.py"
           found.add(f"{node.module}.{alias.name}" if sub.exists() else node.module)
       elif isinstance(node, ast.Import):
@@ -32,7 +31,7 @@ def imported_script_modules() -> list[str]:
 
 def test_scan_finds_the_flag_defining_imports():
   mods = imported_script_modules()
-  assert "experiments.sweep" in mods and "benchmarks.bench_model" in mods, mods
+  assert "experiments.plot" in mods and "benchmarks.bench_model" in mods, mods  # plot defines flags at import
 
 
 def test_imported_script_modules_load_together():

@@ -77,7 +77,7 @@ def test_smoke_run_grpo_groups_share_a_screen_and_evaluates_held_out_seeds(tmp_p
 def test_vpt_config_refused_without_pretrained_critic(tmp_path):
   # ppo_vpt needs value pretraining first: plain PPO would silently skip it
   p = _train(tmp_path / "vpt", config="miniwob_ablations.py:ppo_vpt+smoke")
-  assert p.returncode != 0 and "experiments/sweep.py" in p.stderr and "vpt.enabled" in p.stderr
+  assert p.returncode != 0 and "experiments/replicate.py" in p.stderr and "vpt.enabled" in p.stderr
   assert not os.path.exists(tmp_path / "vpt")  # refused before anything was written
 
 

@@ -1,6 +1,6 @@
 """Value pretraining (critic only, lambda = 1, stop rule, critic checkpoint) and the KL-to-reference
 term of the update, on the smoke model with a hand-built batch (the real end-to-end run with the
-sandbox is in test_sweep_e2e.py)."""
+sandbox is in test_ablations.py, `-m long`)."""
 
 import jax
 import jax.numpy as jnp

@@ -211,4 +211,20 @@ def test_verticals_script_end_to_end_at_smoke_size(tmp_path):
       assert summary["lost"] == 0 and summary["mean_steps"] <= 3, (m, task, summary)
   for v in sets:  # each vertical's PPO started from the shared SFT policy
     assert json.load(open(run / v / "config.json"))["policy"]["init"] == str(run / "sft")
+  assert out["alpha"] == max(out["search"], key=lambda r: r["mean"])["alpha"]
+  for m in models:  # each set's score is the mean of its tasks' scores in the same JSON
+    for s, tasks in verticals.task_sets(verticals.get_config("all+smoke").tasks).items():
+      assert out["scores"][m][s] == pytest.approx(ME.set_score(tasks, out["tasks"][m]))
+  # every α candidate's checkpoint is the α-weighted average of the verticals' policies (numpy, float64)
+  import jax
+  cfg = verticals.get_config("all+smoke")
+  parts = state_lib.build(cfg)
+  init = parts.init_state(cfg.seed)
+  pol = {v: state_lib.load_policy(init, str(run / v), parts.popt)[0]["policy"] for v in sets}
+  for i, r in enumerate(out["search"]):
+    merged = state_lib.load_policy(init, str(run / "alpha_search" / str(i)), parts.popt)[0]["policy"]
+    want = jax.tree.map(lambda *xs: sum(a * np.asarray(x, np.float64) for a, x in zip(r["alpha"], xs)),
+                        *[pol[v] for v in sets])
+    for x, y in zip(jax.tree.leaves(merged), jax.tree.leaves(want)):
+      np.testing.assert_allclose(np.asarray(x, np.float64), y, rtol=1e-5, atol=1e-6)
   assert (run / "merge_eval.png").stat().st_size > 10_000

@@ -3,14 +3,17 @@ r"""Ablations of the report's RL recipe (section 2.5.4) on multi-step MiniWoB++ 
 Variants (the config arg), identical in tasks, model, episodes per iteration, budget and seeds:
   ppo           PPO with critic, decoupled GAE (lam_policy 0.95, lam_critic 1.0; VC-PPO)
   grpo          GRPO (no critic; 4 episodes per screen, same episodes per iteration)
-  ppo_vpt       ppo + value pretraining first (vpt.enabled; experiments/sweep.py runs it)
+  ppo_vpt       ppo + value pretraining first (vpt.enabled; experiments/replicate.py runs it)
   ppo_coupled   ppo with coupled lambda (lam_policy = lam_critic = 0.95)
   ppo_lenadapt  ppo with length-adaptive lam_policy (VAPO alpha = 0.05)
 Append "+smoke" for a tiny model and budget (tests, dry runs): e.g. "grpo+smoke"; "" = "ppo".
 `ARGS` lists every accepted arg. `ppo_vpt` needs its value-pretraining stage: experiments/train.py
-refuses it without `critic.init` (experiments/sweep.py runs the stage and passes its critic).
+refuses it without `critic.init` (experiments/replicate.py runs the stage and passes its critic).
+The module has no `STAGES` with "sft": experiments/replicate.py runs every variant from the config's own
+policy init (no demonstrations or SFT stage), evaluates each run on `final_eval_episodes` held-out seeds
+per task, and gives the intervals of the variants' comparisons (>= 3 seeds).
 
-  python -m experiments.sweep --config experiments/configs/miniwob_ablations.py \
+  python -m experiments.replicate --config experiments/configs/miniwob_ablations.py \
       --variants ppo,grpo,ppo_vpt,ppo_coupled,ppo_lenadapt --seeds 0,1,2 --workdir runs/ablations
   python -m experiments.train --config experiments/configs/miniwob_ablations.py:grpo --workdir runs/grpo
 

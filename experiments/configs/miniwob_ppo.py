@@ -26,7 +26,7 @@ ARGS = ("", "ppo", "smoke")
 def vpt_section(smoke: bool) -> mlc.ConfigDict:
   """The `vpt` section: the value-pretraining stage (experiments/value_pretrain.py; report 2.5.4)."""
   v = mlc.ConfigDict()
-  # True: experiments/sweep.py runs value pretraining before PPO and passes its critic as
+  # True: experiments/replicate.py runs value pretraining before PPO and passes its critic as
   # critic.init; experiments/train.py refuses such a config without critic.init.
   v.enabled = False
   v.policy_run = ""  # run dir whose latest checkpoint is the fixed policy; "" = initial policy

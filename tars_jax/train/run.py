@@ -17,7 +17,7 @@ guard of the count budget (tars_jax/train/guard.py); the checkpoint manager is m
 
 A stage is finished when `is_done(workdir)`: its `done.json` names a complete checkpoint that exists,
 or, for a stage that trains nothing (data collection, evaluation), was written by `mark_done`. Stage
-drivers (experiments/replicate.py, sweep.py, flywheel.py, and scripts/demo.sh / verticals.sh /
+drivers (experiments/replicate.py, flywheel.py, and scripts/demo.sh / verticals.sh /
 rl_pilot.sh via `python -m tars_jax.train.run --is_done DIR` / `--mark_done DIR`) use that one test.
 """
 

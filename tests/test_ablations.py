@@ -67,7 +67,7 @@ def test_a_config_without_sft_plans_value_pretraining_rl_and_evaluation_per_seed
     replicate.plan(CONFIG, str(tmp_path), [0], ["grpo"], "+smoke", sft_seed=0)
 
 
-@pytest.mark.long  # ~10 min on the 2-core machine: value pretraining, two RL runs, two evaluations
+@pytest.mark.long  # 7 min on the 2-core machine beside an RL run: value pretraining, two RL runs, two evaluations
 @pytest.mark.browser
 def test_value_pretraining_then_ppo_and_grpo_from_the_configs_init(tmp_path):
   import jax

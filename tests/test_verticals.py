@@ -183,7 +183,7 @@ def test_vertical_configs_share_what_merging_and_cross_evaluation_need():
 
 # -- end to end ---------------------------------------------------------------------------------------
 
-@pytest.mark.long  # ~5 min on the 2-core machine: demos of 3 sets, SFT, 3 PPO runs, 6 merges, 9 evaluations
+@pytest.mark.long  # 13 min on the 2-core machine (17 beside an RL run): demos of 3 sets, SFT, 3 PPO runs, merges, evaluations
 @pytest.mark.browser
 def test_verticals_script_end_to_end_at_smoke_size(tmp_path):
   """`scripts/verticals.sh` (MOD=smoke, from a fresh init): the shared SFT stage, a PPO run of each

@@ -148,10 +148,10 @@ def has_sft(config: str) -> bool:
   return "sft" in getattr(load_module(config), "STAGES", ())
 
 
-def stage_args(config: str, variants: list[str]) -> list[str]:
-  """The config args a plan resolves: the variants and, with an SFT stage, "sft" (the demonstrations'
-  config) and the SFT stages they start from."""
-  return sorted({*variants, *(("sft", *(sft_name(v) for v in variants)) if has_sft(config) else ())})
+def stage_args(variants: list[str], from_sft: bool) -> list[str]:
+  """The config args a plan resolves: the variants and, with an SFT stage (`has_sft`), "sft" (the
+  demonstrations' config) and the SFT stages they start from."""
+  return sorted({*variants, *(("sft", *(sft_name(v) for v in variants)) if from_sft else ())})
 
 
 def plan(config: str, workdir: str, seeds: list[int], variants: list[str], suffix: str,
@@ -170,7 +170,7 @@ def plan(config: str, workdir: str, seeds: list[int], variants: list[str], suffi
   from_sft = has_sft(config)
   if sft_seed is not None and not from_sft:
     raise ValueError(f"--sft_seed {sft_seed}: {config} has no SFT stage")
-  loaded = {a: load_stage_config(config, a + suffix, overrides) for a in stage_args(config, variants)}
+  loaded = {a: load_stage_config(config, a + suffix, overrides) for a in stage_args(variants, from_sft)}
 
   def add(name, argv, done, after=(), run_dir=None, heavy=False):
     if name not in have:
@@ -321,9 +321,11 @@ def main(argv):
   lock = lock_workdir(workdir)  # held until the end of main (or of the process)
   try:
     stages = plan(config, workdir, seeds, variants, F.suffix, F.sft_seed, F.set)
-  except (ValueError, KeyError, TypeError) as e:  # not key=value, an unknown key, a value of the wrong type
+  except (KeyError, TypeError) as e:  # an unknown key, a value of the wrong type
+    raise app.UsageError(f"--set: {e}") from None
+  except ValueError as e:  # an override not key=value, --sft_seed without an SFT stage (each message names it)
     raise app.UsageError(str(e)) from None
-  conf = resolved(config, [a + F.suffix for a in stage_args(config, variants)], F.set)
+  conf = resolved(config, [a + F.suffix for a in stage_args(variants, has_sft(config))], F.set)
   manifest_path = os.path.join(workdir, "replicate.json")
   old = {}
   if os.path.exists(manifest_path):

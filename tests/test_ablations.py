@@ -43,8 +43,8 @@ def test_ablation_variants_share_tasks_budget_and_differ_in_one_knob():
 
 def test_a_config_without_sft_plans_value_pretraining_rl_and_evaluation_per_seed(tmp_path):
   assert not replicate.has_sft(CONFIG) and replicate.has_sft(REPLICATION)
-  assert replicate.stage_args(CONFIG, ["grpo", "ppo_vpt"]) == ["grpo", "ppo_vpt"]
-  assert replicate.stage_args(REPLICATION, ["ppo_thoughts"]) == ["ppo_thoughts", "sft", "sft_thoughts"]
+  assert replicate.stage_args(["grpo", "ppo_vpt"], False) == ["grpo", "ppo_vpt"]
+  assert replicate.stage_args(["ppo_thoughts"], True) == ["ppo_thoughts", "sft", "sft_thoughts"]
   st = replicate.plan(CONFIG, str(tmp_path), [0, 1], ["ppo_vpt", "grpo"], "+smoke", overrides=["iterations=3"])
   assert [s["name"] for s in st] == [
       "vpt/seed_0", "ppo_vpt/seed_0", "eval/ppo_vpt/seed_0", "vpt/seed_1", "ppo_vpt/seed_1", "eval/ppo_vpt/seed_1",

@@ -4,6 +4,7 @@ evaluation, and the merge evaluation's arithmetic against hand-computed values."
 
 import asyncio
 
+import jax
 import numpy as np
 import pytest
 
@@ -216,7 +217,6 @@ def test_verticals_script_end_to_end_at_smoke_size(tmp_path):
     for s, tasks in verticals.task_sets(verticals.get_config("all+smoke").tasks).items():
       assert out["scores"][m][s] == pytest.approx(ME.set_score(tasks, out["tasks"][m]))
   # every α candidate's checkpoint is the α-weighted average of the verticals' policies (numpy, float64)
-  import jax
   cfg = verticals.get_config("all+smoke")
   parts = state_lib.build(cfg)
   init = parts.init_state(cfg.seed)

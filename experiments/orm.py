@@ -48,7 +48,6 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from tars_jax import sharding
 from tars_jax.data import records
 from tars_jax.train import orm as orm_lib
 from tars_jax.train import checkpoint as ckpt
@@ -77,12 +76,9 @@ def main(argv):
   parts = state_lib.build(config)
   r = config.rl
   opt = sft.make_optimizer(o.lr, o.warmup_steps, o.steps, o.final_lr_fraction, r.max_grad_norm, r.weight_decay)
-  state = parts.init_state(config.seed)
-  if config.policy.init:
-    state, src = state_lib.load_policy(state, config.policy.init, opt)
+  state, src = state_lib.start_policy(parts.init_state(config.seed), config.policy.init, opt)
+  if src:
     print(f"[orm] initialised from {src}")
-  else:
-    state = dict(state, policy_opt=sharding.committed(opt.init(state["policy"])))
   tok = parts.tokenizer
   for dirs in (o.data, o.heldout):  # mismatched or empty data fails here, before any step
     if dirs:

@@ -49,7 +49,6 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from tars_jax import sharding
 from tars_jax.agent.trajectory import real_rows
 from tars_jax.analysis.image_dependence import image_dependence
 from tars_jax.data import pipeline, records
@@ -98,12 +97,9 @@ def main(argv):
   r = config.rl
   opt = sft.make_optimizer(s.lr, s.warmup_steps, s.decay_steps or s.steps, s.final_lr_fraction, r.max_grad_norm,
                            r.weight_decay)
-  state = parts.init_state(config.seed)
-  if config.policy.init:
-    state, src = state_lib.load_policy(state, config.policy.init, opt)
+  state, src = state_lib.start_policy(parts.init_state(config.seed), config.policy.init, opt)
+  if src:
     print(f"[sft] policy initialised from {src}")
-  else:
-    state = dict(state, policy_opt=sharding.committed(opt.init(state["policy"])))
   prep = functools.partial(sft.prepare, grammar=parts.grammar, tokenizer=tok, thoughts=s.thoughts)
   coll_kw = dict(pad_id=tok.pad_id, image_hw=parts.image_hw, length_multiple=config.length_multiple,
                  batch_size=s.batch_size)

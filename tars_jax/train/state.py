@@ -251,6 +251,16 @@ def load_policy(state: dict, path: str, popt) -> tuple[dict, str]:
   return dict(state, policy=policy, policy_opt=sharding.committed(popt.init(policy))), src
 
 
+def start_policy(state: dict, init: str, popt) -> tuple[dict, str | None]:
+  """A trainer's starting state: `load_policy(state, init, popt)` when `init` (config `policy.init`)
+  is set, else `state`'s own policy with a fresh committed optimiser state of `popt` (the trainer's
+  optimiser may differ from `Parts.popt`); returns (state, the loaded checkpoint's name or None).
+  Raises: as `load_policy`."""
+  if init:
+    return load_policy(state, init, popt)
+  return dict(state, policy_opt=sharding.committed(popt.init(state["policy"]))), None
+
+
 def hparams(config) -> ppo.PPOHparams:
   """`PPOHparams` from `config.rl` and `config.sampling.temperature`; every field must be set.
 

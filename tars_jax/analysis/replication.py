@@ -179,6 +179,7 @@ COMPARISONS = (
     (1, "ppo_kl_ptx", "ppo_kl", "PPO-ptx (SFT loss on the demonstrations in each policy step) helps PPO with KL"),
     (1, "ppo_ptx", "sft", "PPO with PPO-ptx and no KL penalty improves on its SFT start"),
     (1, "ppo_ptx", "ppo_kl_ptx", "with PPO-ptx, dropping the KL penalty helps"),
+    (1, "ppo_ptx", "ppo", "PPO-ptx (SFT loss on the demonstrations in each policy step) helps PPO"),
     (5, "ppo_thoughts", "sft_thoughts", "PPO on the SFT start that writes thoughts improves on it"),
     (2, "ppo_kl", "grpo_kl", "PPO beats GRPO, both with the KL penalty to the SFT policy"),
     ("3b", "ppo", "ppo_coupled", "decoupled GAE (lam_critic 1, lam_policy 0.95) beats coupled lam 0.95"),

@@ -9,6 +9,7 @@ no demonstrations or SFT, value pretraining per seed where a variant asks for it
       --variants ppo,grpo,ppo_novpt,ppo_coupled,ppo_lenadapt,ppo_kl,ppo_thoughts
   python -m experiments.replicate --workdir /tmp/rep --seeds 0,1,2 --variants ppo,grpo --suffix +smoke
   python -m experiments.replicate --workdir runs/replication --report   # tables again, nothing run
+  python -m experiments.replicate --workdir runs/replication --status   # each stage's state, while it runs
   python -m experiments.replicate --workdir runs/rl_seeds --seeds 0,1,2 --variants ppo_thoughts --sft_seed 0
       # every RL seed from seed 0's SFT start: one SFT stage, RL's seed variance alone
   python -m experiments.replicate --workdir runs/short --set sft.steps=600 --set sft.decay_steps=800   # a setting changed
@@ -279,6 +280,100 @@ def execute(stages: list[dict], workdir: str, timeout_min: float, jobs: int = 1)
   return status
 
 
+# What a stage's metrics.jsonl `step` counts up to: the budget in its run dir's config.json, per trainer
+# (run.json's "stage")
+_BUDGET_KEYS = {"sft": ("sft", "steps"), "train": ("iterations",), "vpt": ("vpt", "max_iterations")}
+
+
+def _pid_alive(holder: str) -> bool:
+  """Whether the process named in a lock file's holder text ('<stage> (pid N)') is alive."""
+  pid = holder.rpartition("(pid ")[2].rstrip(")\n ")
+  return pid.isdigit() and os.path.exists(f"/proc/{pid}")
+
+
+def _last_row(path: str) -> dict:
+  """The last complete JSON line of a metrics.jsonl ({} when there is none)."""
+  try:
+    with open(path, "rb") as f:
+      f.seek(max(0, os.path.getsize(path) - 65536))
+      lines = f.read().decode(errors="replace").splitlines()
+  except OSError:
+    return {}
+  for line in reversed(lines):
+    try:
+      return json.loads(line)
+    except ValueError:
+      continue
+  return {}
+
+
+def stage_state(st: dict, workdir: str) -> tuple[str, str]:
+  """(state, progress) of one planned stage, read from its files without touching them (no lock is
+  taken, so a running sweep is never disturbed): "done"; "running" (its run dir's lock names a live
+  process; progress "step k / budget, m min" from metrics.jsonl and config.json); "started" (it has a
+  log or a run dir but no live process: interrupted, or an evaluation in progress, which holds no lock);
+  "pending"."""
+  try:
+    if is_done(st["done"]):
+      return "done", ""
+  except run_lib.CorruptRun as e:
+    return "corrupt", str(e)
+  rdir = st["dir"]
+  progress = ""
+  if rdir and os.path.exists(os.path.join(rdir, run_lib.RUN_FILE)):
+    row = _last_row(os.path.join(rdir, "metrics.jsonl"))
+    budget = None
+    try:
+      with open(os.path.join(rdir, run_lib.RUN_FILE)) as f:
+        keys = _BUDGET_KEYS.get(json.load(f).get("stage"))
+      with open(os.path.join(rdir, "config.json")) as f:
+        budget = json.load(f)
+      for k in keys or ():
+        budget = budget[k]
+      budget = budget if keys else None
+    except (OSError, ValueError, KeyError, TypeError):
+      budget = None
+    if row:
+      progress = f"step {row.get('step')}" + (f" / {budget}" if budget is not None else "")
+      if "perf/wall_min" in row:
+        progress += f", {row['perf/wall_min']:.1f} min"
+    try:
+      with open(os.path.join(rdir, run_lib.LOCK_FILE)) as f:
+        holder = f.read()
+    except OSError:
+      holder = ""
+    if _pid_alive(holder):
+      return "running", progress
+    return "started", progress
+  log = os.path.join(workdir, "logs", st["name"].replace("/", "_") + ".log")
+  return ("started", "") if os.path.exists(log) else ("pending", "")
+
+
+def status_table(workdir: str) -> str:
+  """A table of every stage of the work dir's plan (replicate.json: config, seeds, variants, suffix,
+  sft start) with `stage_state`, the counts per state and whether a driver holds the work dir.
+  Raises FileNotFoundError when the work dir has no plan."""
+  with open(os.path.join(workdir, "replicate.json")) as f:
+    m = json.load(f)
+  stages = plan(m["config"], workdir, m["seeds"], m["variants"], m.get("suffix", ""), m.get("sft_seed"))
+  try:
+    with open(os.path.join(workdir, "replicate.lock")) as f:
+      driver = f.read().strip()
+  except OSError:
+    driver = ""
+  states = [(st["name"], *stage_state(st, workdir)) for st in stages]
+  counts = {}
+  for _, state, _ in states:
+    counts[state] = counts.get(state, 0) + 1
+  width = max(len(n) for n, _, _ in states)
+  lines = [f"# {workdir}: {os.path.basename(m['config'])}{m.get('suffix', '')}, seeds "
+           f"{','.join(map(str, m['seeds']))}, variants {','.join(m['variants'])}; driver: "
+           f"{driver if _pid_alive(driver) else 'not running'}",
+           ", ".join(f"{k} {v}" for k, v in counts.items())]
+  lines += [f"{n:<{width}}  {state:<8} {prog}".rstrip() for n, state, prog in states]
+  return "\n".join(lines)
+
+
 def collect(stages: list[dict], sft_seed: int | None = None, seeds: list[int] = ()) -> list[dict]:
   """Result rows of every finished evaluation: one per (run, task), variant = the run dir's parent name.
   With one SFT start for every RL seed (`sft_seed`), every row names it ("sft_seed") and the SFT
@@ -311,6 +406,11 @@ def main(argv):
   del argv
   F = flags.FLAGS
   workdir, config = os.path.abspath(F.workdir), os.path.abspath(F.config)
+  if F.status:  # read-only: no lock, nothing written, a running sweep undisturbed
+    if not os.path.exists(os.path.join(workdir, "replicate.json")):
+      raise app.UsageError(f"--status: {workdir} has no replicate.json (no sweep has started there)")
+    print(status_table(workdir))
+    return
   cfg_mod = load_module(config)
   variants = list(F.variants or cfg_mod.VARIANTS)
   unknown = [v for v in variants if v not in cfg_mod.VARIANTS]
@@ -377,6 +477,8 @@ def define_flags() -> None:
   flags.DEFINE_list("variants", None, "RL variants (default: the config's VARIANTS).")
   flags.DEFINE_string("suffix", "", "Appended to every config arg: '+smoke' for tiny budgets.")
   flags.DEFINE_bool("report", False, "Only collect the rows and write the tables and curves.")
+  flags.DEFINE_bool("status", False, "Only print each stage's state (done, running with its step, started, "
+                    "pending) from the work dir's plan; takes no lock, so it can watch a running sweep.")
   flags.DEFINE_float("stage_timeout_min", 180.0, "Kill a stage's process after this many minutes.")
   flags.DEFINE_integer("jobs", 1, "Stages run at once (each its own process and sandbox).")
   flags.DEFINE_multi_string("set", [], "key=value config setting of every training stage (--config.key=value), "

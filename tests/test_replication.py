@@ -203,6 +203,37 @@ def test_collect_reads_finished_evaluations_once(tmp_path):
       ("ppo", "miniwob/click-button", 2), ("ppo", "miniwob/click-link", 0)}
 
 
+def test_status_reads_each_stage_state_from_its_files_without_a_lock(tmp_path):
+  import subprocess
+  import sys
+  w = tmp_path
+  (w / "replicate.json").write_text(json.dumps({"config": CONFIG, "suffix": "+smoke", "seeds": [0],
+                                                "variants": ["ppo"], "sft_seed": None}))
+  os.makedirs(w / "demos")
+  (w / "demos" / "experts.json").write_text("{}")
+  sft = w / "sft" / "seed_0"  # running: its lock names this (live) process; the last line half-written
+  os.makedirs(sft)
+  (sft / "run.json").write_text(json.dumps({"stage": "sft"}))
+  (sft / "config.json").write_text(json.dumps({"sft": {"steps": 4}}))
+  (sft / "metrics.jsonl").write_text('{"step": 2, "perf/wall_min": 1.25}\n{"step": 3, "perf/wa')
+  (sft / "run.lock").write_text(f"sft (pid {os.getpid()})\n")
+  dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                        text=True).stdout.strip()
+  vpt = w / "vpt" / "seed_0"  # interrupted: its lock names a process that has ended
+  os.makedirs(vpt)
+  (vpt / "run.json").write_text(json.dumps({"stage": "vpt"}))
+  (vpt / "run.lock").write_text(f"vpt (pid {dead})\n")
+  os.makedirs(w / "logs")
+  (w / "logs" / "eval_sft_seed_0.log").write_text("")  # an evaluation holds no lock: started
+  table = replicate.status_table(str(w)).splitlines()
+  states = {line.split()[0]: line.split(None, 2)[1:] for line in table[2:]}
+  assert states == {"demos": ["done"], "sft/seed_0": ["running", "step 2 / 4, 1.2 min"],
+                    "eval/sft/seed_0": ["started"], "vpt/seed_0": ["started"], "ppo/seed_0": ["pending"],
+                    "eval/ppo/seed_0": ["pending"]}
+  assert table[0].endswith("driver: not running") and table[1] == "done 1, running 1, started 2, pending 2"
+  assert not (w / "replicate.lock").exists()  # nothing written, no lock taken
+
+
 def test_result_rows_cli_turns_evaluations_into_rows_and_refuses_a_run_twice(tmp_path):
   import subprocess
   import sys

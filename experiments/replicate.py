@@ -310,7 +310,8 @@ def _last_row(path: str) -> dict:
 def stage_state(st: dict, workdir: str) -> tuple[str, str]:
   """(state, progress) of one planned stage, read from its files without touching them (no lock is
   taken, so a running sweep is never disturbed): "done"; "running" (its run dir's lock names a live
-  process; progress "step k / budget, m min" from metrics.jsonl and config.json); "started" (it has a
+  process; progress "step k / budget, m min (~r min left)" from metrics.jsonl and config.json, the time
+  left at the run's pace so far); "started" (it has a
   log or a run dir but no live process: interrupted, or an evaluation in progress, which holds no lock);
   "pending"."""
   try:
@@ -334,9 +335,12 @@ def stage_state(st: dict, workdir: str) -> tuple[str, str]:
     except (OSError, ValueError, KeyError, TypeError):
       budget = None
     if row:
-      progress = f"step {row.get('step')}" + (f" / {budget}" if budget is not None else "")
-      if "perf/wall_min" in row:
-        progress += f", {row['perf/wall_min']:.1f} min"
+      step, minutes = row.get("step"), row.get("perf/wall_min")
+      progress = f"step {step}" + (f" / {budget}" if budget is not None else "")
+      if minutes is not None:
+        progress += f", {minutes:.1f} min"
+        if budget and isinstance(step, int) and 0 < step < budget:  # at this run's pace so far
+          progress += f" (~{minutes / step * (budget - step):.0f} min left)"
     try:
       with open(os.path.join(rdir, run_lib.LOCK_FILE)) as f:
         holder = f.read()

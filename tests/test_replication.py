@@ -227,7 +227,7 @@ def test_status_reads_each_stage_state_from_its_files_without_a_lock(tmp_path):
   (w / "logs" / "eval_sft_seed_0.log").write_text("")  # an evaluation holds no lock: started
   table = replicate.status_table(str(w)).splitlines()
   states = {line.split()[0]: line.split(None, 2)[1:] for line in table[2:]}
-  assert states == {"demos": ["done"], "sft/seed_0": ["running", "step 2 / 4, 1.2 min"],
+  assert states == {"demos": ["done"], "sft/seed_0": ["running", "step 2 / 4, 1.2 min (~1 min left)"],
                     "eval/sft/seed_0": ["started"], "vpt/seed_0": ["started"], "ppo/seed_0": ["pending"],
                     "eval/ppo/seed_0": ["pending"]}
   assert table[0].endswith("driver: not running") and table[1] == "done 1, running 1, started 2, pending 2"

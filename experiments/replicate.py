@@ -18,7 +18,8 @@ no demonstrations or SFT, value pretraining per seed where a variant asks for it
 
 Layout of the work dir (every stage a normal run dir of its trainer, resumable):
   replicate.json           the plan: config file, suffix, each stage arg's resolved config (a re-run
-                           with another config is refused, naming the differing fields)
+                           with another config is refused, naming the differing fields;
+                           wall-clock guards may change)
   demos/                   expert demonstrations (shared by every seed and variant)
   sft/seed_<s>/            SFT from the demonstrations (sft_thoughts/ for the thoughts variant)
   vpt/seed_<s>/            value pretraining under that SFT policy (vpt_thoughts/ likewise; without an
@@ -122,13 +123,22 @@ def resolved(config: str, args: list[str], overrides: list[str] = ()) -> dict[st
   return {a: _flat(json.loads(load_stage_config(config, a, overrides).to_json_best_effort())) for a in args}
 
 
+def is_guard(key: str) -> bool:
+  """Whether a flat config key is a wall-clock guard (`max_minutes`, tars_jax/train/guard.py): it stops
+  a stage loudly on a slow host and never changes what a finished run trained, so a resumed sweep may
+  raise it (`--set sft.max_minutes=120`, as the guard's own message advises)."""
+  return key.rsplit(".", 1)[-1] == "max_minutes"
+
+
 def check_same(old: dict, new: dict) -> list[str]:
-  """Raises ConfigMismatch naming the differing fields of the stage args both plans hold. Returns the
-  fields only one side has (a setting added to or removed from the code since the work dir's plan:
-  not compared, listed for the log)."""
+  """Raises ConfigMismatch naming the differing fields of the stage args both plans hold (wall-clock
+  guards, `is_guard`, not compared). Returns the fields only one side has (a setting added to or
+  removed from the code since the work dir's plan: not compared, listed for the log)."""
   diffs, one_sided = [], set()
   for arg in sorted(set(old) & set(new)):
     for k in sorted(set(old[arg]) | set(new[arg])):
+      if is_guard(k):
+        continue
       if (k in old[arg]) != (k in new[arg]):
         one_sided.add(k)
       elif old[arg][k] != new[arg][k]:

@@ -51,6 +51,7 @@ from tqdm import tqdm
 from tars_jax.data import records
 from tars_jax.train import orm as orm_lib
 from tars_jax.train import checkpoint as ckpt
+from tars_jax.train import guard as guard_lib
 from tars_jax.train import run as run_lib
 from tars_jax.train import sft
 from tars_jax.train import state as state_lib
@@ -289,4 +290,4 @@ def _group_hash(x: dict) -> float:
 
 if __name__ == "__main__":
   flags.mark_flags_as_required(["config", "workdir"])
-  app.run(main)
+  app.run(guard_lib.exit_on_trip(main))

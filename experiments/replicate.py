@@ -36,7 +36,9 @@ Order: the SFT and `ppo` runs of every seed first (the suite's bar), then each f
 seed. A training stage is done when its run dir says so (`tars_jax.train.run.is_done`: done.json
 naming a complete checkpoint), the demonstrations and an evaluation when their output exists; a re-run
 skips done stages and resumes an interrupted one from its checkpoint, so no run is counted twice. A
-failed stage is reported, its dependants skipped, the others still run; the exit code is 1 if any failed.
+stage stopped by its wall-clock guard (a slow or busy host; it checkpointed) is started again to continue,
+up to `--guard_retries` times. A failed stage is reported, its dependants skipped, the others still run;
+the exit code is 1 if any failed.
 A work dir keeps the way its RL runs were started (`--sft_seed` or not): another is refused.
 """
 
@@ -54,6 +56,7 @@ from absl import app, flags
 
 from experiments.configs import load_config, load_module
 from tars_jax.analysis import replication as rep
+from tars_jax.train import guard as guard_lib
 from tars_jax.train import run as run_lib
 from tars_jax.train.metrics import write_json
 
@@ -251,16 +254,19 @@ def _run_stage(st: dict, workdir: str, env: dict, timeout_min: float) -> int:
       return 124
 
 
-def execute(stages: list[dict], workdir: str, timeout_min: float, jobs: int = 1) -> dict[str, str]:
+def execute(stages: list[dict], workdir: str, timeout_min: float, jobs: int = 1, guard_retries: int = 0
+            ) -> dict[str, str]:
   """Runs the stages not done, up to `jobs` at once (one `heavy` stage at a time), each as soon as
   the stages it needs have run, in plan order otherwise; {name: "done" | "ran" | "failed (rc N)" |
-  "skipped: needs X"}."""
+  "skipped: needs X"}. A stage that exits with `guard.EXIT_TRIPPED` (its wall-clock guard tripped
+  after a checkpoint) is started again, resuming there, up to `guard_retries` times; then it counts as
+  failed."""
   os.makedirs(os.path.join(workdir, "logs"), exist_ok=True)
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(workdir, "jax_cache"))  # same shapes in every run
   status = {st["name"]: "done" for st in stages if is_done(st["done"])}
   todo = [st for st in stages if st["name"] not in status]
-  t0, running = {}, {}
+  t0, running, trips = {}, {}, {}
   with cf.ThreadPoolExecutor(max(1, jobs)) as pool:
     while todo or running:
       for st in list(todo):
@@ -284,8 +290,14 @@ def execute(stages: list[dict], workdir: str, timeout_min: float, jobs: int = 1)
       for name, (st, fut) in list(running.items()):
         if fut in finished:
           rc = fut.result()
-          status[name] = "ran" if rc == 0 and is_done(st["done"]) else f"failed (rc {rc})"
           del running[name]
+          if rc == guard_lib.EXIT_TRIPPED and trips.get(name, 0) < guard_retries:
+            trips[name] = trips.get(name, 0) + 1
+            print(f"[replicate] {name}: wall-clock guard tripped after {(time.time() - t0[name]) / 60:.1f} min; "
+                  f"resuming from its checkpoint (retry {trips[name]} of {guard_retries})", flush=True)
+            todo.insert(0, st)
+            continue
+          status[name] = "ran" if rc == 0 and is_done(st["done"]) else f"failed (rc {rc})"
           print(f"[replicate] {name}: {status[name]} in {(time.time() - t0[name]) / 60:.1f} min", flush=True)
   return status
 
@@ -455,7 +467,7 @@ def main(argv):
               "variants": sorted(set(old.get("variants", [])) | set(variants)), "sft_seed": F.sft_seed}
   write_json(manifest_path, manifest)
 
-  status = {} if F.report else execute(stages, workdir, F.stage_timeout_min, F.jobs)
+  status = {} if F.report else execute(stages, workdir, F.stage_timeout_min, F.jobs, F.guard_retries)
   rows = collect(stages, F.sft_seed, seeds)
   write_json(os.path.join(workdir, "replication.json"), rows)
   finished = rep.runs_per_variant(rows)
@@ -495,6 +507,8 @@ def define_flags() -> None:
                     "pending) from the work dir's plan; takes no lock, so it can watch a running sweep.")
   flags.DEFINE_float("stage_timeout_min", 180.0, "Kill a stage's process after this many minutes.")
   flags.DEFINE_integer("jobs", 1, "Stages run at once (each its own process and sandbox).")
+  flags.DEFINE_integer("guard_retries", 2, "Times a stage stopped by its wall-clock guard (a slow or busy "
+                       "host; it checkpointed) is started again to continue, before it counts as failed.")
   flags.DEFINE_multi_string("set", [], "key=value config setting of every training stage (--config.key=value), "
                             "e.g. sft.steps=600; kept in replicate.json's resolved configs.")
   flags.DEFINE_integer("sft_seed", None, "Every RL seed starts from this training seed's SFT start and "

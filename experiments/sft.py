@@ -56,6 +56,7 @@ from tars_jax.data.sources import grounding
 from tars_jax.rollout import evaluation
 from tars_jax.train import checkpoint as ckpt
 from tars_jax.train import ct, sft
+from tars_jax.train import guard as guard_lib
 from tars_jax.train import run as run_lib
 from tars_jax.train import state as state_lib
 from tars_jax.train.metrics import episode_metrics
@@ -238,4 +239,4 @@ def _ct_collate(episodes, *, image_id, **kw) -> dict:
 
 if __name__ == "__main__":
   flags.mark_flags_as_required(["config", "workdir"])
-  app.run(main)
+  app.run(guard_lib.exit_on_trip(main))

@@ -48,6 +48,7 @@ from tars_jax.rollout.inference_remote import RemoteInference
 from tars_jax.rollout.jobs import group_ids, rollout_jobs
 from tars_jax.train import orm as orm_lib
 from tars_jax.train import checkpoint as ckpt
+from tars_jax.train import guard as guard_lib
 from tars_jax.train import state as state_lib
 from tars_jax.train import ppo
 from tars_jax.train import sft as sft_lib
@@ -331,4 +332,4 @@ def _record_rollouts(directory: str, iteration: int, episodes, parts) -> None:
 
 if __name__ == "__main__":
   flags.mark_flags_as_required(["config"])
-  app.run(dist.fail_fast(main))  # multi-process: a dead peer ends every process, naming it
+  app.run(dist.fail_fast(guard_lib.exit_on_trip(main)))  # multi-process: a dead peer ends every process, naming it

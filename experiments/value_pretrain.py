@@ -33,6 +33,7 @@ from tars_jax.rollout.agent_loop import run_episodes, trainable
 from tars_jax.rollout.episode import RolloutStats
 from tars_jax.rollout.jobs import rollout_jobs
 from tars_jax.train import checkpoint as ckpt
+from tars_jax.train import guard as guard_lib
 from tars_jax.train import ppo
 from tars_jax.train import run as run_lib
 from tars_jax.train import state as state_lib
@@ -133,4 +134,4 @@ def main(argv):
 
 if __name__ == "__main__":
   flags.mark_flags_as_required(["config"])
-  app.run(main)
+  app.run(guard_lib.exit_on_trip(main))

@@ -236,6 +236,29 @@ def test_status_reads_each_stage_state_from_its_files_without_a_lock(tmp_path):
   assert not (w / "replicate.lock").exists()  # nothing written, no lock taken
 
 
+def test_execute_resumes_a_stage_its_guard_stopped_and_counts_other_failures(tmp_path):
+  import sys
+  from tars_jax.train.guard import EXIT_TRIPPED
+  # A stage process: exits EXIT_TRIPPED on each of its first `trips` starts (as a trainer whose guard
+  # tripped after a checkpoint), then finishes (its done file); "fail" exits 1 (an error, not retried).
+  script = ("import os, sys; starts, done, trips = sys.argv[1:4]; n = len(open(starts).read()) if "
+            "os.path.exists(starts) else 0; open(starts, 'a').write('x'); trips = int(trips); "
+            f"sys.exit(1) if trips < 0 else sys.exit({EXIT_TRIPPED}) if n < trips else open(done, 'w').close()")
+
+  def stage(name, trips, after=()):
+    return {"name": name, "argv": [sys.executable, "-c", script, str(tmp_path / f"{name}.starts"),
+                                   str(tmp_path / f"{name}.done"), str(trips)],
+            "done": str(tmp_path / f"{name}.done"), "after": list(after), "dir": None, "heavy": True}
+
+  stages = [stage("twice", 2), stage("always", 5), stage("fail", -1), stage("next", 0, ["twice"]),
+            stage("blocked", 0, ["always"])]
+  status = replicate.execute(stages, str(tmp_path), timeout_min=2.0, jobs=2, guard_retries=2)
+  starts = {n: len((tmp_path / f"{n}.starts").read_text()) for n in ("twice", "always", "fail", "next")}
+  assert status == {"twice": "ran", "always": f"failed (rc {EXIT_TRIPPED})", "fail": "failed (rc 1)",
+                    "next": "ran", "blocked": "skipped: needs always"}
+  assert starts == {"twice": 3, "always": 3, "fail": 1, "next": 1}  # retries only after a guard trip
+
+
 def test_result_rows_cli_turns_evaluations_into_rows_and_refuses_a_run_twice(tmp_path):
   import subprocess
   import sys

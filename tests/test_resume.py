@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from tars_jax.train import checkpoint as ckpt
+from tars_jax.train.guard import EXIT_TRIPPED
 from tars_jax.train.metrics import MetricsWriter, read_metrics
 from _shared import poll
 
@@ -125,13 +126,13 @@ def test_budgets_are_counts_a_run_on_one_core_ends_where_and_as_a_run_on_all(str
 @pytest.mark.long  # ~3 min: two runs of the trainer against real Chromium
 @pytest.mark.browser
 def test_the_wall_clock_guard_stops_loudly_and_the_same_run_continues_to_its_count(tmp_path):
-  """`max_minutes` only guards a process: tripped, the trainer checkpoints, exits non-zero and names
+  """`max_minutes` only guards a process: tripped, the trainer checkpoints, exits with EXIT_TRIPPED and names
   the stage and the iteration reached; run again (here with a guard that does not trip) it resumes
   there and ends at its iteration count."""
   cmd = _cmd(tmp_path / "run")[:-1] + ["--config.iterations=6", "--config.max_minutes=0.05"]
   env = dict(os.environ, PYTHONPATH=ROOT)
   first = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-  assert first.returncode != 0, first.stdout[-2000:]
+  assert first.returncode == EXIT_TRIPPED, first.stdout[-2000:] + first.stderr[-2000:]
   m = re.search(r"\[train\] wall-clock guard of 0.05 min tripped at iteration (\d+) of 6",
                               first.stderr)
   assert m, first.stderr[-3000:]

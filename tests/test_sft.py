@@ -193,21 +193,22 @@ def test_killed_run_resumes_with_the_same_data_order(parts, tmp_path):
 @pytest.mark.browser
 def test_wall_clock_guard_excludes_evaluations_stops_loudly_and_the_same_command_continues(parts, tmp_path):
   """`sft.max_minutes` guards a process's training time after a sandbox evaluation too (the evaluation's
-  own time is left out): a 0.2-minute guard stops a 3 000-step run with a non-zero exit naming the stage
-  and the step reached, after checkpointing it; the same command again resumes there and makes more."""
+  own time is left out): a 0.4-minute guard stops a 3 000-step run with exit status `EXIT_TRIPPED`, naming the
+  stage and the step reached, after checkpointing it; the same command again resumes there and makes more."""
   import os
   import subprocess
+  from tars_jax.train.guard import EXIT_TRIPPED
   eps = [sft.prepare(_episode(parts, REPLIES[:1], seed=s), grammar=parts.grammar, tokenizer=parts.tokenizer,
                      thoughts=True) for s in range(8)]
   _write(tmp_path / "data", parts, parts.image_hw, parts.loop_cfg.n_img_tokens, eps)
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   cmd = [os.path.join(root, ".venv", "bin", "python"), "-m", "experiments.sft", "--config",
          "experiments/configs/miniwob_pipeline.py:thoughts+smoke", f"--workdir={tmp_path / 'run'}",
-         f"--config.sft.data=('{tmp_path / 'data'}',)", "--config.sft.steps=3000", "--config.sft.max_minutes=0.2",
+         f"--config.sft.data=('{tmp_path / 'data'}',)", "--config.sft.steps=3000", "--config.sft.max_minutes=0.4",
          "--config.sft.eval_every=3000", "--config.sft.eval_episodes=2", "--config.sft.ckpt_every=1000"]
   p = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=900)
-  assert p.returncode != 0, p.stdout[-2000:]
-  m = re.search(r"\[sft\] wall-clock guard of 0.2 min tripped at step (\d+) of 3000", p.stderr)
+  assert p.returncode == EXIT_TRIPPED, p.stdout[-2000:] + p.stderr[-2000:]
+  m = re.search(r"\[sft\] wall-clock guard of 0.4 min tripped at step (\d+) of 3000", p.stderr)
   assert m, p.stderr[-3000:]
   ended = int(m.group(1))
   rows = read_metrics(str(tmp_path / "run"))

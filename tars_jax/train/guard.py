@@ -2,14 +2,22 @@
 
 Every stage ends on a count, so the same config gives the same run on a slower or busier host
 (docs/ARCHITECTURE.md, "Research standards"). `max_minutes` is only a guard against a hung or far too
-slow host: when it trips, the stage checkpoints what it has and stops loudly with `GuardTripped` (a
-non-zero exit naming the stage and the count reached). The guard counts this process's time only,
-so running the same command again resumes from that checkpoint and continues to the count.
+slow host: when it trips, the stage checkpoints what it has and stops loudly with `GuardTripped` (exit
+status `EXIT_TRIPPED` through `exit_on_trip`, the message naming the stage and the count reached). The
+guard counts this process's time only, so running the same command again resumes from that checkpoint
+and continues to the count (experiments/replicate.py does so itself, `--guard_retries`).
 """
 
 from __future__ import annotations
 
+import functools
+import sys
 import time
+from typing import Callable
+
+# Exit status of a stage stopped by its guard (sysexits.h EX_TEMPFAIL): it checkpointed and the same
+# command continues it, so a driver (experiments/replicate.py) can resume it rather than count a failure.
+EXIT_TRIPPED = 75
 
 
 class GuardTripped(RuntimeError):
@@ -52,3 +60,17 @@ class Guard:
 
   def error(self, count: int) -> GuardTripped:
     return GuardTripped(self.stage, count, self.total, self.unit, self.max_minutes)
+
+
+def exit_on_trip(main: Callable) -> Callable:
+  """`main(argv)` for `absl.app.run`: a `GuardTripped` prints its message (stage, count reached, the
+  checkpoint) to stderr and exits with `EXIT_TRIPPED` instead of a traceback and status 1."""
+
+  @functools.wraps(main)
+  def run(*args, **kwargs):
+    try:
+      return main(*args, **kwargs)
+    except GuardTripped as e:
+      print(f"GuardTripped: {e}", file=sys.stderr, flush=True)
+      sys.exit(EXIT_TRIPPED)
+  return run

@@ -333,9 +333,9 @@ def stage_state(st: dict, workdir: str) -> tuple[str, str]:
   """(state, progress) of one planned stage, read from its files without touching them (no lock is
   taken, so a running sweep is never disturbed): "done"; "running" (its run dir's lock names a live
   process; progress "step k / budget, m min (~r min left)" from metrics.jsonl and config.json, the time
-  left at the run's pace so far); "started" (it has a
-  log or a run dir but no live process: interrupted, or an evaluation in progress, which holds no lock);
-  "pending"."""
+  left at the run's pace so far); "started" (a log or a run dir but no live process: interrupted, or an
+  evaluation in progress, which holds no lock); "pending"; "corrupt" (done.json names a missing
+  checkpoint; progress = the error)."""
   try:
     if is_done(st["done"]):
       return "done", ""
@@ -349,12 +349,13 @@ def stage_state(st: dict, workdir: str) -> tuple[str, str]:
     try:
       with open(os.path.join(rdir, run_lib.RUN_FILE)) as f:
         keys = _BUDGET_KEYS.get(json.load(f).get("stage"))
-      with open(os.path.join(rdir, "config.json")) as f:
-        budget = json.load(f)
-      for k in keys or ():
-        budget = budget[k]
-      budget = budget if keys else None
-    except (OSError, ValueError, KeyError, TypeError):
+      if keys:
+        with open(os.path.join(rdir, "config.json")) as f:
+          conf = json.load(f)
+        for k in keys:
+          conf = conf[k]
+        budget = conf
+    except (OSError, ValueError, KeyError, TypeError):  # not written yet, or another trainer's layout
       budget = None
     if row:
       step, minutes = row.get("step"), row.get("perf/wall_min")

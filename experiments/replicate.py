@@ -357,20 +357,21 @@ def stage_state(st: dict, workdir: str) -> tuple[str, str]:
         budget = conf
     except (OSError, ValueError, KeyError, TypeError):  # not written yet, or another trainer's layout
       budget = None
+    eta = ""
     if row:
       step, minutes = row.get("step"), row.get("perf/wall_min")
       progress = f"step {step}" + (f" / {budget}" if budget is not None else "")
       if minutes is not None:
         progress += f", {minutes:.1f} min"
         if budget and isinstance(step, int) and 0 < step < budget:  # at this run's pace so far
-          progress += f" (~{minutes / step * (budget - step):.0f} min left)"
+          eta = f" (~{minutes / step * (budget - step):.0f} min left)"
     try:
       with open(os.path.join(rdir, run_lib.LOCK_FILE)) as f:
         holder = f.read()
     except OSError:
       holder = ""
     if _pid_alive(holder):
-      return "running", progress
+      return "running", progress + eta
     return "started", progress
   log = os.path.join(workdir, "logs", st["name"].replace("/", "_") + ".log")
   return ("started", "") if os.path.exists(log) else ("pending", "")

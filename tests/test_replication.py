@@ -224,13 +224,15 @@ def test_status_reads_each_stage_state_from_its_files_without_a_lock(tmp_path):
   vpt = w / "vpt" / "seed_0"  # interrupted: its lock names a process that has ended
   os.makedirs(vpt)
   (vpt / "run.json").write_text(json.dumps({"stage": "vpt"}))
+  (vpt / "config.json").write_text(json.dumps({"vpt": {"max_iterations": 10}}))
+  (vpt / "metrics.jsonl").write_text('{"step": 4, "perf/wall_min": 2.0}\n')
   (vpt / "run.lock").write_text(f"vpt (pid {dead})\n")
   os.makedirs(w / "logs")
   (w / "logs" / "eval_sft_seed_0.log").write_text("")  # an evaluation holds no lock: started
   table = replicate.status_table(str(w)).splitlines()
   states = {line.split()[0]: line.split(None, 2)[1:] for line in table[2:]}
   assert states == {"demos": ["done"], "sft/seed_0": ["running", "step 2 / 4, 1.2 min (~1 min left)"],
-                    "eval/sft/seed_0": ["started"], "vpt/seed_0": ["started"], "ppo/seed_0": ["pending"],
+                    "eval/sft/seed_0": ["started"], "vpt/seed_0": ["started", "step 4 / 10, 2.0 min"], "ppo/seed_0": ["pending"],
                     "eval/ppo/seed_0": ["pending"]}
   assert table[0].endswith("driver: not running") and table[1] == "done 1, running 1, started 2, pending 2"
   assert not (w / "replicate.lock").exists()  # nothing written, no lock taken

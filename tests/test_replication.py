@@ -12,7 +12,6 @@ from scipy import stats
 from experiments import replicate
 from experiments.configs import replication as cfg_mod
 from tars_jax.analysis import replication as R
-from tars_jax.train.guard import Guard, GuardTripped
 
 CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments/configs/replication.py")
 
@@ -324,17 +323,6 @@ def test_replication_config_variants_differ_in_one_knob():
   assert (ppo_ptx.ptx_coef, ppo_ptx.ptx_batch_size) == (ptx.ptx_coef, ptx.ptx_batch_size)
   assert cfg_mod.get_config("ppo_thoughts").sft.thoughts and not sft.sft.thoughts
   assert sft.sft.steps == base.sft.steps and sft.data.demo_seeds == base.data.demo_seeds
-
-
-def test_guard_trips_with_the_stage_and_count():
-  g = Guard("sft", 0.0, 800, "step")
-  assert g.tripped()
-  e = g.error(123)
-  assert isinstance(e, GuardTripped) and (e.stage, e.count, e.total) == ("sft", 123, 800)
-  assert "[sft]" in str(e) and "step 123 of 800" in str(e)
-  g2 = Guard("train", 10.0, 5, "iteration")
-  g2.exclude(-1e9)  # excluded time is subtracted: a negative exclusion adds guarded time
-  assert g2.tripped() and not Guard("vpt", 10.0, 5, "iteration").tripped()
 
 
 def test_execute_runs_what_is_ready_two_at_a_time_one_heavy_and_skips_dependants_of_a_failure(tmp_path):

@@ -189,6 +189,46 @@ def test_killed_run_resumes_with_the_same_data_order(parts, tmp_path):
     assert a["train/ce"] == b["train/ce"] and a["train/tokens"] == b["train/tokens"]
 
 
+@pytest.mark.long  # ~1.5 min: compiles twice
+def test_sigterm_checkpoints_at_the_next_step_and_the_same_command_continues_there(parts, tmp_path):
+  """SIGTERM (pkill, pre-emption, a session's end) stops experiments/sft.py at its next step with a
+  checkpoint there, not at its last periodic one (every 1 000 steps here), and exit status 128 + SIGTERM
+  naming the step; the same command resumes from that step."""
+  import os
+  import signal
+  import subprocess
+  import time
+  eps = [sft.prepare(_episode(parts, REPLIES[:1], seed=s), grammar=parts.grammar, tokenizer=parts.tokenizer,
+                     thoughts=True) for s in range(8)]
+  _write(tmp_path / "data", parts, parts.image_hw, parts.loop_cfg.n_img_tokens, eps)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  cmd = [os.path.join(root, ".venv", "bin", "python"), "-m", "experiments.sft", "--config",
+         "experiments/configs/miniwob_pipeline.py:thoughts+smoke", f"--workdir={tmp_path / 'run'}",
+         f"--config.sft.data=('{tmp_path / 'data'}',)", "--config.sft.steps=3000", "--config.sft.eval_every=0",
+         "--config.sft.ckpt_every=1000", "--config.sft.log_every=1"]
+  p = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    deadline = time.monotonic() + 600  # only so a broken test cannot hang
+    while not (os.path.exists(tmp_path / "run" / "metrics.jsonl") and len(read_metrics(str(tmp_path / "run"))) >= 3):
+      assert p.poll() is None and time.monotonic() < deadline, p.communicate()[1][-3000:] if p.poll() is not None else ""
+      time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+  finally:
+    if p.poll() is None:
+      p.kill()
+  assert p.returncode == 128 + signal.SIGTERM, out[-2000:] + err[-2000:]
+  m = re.search(r"Terminated: \[sft\] SIGTERM received: stopped at step (\d+) of 3000", err)
+  assert m, err[-3000:]
+  ended = int(m.group(1))
+  assert 3 <= ended < 1000 and ckpt.manager(str(tmp_path / "run")).latest_step() == ended
+  again = subprocess.run(cmd[:-4] + [f"--config.sft.steps={ended + 2}", "--config.sft.eval_every=0"], cwd=root,
+                         capture_output=True, text=True, timeout=900)
+  assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+  assert f"resumed from {tmp_path / 'run' / 'checkpoints'}/{ended}" in again.stdout, again.stdout[-2000:]
+  assert ckpt.manager(str(tmp_path / "run")).latest_step() == ended + 2
+
+
 @pytest.mark.long  # ~2 min: compiles, two sandbox evaluations
 @pytest.mark.browser
 def test_wall_clock_guard_excludes_evaluations_stops_loudly_and_the_same_command_continues(parts, tmp_path):

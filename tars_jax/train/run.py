@@ -10,8 +10,8 @@ with its loop body in plain view and calls these steps in order:
   run.finish(summary)                           # <stage>.json (the summary) and done.json
 
 What `start` does once per process: the matmul precision (before any computation), the work dir,
-quiet absl/Orbax logging, SIGTERM unwinding through `finally` (sandbox servers stop; the run resumes
-from its last complete checkpoint), an exclusive lock on the work dir (a second process on it is
+quiet absl/Orbax logging, SIGTERM stopping the stage at its next step with a checkpoint (or, past a
+grace period, unwinding through `finally`: sandbox servers stop; guard.stop_on_sigterm), an exclusive lock on the work dir (a second process on it is
 refused), the stage's name in `run.json` (another stage's directory is refused) and the wall-clock
 guard of the count budget (tars_jax/train/guard.py); the checkpoint manager is made at first use.
 
@@ -27,14 +27,13 @@ import dataclasses
 import json
 import logging
 import os
-import signal
 import sys
 from typing import Any
 
 import jax
 
 from tars_jax.train import checkpoint as ckpt
-from tars_jax.train.guard import Guard
+from tars_jax.train.guard import Guard, stop_on_sigterm
 from tars_jax.train.metrics import MetricsWriter, write_json
 
 RUN_FILE, DONE_FILE, LOCK_FILE = "run.json", "done.json", "run.lock"
@@ -169,14 +168,14 @@ def start(stage: str, config, workdir: str | None, *, budget: int, unit: str, ma
   jax.config.update("jax_default_matmul_precision", config.matmul_precision)  # before any compute
   os.makedirs(workdir, exist_ok=True)
   logging.getLogger().setLevel(logging.WARNING)
-  # SIGTERM (pkill, a scheduler's pre-emption) unwinds through `finally`: sandbox servers stop and the
-  # run resumes from its last complete checkpoint.
-  signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+  guard = Guard(stage, max_minutes, budget, unit)
+  # SIGTERM (pkill, a scheduler's pre-emption, a session's end) checkpoints at the next step and stops.
+  stop_on_sigterm(guard)
   lock = None
   if main:
     lock = _lock(workdir, stage)
     _claim(workdir, stage)
-  return Run(stage, workdir, Guard(stage, max_minutes, budget, unit), main, keep_checkpoints, lock)
+  return Run(stage, workdir, guard, main, keep_checkpoints, lock)
 
 
 def _read_done(workdir: str) -> dict | None:

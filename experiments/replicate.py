@@ -313,27 +313,43 @@ def _pid_alive(holder: str) -> bool:
   return pid.isdigit() and os.path.exists(f"/proc/{pid}")
 
 
-def _last_row(path: str) -> dict:
-  """The last complete JSON line of a metrics.jsonl ({} when there is none)."""
+def _tail_rows(path: str) -> list[dict]:
+  """The complete JSON lines of a metrics.jsonl's last 64 KiB ([] when there is none)."""
   try:
     with open(path, "rb") as f:
       f.seek(max(0, os.path.getsize(path) - 65536))
       lines = f.read().decode(errors="replace").splitlines()
   except OSError:
-    return {}
-  for line in reversed(lines):
+    return []
+  rows = []
+  for line in lines:
     try:
-      return json.loads(line)
-    except ValueError:
+      rows.append(json.loads(line))
+    except ValueError:  # the first line cut by the seek, or a last one half-written
       continue
-  return {}
+  return rows
+
+
+def _minutes_per_step(rows: list[dict]) -> float | None:
+  """Minutes per step of the process that wrote the last rows: over the trailing rows whose
+  `perf/wall_min` rises with the step (a resumed stage's process starts its clock at 0, so earlier
+  processes' rows are left out); None with fewer than two such rows."""
+  timed = [(r["step"], r["perf/wall_min"]) for r in rows
+           if isinstance(r.get("step"), int) and isinstance(r.get("perf/wall_min"), (int, float))]
+  first = len(timed) - 1
+  while first > 0 and timed[first - 1][0] < timed[first][0] and timed[first - 1][1] < timed[first][1]:
+    first -= 1
+  if first >= len(timed) - 1:
+    return None
+  (s0, m0), (s1, m1) = timed[first], timed[-1]
+  return (m1 - m0) / (s1 - s0)
 
 
 def stage_state(st: dict, workdir: str) -> tuple[str, str]:
   """(state, progress) of one planned stage, read from its files without touching them (no lock is
   taken, so a running sweep is never disturbed): "done"; "running" (its run dir's lock names a live
   process; progress "step k / budget, m min (~r min left)" from metrics.jsonl and config.json, the time
-  left at the run's pace so far); "started" (a log or a run dir but no live process: interrupted, or an
+  left at the pace of its current process, `_minutes_per_step`); "started" (a log or a run dir but no live process: interrupted, or an
   evaluation in progress, which holds no lock); "pending"; "corrupt" (done.json names a missing
   checkpoint; progress = the error)."""
   try:
@@ -344,7 +360,8 @@ def stage_state(st: dict, workdir: str) -> tuple[str, str]:
   rdir = st["dir"]
   progress = ""
   if rdir and os.path.exists(os.path.join(rdir, run_lib.RUN_FILE)):
-    row = _last_row(os.path.join(rdir, "metrics.jsonl"))
+    rows = _tail_rows(os.path.join(rdir, "metrics.jsonl"))
+    row = rows[-1] if rows else {}
     budget = None
     try:
       with open(os.path.join(rdir, run_lib.RUN_FILE)) as f:
@@ -363,8 +380,9 @@ def stage_state(st: dict, workdir: str) -> tuple[str, str]:
       progress = f"step {step}" + (f" / {budget}" if budget is not None else "")
       if minutes is not None:
         progress += f", {minutes:.1f} min"
-        if budget and isinstance(step, int) and 0 < step < budget:  # at this run's pace so far
-          eta = f" (~{minutes / step * (budget - step):.0f} min left)"
+        pace = _minutes_per_step(rows)
+        if budget and isinstance(step, int) and step < budget and pace is not None:
+          eta = f" (~{pace * (budget - step):.0f} min left)"
     try:
       with open(os.path.join(rdir, run_lib.LOCK_FILE)) as f:
         holder = f.read()

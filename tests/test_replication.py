@@ -215,8 +215,12 @@ def test_status_reads_each_stage_state_from_its_files_without_a_lock(tmp_path):
   sft = w / "sft" / "seed_0"  # running: its lock names this (live) process; the last line half-written
   os.makedirs(sft)
   (sft / "run.json").write_text(json.dumps({"stage": "sft"}))
-  (sft / "config.json").write_text(json.dumps({"sft": {"steps": 4}}))
-  (sft / "metrics.jsonl").write_text('{"step": 2, "perf/wall_min": 1.25}\n{"step": 3, "perf/wa')
+  (sft / "config.json").write_text(json.dumps({"sft": {"steps": 21}}))
+  # resumed at step 10: the time left is at this process's pace (0.5 min per step, 8 steps), not the
+  # pace of step 13 in 1.5 min (~1 min), nor the earlier process's
+  rows = [(1, 3.0), (10, 9.0), (11, 0.5), (13, 1.5)]
+  (sft / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "perf/wall_min": m}) + "\n" for s, m in rows)
+                                     + '{"step": 14, "perf/wa')
   (sft / "run.lock").write_text(f"sft (pid {os.getpid()})\n")
   dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                         text=True).stdout.strip()
@@ -230,7 +234,7 @@ def test_status_reads_each_stage_state_from_its_files_without_a_lock(tmp_path):
   (w / "logs" / "eval_sft_seed_0.log").write_text("")  # an evaluation holds no lock: started
   table = replicate.status_table(str(w)).splitlines()
   states = {line.split()[0]: line.split(None, 2)[1:] for line in table[2:]}
-  assert states == {"demos": ["done"], "sft/seed_0": ["running", "step 2 / 4, 1.2 min (~1 min left)"],
+  assert states == {"demos": ["done"], "sft/seed_0": ["running", "step 13 / 21, 1.5 min (~4 min left)"],
                     "eval/sft/seed_0": ["started"], "vpt/seed_0": ["started", "step 4 / 10, 2.0 min"], "ppo/seed_0": ["pending"],
                     "eval/ppo/seed_0": ["pending"]}
   assert table[0].endswith("driver: not running") and table[1] == "done 1, running 1, started 2, pending 2"

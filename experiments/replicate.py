@@ -302,11 +302,6 @@ def execute(stages: list[dict], workdir: str, timeout_min: float, jobs: int = 1,
   return status
 
 
-# What a stage's metrics.jsonl `step` counts up to: the budget in its run dir's config.json, per trainer
-# (run.json's "stage")
-_BUDGET_KEYS = {"sft": ("sft", "steps"), "train": ("iterations",), "vpt": ("vpt", "max_iterations")}
-
-
 def _pid_alive(holder: str) -> bool:
   """Whether the process named in a lock file's holder text ('<stage> (pid N)') is alive."""
   pid = holder.rpartition("(pid ")[2].rstrip(")\n ")
@@ -348,7 +343,7 @@ def _minutes_per_step(rows: list[dict]) -> float | None:
 def stage_state(st: dict, workdir: str) -> tuple[str, str]:
   """(state, progress) of one planned stage, read from its files without touching them (no lock is
   taken, so a running sweep is never disturbed): "done"; "running" (its run dir's lock names a live
-  process; progress "step k / budget, m min (~r min left)" from metrics.jsonl and config.json, the time
+  process; progress "step k / budget, m min (~r min left)" from metrics.jsonl and run.json, the time
   left at the pace of its current process, `_minutes_per_step`); "started" (a log or a run dir but no live process: interrupted, or an
   evaluation in progress, which holds no lock); "pending"; "corrupt" (done.json names a missing
   checkpoint; progress = the error)."""
@@ -362,17 +357,10 @@ def stage_state(st: dict, workdir: str) -> tuple[str, str]:
   if rdir and os.path.exists(os.path.join(rdir, run_lib.RUN_FILE)):
     rows = _tail_rows(os.path.join(rdir, "metrics.jsonl"))
     row = rows[-1] if rows else {}
-    budget = None
     try:
       with open(os.path.join(rdir, run_lib.RUN_FILE)) as f:
-        keys = _BUDGET_KEYS.get(json.load(f).get("stage"))
-      if keys:
-        with open(os.path.join(rdir, "config.json")) as f:
-          conf = json.load(f)
-        for k in keys:
-          conf = conf[k]
-        budget = conf
-    except (OSError, ValueError, KeyError, TypeError):  # not written yet, or another trainer's layout
+        budget = json.load(f).get("budget")  # what its metrics' `step` counts up to (run_lib.start)
+    except (OSError, ValueError):  # being written
       budget = None
     eta = ""
     if row:

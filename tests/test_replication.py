@@ -214,8 +214,7 @@ def test_status_reads_each_stage_state_from_its_files_without_a_lock(tmp_path):
   (w / "demos" / "experts.json").write_text("{}")
   sft = w / "sft" / "seed_0"  # running: its lock names this (live) process; the last line half-written
   os.makedirs(sft)
-  (sft / "run.json").write_text(json.dumps({"stage": "sft"}))
-  (sft / "config.json").write_text(json.dumps({"sft": {"steps": 21}}))
+  (sft / "run.json").write_text(json.dumps({"stage": "sft", "budget": 21, "unit": "step"}))
   # resumed at step 10: the time left is at this process's pace (0.5 min per step, 8 steps), not the
   # pace of step 13 in 1.5 min (~1 min), nor the earlier process's
   rows = [(1, 3.0), (10, 9.0), (11, 0.5), (13, 1.5)]
@@ -226,8 +225,7 @@ def test_status_reads_each_stage_state_from_its_files_without_a_lock(tmp_path):
                         text=True).stdout.strip()
   vpt = w / "vpt" / "seed_0"  # interrupted: its lock names a process that has ended
   os.makedirs(vpt)
-  (vpt / "run.json").write_text(json.dumps({"stage": "vpt"}))
-  (vpt / "config.json").write_text(json.dumps({"vpt": {"max_iterations": 10}}))
+  (vpt / "run.json").write_text(json.dumps({"stage": "vpt", "budget": 10, "unit": "iteration"}))
   (vpt / "metrics.jsonl").write_text('{"step": 4, "perf/wall_min": 2.0}\n')
   (vpt / "run.lock").write_text(f"vpt (pid {dead})\n")
   os.makedirs(w / "logs")

@@ -12,7 +12,7 @@ with its loop body in plain view and calls these steps in order:
 What `start` does once per process: the matmul precision (before any computation), the work dir,
 quiet absl/Orbax logging, SIGTERM stopping the stage at its next step with a checkpoint (or, past a
 grace period, unwinding through `finally`: sandbox servers stop; guard.stop_on_sigterm), an exclusive lock on the work dir (a second process on it is
-refused), the stage's name in `run.json` (another stage's directory is refused) and the wall-clock
+refused), the stage's name and count budget in `run.json` (another stage's directory is refused) and the wall-clock
 guard of the count budget (tars_jax/train/guard.py); the checkpoint manager is made at first use.
 
 A stage is finished when `is_done(workdir)`: its `done.json` names a complete checkpoint that exists,
@@ -138,8 +138,10 @@ def _lock(workdir: str, stage: str):
   return f
 
 
-def _claim(workdir: str, stage: str) -> None:
-  """Records the stage in `run.json`; raises WorkdirInUse if the dir holds another stage's run."""
+def _claim(workdir: str, stage: str, budget: int, unit: str) -> None:
+  """Records the stage and its count budget in `run.json` ({"stage", "budget", "unit"}, rewritten by each
+  process: a resumed run may raise its budget), which readers of a running sweep use
+  (experiments/replicate.py --status); raises WorkdirInUse if the dir holds another stage's run."""
   path = os.path.join(workdir, RUN_FILE)
   if os.path.exists(path):
     with open(path) as f:
@@ -147,8 +149,7 @@ def _claim(workdir: str, stage: str) -> None:
     if other != stage:
       raise WorkdirInUse(f"[{stage}] {workdir} holds a {other!r} run, not a {stage!r} one: give this stage "
                          "its own --workdir")
-  else:
-    write_json(path, {"stage": stage})
+  write_json(path, {"stage": stage, "budget": int(budget), "unit": unit})
 
 
 def start(stage: str, config, workdir: str | None, *, budget: int, unit: str, max_minutes: float,
@@ -174,7 +175,7 @@ def start(stage: str, config, workdir: str | None, *, budget: int, unit: str, ma
   lock = None
   if main:
     lock = _lock(workdir, stage)
-    _claim(workdir, stage)
+    _claim(workdir, stage, budget, unit)
   return Run(stage, workdir, guard, main, keep_checkpoints, lock)
 
 

@@ -189,6 +189,19 @@ def test_killed_run_resumes_with_the_same_data_order(parts, tmp_path):
     assert a["train/ce"] == b["train/ce"] and a["train/tokens"] == b["train/tokens"]
 
 
+def _long_run(parts, tmp_path, *flags):
+  """(repo root, command) of experiments/sft.py for 3 000 steps on 8 one-turn episodes written under
+  `tmp_path / 'data'`, into `tmp_path / 'run'`, with `flags` appended: runs stopped before their count."""
+  import os
+  eps = [sft.prepare(_episode(parts, REPLIES[:1], seed=s), grammar=parts.grammar, tokenizer=parts.tokenizer,
+                     thoughts=True) for s in range(8)]
+  _write(tmp_path / "data", parts, parts.image_hw, parts.loop_cfg.n_img_tokens, eps)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  return root, [os.path.join(root, ".venv", "bin", "python"), "-m", "experiments.sft", "--config",
+                "experiments/configs/miniwob_pipeline.py:thoughts+smoke", f"--workdir={tmp_path / 'run'}",
+                f"--config.sft.data=('{tmp_path / 'data'}',)", "--config.sft.steps=3000", *flags]
+
+
 @pytest.mark.long  # ~1.5 min: compiles twice
 def test_sigterm_checkpoints_at_the_next_step_and_the_same_command_continues_there(parts, tmp_path):
   """SIGTERM (pkill, pre-emption, a session's end) stops experiments/sft.py at its next step with a
@@ -198,14 +211,8 @@ def test_sigterm_checkpoints_at_the_next_step_and_the_same_command_continues_the
   import signal
   import subprocess
   import time
-  eps = [sft.prepare(_episode(parts, REPLIES[:1], seed=s), grammar=parts.grammar, tokenizer=parts.tokenizer,
-                     thoughts=True) for s in range(8)]
-  _write(tmp_path / "data", parts, parts.image_hw, parts.loop_cfg.n_img_tokens, eps)
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  cmd = [os.path.join(root, ".venv", "bin", "python"), "-m", "experiments.sft", "--config",
-         "experiments/configs/miniwob_pipeline.py:thoughts+smoke", f"--workdir={tmp_path / 'run'}",
-         f"--config.sft.data=('{tmp_path / 'data'}',)", "--config.sft.steps=3000", "--config.sft.eval_every=0",
-         "--config.sft.ckpt_every=1000", "--config.sft.log_every=1"]
+  root, cmd = _long_run(parts, tmp_path, "--config.sft.eval_every=0", "--config.sft.ckpt_every=1000",
+                        "--config.sft.log_every=1")
   p = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   try:
     deadline = time.monotonic() + 600  # only so a broken test cannot hang
@@ -235,17 +242,10 @@ def test_wall_clock_guard_excludes_evaluations_stops_loudly_and_the_same_command
   """`sft.max_minutes` guards a process's training time after a sandbox evaluation too (the evaluation's
   own time is left out): a 0.4-minute guard stops a 3 000-step run with exit status `EXIT_TRIPPED`, naming the
   stage and the step reached, after checkpointing it; the same command again resumes there and makes more."""
-  import os
   import subprocess
   from tars_jax.train.guard import EXIT_TRIPPED
-  eps = [sft.prepare(_episode(parts, REPLIES[:1], seed=s), grammar=parts.grammar, tokenizer=parts.tokenizer,
-                     thoughts=True) for s in range(8)]
-  _write(tmp_path / "data", parts, parts.image_hw, parts.loop_cfg.n_img_tokens, eps)
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  cmd = [os.path.join(root, ".venv", "bin", "python"), "-m", "experiments.sft", "--config",
-         "experiments/configs/miniwob_pipeline.py:thoughts+smoke", f"--workdir={tmp_path / 'run'}",
-         f"--config.sft.data=('{tmp_path / 'data'}',)", "--config.sft.steps=3000", "--config.sft.max_minutes=0.4",
-         "--config.sft.eval_every=3000", "--config.sft.eval_episodes=2", "--config.sft.ckpt_every=1000"]
+  root, cmd = _long_run(parts, tmp_path, "--config.sft.max_minutes=0.4", "--config.sft.eval_every=3000",
+                        "--config.sft.eval_episodes=2", "--config.sft.ckpt_every=1000")
   p = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=900)
   assert p.returncode == EXIT_TRIPPED, p.stdout[-2000:] + p.stderr[-2000:]
   m = re.search(r"\[sft\] wall-clock guard of 0.4 min tripped at step (\d+) of 3000", p.stderr)

@@ -73,6 +73,7 @@ def assert_same_episode(a, b):
     ("miniwob/click-test-2", 2_000_001, 1),  # TWO drawn over ONE's centre: the expert clicks beside it
     ("miniwob/login-user", 2_000_000, 5),  # click, type, click, type, click
     ("miniwob/click-checkboxes", 2_000_002, None),
+    ("miniwob/search-engine", 2_000_003, 5),  # click, type, Search, page 2, its 2nd result (the 5th)
 ])
 def test_a_demo_is_the_episode_the_agent_loop_builds_for_the_same_replies(server, spec, task, seed, turns):
   async def go():

@@ -173,6 +173,46 @@ def test_click_checkboxes_toggles_until_the_selection_matches_then_submits():
   assert decide("miniwob/click-checkboxes", page(), 0, "Select nothing and click Submit.")[0] == "the Submit button"
 
 
+def test_enter_text_2_types_the_name_in_the_asked_case():
+  def page(value="", focused=False):
+    return [QUERY, el("input", 12, 62, 128, 21, id="tt", type="text", value=value, focused=focused),
+            el("button", 2, 95, 95.5, 31, id="subbtn", text="Submit")]
+  up = 'Type "karrie" in all upper case letters in the text input and press Submit.'
+  low = 'Type "KARRIE" in all lower case letters in the text input and press Submit.'
+  # tt centre (76, 72.5) = (475, 345.2) -> (480, 350); Submit (49.75, 110.5) = (311, 526) -> (310, 530)
+  assert decide("miniwob/enter-text-2", page(), 0, up) == ("the text field", "click(start_box='(480,350)')")
+  assert decide("miniwob/enter-text-2", page(focused=True), 1, up)[1] == "type(content='KARRIE')"
+  assert decide("miniwob/enter-text-2", page(focused=True), 1, low)[1] == "type(content='karrie')"
+  assert decide("miniwob/enter-text-2", page("karrie", True), 2, low) == ("the Submit button",
+                                                                         "click(start_box='(310,530)')")
+
+
+def test_search_engine_types_searches_pages_and_clicks_the_kth_result():
+  ins = 'Use the textbox to enter "Jerald" and press "Search", then find and click the 5th search result.'
+
+  def page(value="", focused=False, results=(), active="1"):
+    els = [QUERY, el("input", 4, 54, 88, 21, id="search-text", type="text", value=value, focused=focused),
+           el("button", 94.8, 54, 58.2, 21, id="search", text="Search")]
+    for i, name in enumerate(results):
+      els.append(el("a", 4, 77 + 33 * i, 30, 11, classes="search-title", text=name))
+    if results:
+      for p, x in (("1", 44), ("2", 56.3), ("3", 68.7)):
+        els += [el("li", x, 191, 8.3, 17, classes="page-item active" if p == active else "page-item", text=p,
+                   leaf=False), el("a", x, 191, 8.3, 17, classes="page-link", text=p)]
+    return els
+  # search-text centre (48, 64.5) = (300, 307) -> (300, 310); Search (123.9, 64.5) = (774.4, 307) -> (770, 310)
+  assert decide("miniwob/search-engine", page(), 0, ins) == ("the search box", "click(start_box='(300,310)')")
+  assert decide("miniwob/search-engine", page(focused=True), 1, ins)[1] == "type(content='Jerald')"
+  assert decide("miniwob/search-engine", page("Jerald", True), 2, ins) == ("the Search button",
+                                                                          "click(start_box='(770,310)')")
+  # the 5th result is the 2nd of page 2: page link 2 centre (60.5, 199.5) = (378, 950) -> (380, 950)
+  got = page("Jerald", results=("Emile", "Rex", "Cheree"))
+  assert decide("miniwob/search-engine", got, 3, ins) == ("page 2 of the results", "click(start_box='(380,950)')")
+  # on page 2: its 2nd title, centre (19, 115.5) = (118.8, 550) -> (120, 550)
+  got = page("Jerald", results=("Ana", "Jerald", "Lea"), active="2")
+  assert decide("miniwob/search-engine", got, 4, ins) == ("result 5, Jerald", "click(start_box='(120,550)')")
+
+
 def test_thoughts_off_and_the_main_config_grammar():
   b = el("button", 12, 123, 37, 37, id="subbtn", text="Click Me!")
   thought, action = E.decide("miniwob/click-test", "", [QUERY, b], 0, thoughts=False)

@@ -300,6 +300,30 @@ def click_checkboxes(instruction, elements, turn):
   return "the Submit button", click_on(elements, _by_id(elements, "subbtn"))
 
 
+def enter_text_2(instruction, elements, turn):
+  m = _match(r'Type "(.*)" in all (upper|lower) case letters', instruction, "enter-text-2")
+  text = m.group(1).upper() if m.group(2) == "upper" else m.group(1).lower()
+  return _fill_then_submit(elements, [("tt", text, "text field")], "subbtn", "Submit")
+
+
+def search_engine(instruction, elements, turn):
+  # Type the name, press Search, go to the result's page (3 results per page), click the result.
+  m = _match(r'enter "(.*)" and press "Search", then find and click the (\d+)(?:st|nd|rd|th) search result',
+             instruction, "search-engine")
+  name, k = m.group(1), int(m.group(2))
+  box = _by_id(elements, "search-text")
+  titles = [e for e in elements if "search-title" in e["classes"].split()]
+  if box["value"] != name or not titles:  # results appear only after the name was typed and searched
+    return _fill_then_submit(elements, [("search-text", name, "search box")], "search", "Search")
+  page = str((k - 1) // 3 + 1)
+  active = _first(elements, "active page", lambda e: e["tag"] == "li" and "active" in e["classes"].split())
+  if active["text"] != page:
+    link = _first(elements, f"page {page}", lambda e: "page-link" in e["classes"].split() and e["text"] == page)
+    return f"page {page} of the results", click_on(elements, link)
+  _need(len(titles) == 3, f"{len(titles)} results on page {page}")
+  return f"result {k}, {titles[(k - 1) % 3]['text']}", click_on(elements, titles[(k - 1) % 3])
+
+
 def click_option(instruction, elements, turn):
   name = _match(r"^Select (.*) and click Submit\.", instruction, "click-option").group(1)
   radios = _labelled_inputs(elements, "radio")
@@ -316,7 +340,8 @@ MINIWOB_EXPERTS: dict[str, Callable] = {
     "miniwob/click-link": click_link, "miniwob/click-tab": click_tab, "miniwob/focus-text": focus_text,
     "miniwob/focus-text-2": focus_text_2, "miniwob/enter-text": enter_text, "miniwob/login-user": login_user,
     "miniwob/enter-password": enter_password, "miniwob/click-checkboxes": click_checkboxes,
-    "miniwob/click-option": click_option,
+    "miniwob/click-option": click_option, "miniwob/enter-text-2": enter_text_2,
+    "miniwob/search-engine": search_engine,
 }
 
 

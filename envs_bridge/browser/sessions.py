@@ -83,6 +83,7 @@ from envs_bridge.browser import launcher
 from envs_bridge.browser import tasks
 from envs_bridge.browser.telemetry import EventLog, SandboxMetrics
 from envs_bridge.games import catalog
+from envs_bridge.session_table import SessionTable
 from tars_jax.agent import actions as A
 
 # Debian's chromium-headless-shell (same source and version as /usr/bin/chromium, without the
@@ -275,10 +276,9 @@ class BrowserSandbox:
     self.step_ms, self.lease_s, self.max_sessions = step_ms, lease_s, max_sessions
     self.executable = executable or DEFAULT_CHROMIUM
     self.page_timeout_s, self.gc_interval_s = page_timeout_s, gc_interval_s
-    self.sessions: dict[str, Session] = {}
+    self.sessions = SessionTable()  # live sessions by id, and the typed errors late callers get
     self.max_idle_pages = max_idle_pages
     self.idle: dict[str, list[_Page]] = {}  # task -> pages ready for the next episode
-    self.gone: dict[str, P.SandboxError] = {}  # id -> the typed error late callers get
     self.slots = [_Slot(i) for i in range(n_browsers)]
     self.events = EventLog()
     self.metrics = SandboxMetrics()
@@ -499,13 +499,10 @@ class BrowserSandbox:
     self.metrics.sessions.set(len(self.sessions))
 
   def _forget(self, sid: str, err: P.SandboxError) -> None:
-    s = self.sessions.pop(sid, None)
+    s = self.sessions.forget(sid, err)
     if s is not None:
       s.pg.slot.sessions -= 1
       self.metrics.sessions.set(len(self.sessions))
-    self.gone[sid] = err
-    if len(self.gone) > 10_000:  # bounded memory of dead ids
-      self.gone.pop(next(iter(self.gone)))
 
   def _lose(self, s: Session, reason: str, cause: str) -> None:
     """Marks a live session lost (counted once); later calls on it raise SessionLost(reason)."""
@@ -523,14 +520,13 @@ class BrowserSandbox:
       try:
         self.metrics.sample()
         now = time.monotonic()
-        for sid, s in list(self.sessions.items()):
-          if now - s.last_used > self.lease_s and not s.lock.locked():
-            log.info("lease expired: %s", sid)
-            self.counters["expired"] += 1
-            self.metrics.events.labels("expired").inc()
-            self.events.add("session_expired", session=sid, browser=s.pg.slot.index, lease_s=self.lease_s)
-            self._forget(sid, P.LeaseExpired(f"session {sid} reclaimed after {self.lease_s:g} s idle"))
-            await self._discard_page(s.pg)
+        for sid, s in self.sessions.expired(self.lease_s, now):
+          log.info("lease expired: %s", sid)
+          self.counters["expired"] += 1
+          self.metrics.events.labels("expired").inc()
+          self.events.add("session_expired", session=sid, browser=s.pg.slot.index, lease_s=self.lease_s)
+          self._forget(sid, P.LeaseExpired(f"session {sid} reclaimed after {self.lease_s:g} s idle"))
+          await self._discard_page(s.pg)
         if now - self._last_gc >= self.gc_interval_s:
           self._last_gc = now
           await self.collect_garbage()
@@ -731,13 +727,6 @@ class BrowserSandbox:
     await page.mouse.move(0, 0)  # no element stays hovered (the instruction bar has no hover style)
     return await page.evaluate(_start_and_read_script(ts.start_script(seed, data_mode), ts.utterance_script))
 
-  def _get(self, sid: str) -> Session:
-    s = self.sessions.get(sid)
-    if s is None:
-      raise self.gone.get(sid) or P.UnknownSession(f"no session {sid!r}")
-    s.last_used = time.monotonic()
-    return s
-
   async def step(self, sid: str, text: str) -> P.Observation:
     """Parses and executes one action string, advances virtual time by step_ms, observes.
 
@@ -745,7 +734,7 @@ class BrowserSandbox:
     Raises: UnknownSession, LeaseExpired, SessionLost (browser/page crashed or hung).
     """
     t0 = time.perf_counter()
-    s = self._get(sid)
+    s = self.sessions.lease(sid)
     async with s.lock:
       if s.done:
         return await self._observation(s, 0.0, {"error": "episode already done"})
@@ -799,7 +788,7 @@ class BrowserSandbox:
   async def observe(self, sid: str) -> P.Observation:
     """The current screenshot; no action, no time passes; reward 0 (rewards come with steps)."""
     t0 = time.perf_counter()
-    s = self._get(sid)
+    s = self.sessions.lease(sid)
     async with s.lock:
       obs = await self._observation(s, 0.0, {})
       s.last_used = time.monotonic()
@@ -813,11 +802,9 @@ class BrowserSandbox:
     ids never opened.
     """
     t0 = time.perf_counter()
-    s = self.sessions.get(sid)
+    s = self.sessions.to_close(sid)
     if s is None:
-      if sid in self.gone:
-        return
-      raise P.UnknownSession(f"no session {sid!r}")
+      return
     self._forget(sid, P.UnknownSession(f"session {sid} was closed"))
     self.counters["closed"] += 1
     self.metrics.events.labels("closed").inc()
@@ -843,7 +830,7 @@ class BrowserSandbox:
     Raises: the typed session errors.
     """
     t0 = time.perf_counter()
-    s = self._get(sid)
+    s = self.sessions.lease(sid)
     async with s.lock:
       png = await self._screenshot(s)
       snap = {"version": SNAPSHOT_VERSION, "kind": "replay", "task": s.task, "seed": s.seed,
@@ -863,7 +850,7 @@ class BrowserSandbox:
       the snapshot's screenshot); the typed session errors.
     """
     t0 = time.perf_counter()
-    s = self._get(sid)
+    s = self.sessions.lease(sid)
     if snap.get("version") != SNAPSHOT_VERSION or snap.get("kind") != "replay":
       raise P.InvalidAction(f"unsupported snapshot version/kind {snap.get('version')}/{snap.get('kind')}")
     if snap["task"] != s.task:
@@ -905,7 +892,7 @@ class BrowserSandbox:
 
     Raises: the typed session errors.
     """
-    s = self._get(sid)
+    s = self.sessions.lease(sid)
     async with s.lock:
       try:
         async with asyncio.timeout(self.page_timeout_s):
@@ -917,7 +904,7 @@ class BrowserSandbox:
     """DEBUG / EXPERTS ONLY: the privileged state of a game session (`GAME.debugState()`, the JSON the
     reference players of envs_bridge/games/reference.py read). Raises: InvalidAction for a session
     that is not a game; the typed session errors."""
-    s = self._get(sid)
+    s = self.sessions.lease(sid)
     if not s.task.startswith(catalog.PREFIX):
       raise P.InvalidAction(f"game_state: session {sid} runs {s.task!r}, not a game ({catalog.PREFIX}...)")
     async with s.lock:
@@ -933,7 +920,7 @@ class BrowserSandbox:
 
     Raises: InvalidAction for a selector that does not parse; the typed session errors.
     """
-    s = self._get(sid)
+    s = self.sessions.lease(sid)
     async with s.lock:
       try:
         async with asyncio.timeout(self.page_timeout_s):
@@ -982,7 +969,7 @@ class BrowserSandbox:
     else:
       self._lose(s, f"page failed during {during}: {str(e)[:300]}", "page_error")
     await self._discard_page(s.pg)
-    err = self.gone.get(s.id)
+    err = self.sessions.gone.get(s.id)
     raise err if isinstance(err, P.SessionLost) else P.SessionLost(f"page failed during {during}: {e}")
 
   async def _discard_page(self, pg: _Page) -> None:

@@ -33,6 +33,7 @@ from envs_bridge.desktop.webfiles import WebFiles
 from envs_bridge.desktop.xserver import ProgramMissing, XDisplay, XServerError
 from envs_bridge.sdk import SdkSession
 from envs_bridge.sdk.terminal import Limits
+from envs_bridge.session_table import SessionTable
 from tars_jax.agent import actions as A
 
 log = logging.getLogger("envs_bridge.desktop")
@@ -90,8 +91,7 @@ class DesktopSandbox:
     self.mcp_servers = dict(mcp_servers or {})
     self._own_root = root is None
     self.root = root or tempfile.mkdtemp(prefix="tars-desktop-")
-    self.sessions: dict[str, Session] = {}
-    self.gone: dict[str, P.SandboxError] = {}
+    self.sessions = SessionTable()  # live sessions by id, and the typed errors of ended ones
     self.web: WebFiles | None = None
     self._reaper: asyncio.Task | None = None
     self._opening = 0
@@ -115,22 +115,14 @@ class DesktopSandbox:
     if self._own_root:
       shutil.rmtree(self.root, ignore_errors=True)
 
-  def _forget(self, sid: str, err: P.SandboxError) -> None:
-    self.sessions.pop(sid, None)
-    self.gone[sid] = err
-    if len(self.gone) > 10_000:
-      self.gone.pop(next(iter(self.gone)))
-
   async def _reap_loop(self):
     while True:
       await asyncio.sleep(max(0.05, min(5.0, self.lease_s / 4)))
       try:
-        now = time.monotonic()
-        for sid, s in list(self.sessions.items()):
-          if now - s.last_used > self.lease_s and not s.lock.locked():
-            self.counters["expired"] += 1
-            self._forget(sid, P.LeaseExpired(f"session {sid} reclaimed after {self.lease_s:g} s idle"))
-            await self._teardown(s)
+        for sid, s in self.sessions.expired(self.lease_s):
+          self.counters["expired"] += 1
+          self.sessions.forget(sid, P.LeaseExpired(f"session {sid} reclaimed after {self.lease_s:g} s idle"))
+          await self._teardown(s)
       except Exception:  # the reaper must outlive any one failure
         log.exception("lease reaper")
 
@@ -220,13 +212,6 @@ class DesktopSandbox:
     return [CHROMIUM, *CHROMIUM_ARGS, f"--user-data-dir={profile}", "--window-position=0,0",
             f"--window-size={self.width},{self.height * 2 // 5}", *argv[1:]]
 
-  def _get(self, sid: str) -> Session:
-    s = self.sessions.get(sid)
-    if s is None:
-      raise self.gone.get(sid) or P.UnknownSession(f"no session {sid!r}")
-    s.last_used = time.monotonic()
-    return s
-
   async def step(self, sid: str, text: str) -> P.Observation:
     """Parses and runs one action, waits step_ms, checks the task, observes.
 
@@ -234,7 +219,7 @@ class DesktopSandbox:
     info.error; SDK results come back in info.tool_output (and info.tool_error when refused).
     Raises: UnknownSession, LeaseExpired, SessionLost (the display died).
     """
-    s = self._get(sid)
+    s = self.sessions.lease(sid)
     async with s.lock:
       if s.done:
         return await self._observation(s, 0.0, {"error": "episode already done"})
@@ -284,7 +269,7 @@ class DesktopSandbox:
 
   async def observe(self, sid: str) -> P.Observation:
     """The current screenshot; no action; reward 0."""
-    s = self._get(sid)
+    s = self.sessions.lease(sid)
     async with s.lock:
       return await self._observation(s, 0.0, {})
 
@@ -293,12 +278,10 @@ class DesktopSandbox:
 
     Idempotent for sessions that already ended. Raises: UnknownSession for ids never opened.
     """
-    s = self.sessions.get(sid)
+    s = self.sessions.to_close(sid)
     if s is None:
-      if sid in self.gone:
-        return
-      raise P.UnknownSession(f"no session {sid!r}")
-    self._forget(sid, P.UnknownSession(f"session {sid} was closed"))
+      return
+    self.sessions.forget(sid, P.UnknownSession(f"session {sid} was closed"))
     self.counters["closed"] += 1
     async with s.lock:
       await self._teardown(s)
@@ -308,7 +291,7 @@ class DesktopSandbox:
     display name, captured program `outputs` {label: text}, the `windows` tree (`XDisplay.windows`,
     pixels), the screen `width` / `height` (pixels), the task's `programs` {label: argv}, its
     `evaluator` (the check, with the expected value) and `entries` (sorted names in `work`)."""
-    s = self._get(sid)
+    s = self.sessions.lease(sid)
     async with s.lock:
       wins = await asyncio.to_thread(s.display.windows)
       try:
@@ -335,7 +318,7 @@ class DesktopSandbox:
 
   async def _lost(self, s: Session, reason: str):
     self.counters["lost"] += 1
-    self._forget(s.id, P.SessionLost(reason))
+    self.sessions.forget(s.id, P.SessionLost(reason))
     await self._teardown(s)
     raise P.SessionLost(reason)
 

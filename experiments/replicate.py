@@ -38,7 +38,9 @@ naming a complete checkpoint), the demonstrations and an evaluation when their o
 skips done stages and resumes an interrupted one from its checkpoint, so no run is counted twice. A
 stage stopped by its wall-clock guard (a slow or busy host; it checkpointed) is started again to continue,
 up to `--guard_retries` times. A failed stage is reported, its dependants skipped, the others still run;
-the exit code is 1 if any failed.
+the exit code is 1 if any failed. SIGTERM to the driver stops the sweep for a later resume: it passes the
+signal to the running stages (a trainer checkpoints at its next step, tars_jax/train/guard.py), waits
+for them and exits with 128 + SIGTERM.
 A work dir keeps the way its RL runs were started (`--sft_seed` or not): another is refused.
 """
 
@@ -48,8 +50,10 @@ import ast
 import concurrent.futures as cf
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 from absl import app, flags
@@ -242,16 +246,27 @@ def is_done(done) -> bool:
   return run_lib.is_done(done["run"]) if isinstance(done, dict) else os.path.exists(done)
 
 
-def _run_stage(st: dict, workdir: str, env: dict, timeout_min: float) -> int:
+def _run_stage(st: dict, workdir: str, env: dict, timeout_min: float, procs: dict,
+               stopping: threading.Event) -> int:
+  """Runs one stage's process (in `procs` by stage name while it runs; SIGTERM'd at once if the sweep is
+  `stopping`), its output appended to logs/<stage>.log; its exit status, 124 when it ran past
+  `timeout_min` (then killed)."""
   log = os.path.join(workdir, "logs", st["name"].replace("/", "_") + ".log")
   with open(log, "a") as f:
     f.write(f"[replicate] $ {' '.join(st['argv'])}\n")
     f.flush()
+    p = subprocess.Popen(st["argv"], cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+    procs[st["name"]] = p
+    if stopping.is_set():  # started as the driver was stopped: `stop` may have missed it
+      p.send_signal(signal.SIGTERM)
     try:
-      return subprocess.run(st["argv"], cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
-                            timeout=timeout_min * 60).returncode
-    except subprocess.TimeoutExpired:  # subprocess.run kills the child; its sandbox dies with it
+      return p.wait(timeout=timeout_min * 60)
+    except subprocess.TimeoutExpired:  # killed; its sandbox server dies with it (parent-death signal)
+      p.kill()
+      p.wait()
       return 124
+    finally:
+      procs.pop(st["name"], None)
 
 
 def execute(stages: list[dict], workdir: str, timeout_min: float, jobs: int = 1, guard_retries: int = 0
@@ -266,39 +281,52 @@ def execute(stages: list[dict], workdir: str, timeout_min: float, jobs: int = 1,
   env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(workdir, "jax_cache"))  # same shapes in every run
   status = {st["name"]: "done" for st in stages if is_done(st["done"])}
   todo = [st for st in stages if st["name"] not in status]
-  t0, running, trips = {}, {}, {}
-  with cf.ThreadPoolExecutor(max(1, jobs)) as pool:
-    while todo or running:
-      for st in list(todo):
-        if len(running) >= max(1, jobs):
+  t0, running, trips, procs, stopping = {}, {}, {}, {}, threading.Event()
+
+  def stop(signum, frame):  # the pool's exit below waits for the stages to checkpoint and end
+    stopping.set()
+    print(f"[replicate] {signal.Signals(signum).name}: stopping {len(procs)} running stage(s) at their next step "
+          "(checkpointed); run the same command to resume", flush=True)
+    for p in list(procs.values()):
+      p.send_signal(signal.SIGTERM)
+    sys.exit(128 + signum)
+
+  previous = signal.signal(signal.SIGTERM, stop)
+  try:
+    with cf.ThreadPoolExecutor(max(1, jobs)) as pool:
+      while todo or running:
+        for st in list(todo):
+          if len(running) >= max(1, jobs):
+            break
+          failed = [a for a in st["after"] if status.get(a, "").startswith(("failed", "skipped"))]
+          if failed:
+            todo.remove(st)
+            status[st["name"]] = f"skipped: needs {failed[0]}"
+          elif all(status.get(a) in ("done", "ran") for a in st["after"]) and not (
+              st["heavy"] and any(r["heavy"] for r, _ in running.values())):
+            todo.remove(st)
+            t0[st["name"]] = time.time()
+            print(f"[replicate] start {st['name']} ({len(todo)} stages after it)", flush=True)
+            running[st["name"]] = (st, pool.submit(_run_stage, st, workdir, env, timeout_min, procs, stopping))
+        if not running:  # nothing runs and nothing can start: what is left needs a stage outside the plan
+          for st in todo:
+            status[st["name"]] = "skipped: needs a stage that cannot run"
           break
-        failed = [a for a in st["after"] if status.get(a, "").startswith(("failed", "skipped"))]
-        if failed:
-          todo.remove(st)
-          status[st["name"]] = f"skipped: needs {failed[0]}"
-        elif all(status.get(a) in ("done", "ran") for a in st["after"]) and not (
-            st["heavy"] and any(r["heavy"] for r, _ in running.values())):
-          todo.remove(st)
-          t0[st["name"]] = time.time()
-          print(f"[replicate] start {st['name']} ({len(todo)} stages after it)", flush=True)
-          running[st["name"]] = (st, pool.submit(_run_stage, st, workdir, env, timeout_min))
-      if not running:  # nothing runs and nothing can start: what is left needs a stage outside the plan
-        for st in todo:
-          status[st["name"]] = "skipped: needs a stage that cannot run"
-        break
-      finished, _ = cf.wait([f for _, f in running.values()], return_when=cf.FIRST_COMPLETED)
-      for name, (st, fut) in list(running.items()):
-        if fut in finished:
-          rc = fut.result()
-          del running[name]
-          if rc == guard_lib.EXIT_TRIPPED and trips.get(name, 0) < guard_retries:
-            trips[name] = trips.get(name, 0) + 1
-            print(f"[replicate] {name}: wall-clock guard tripped after {(time.time() - t0[name]) / 60:.1f} min; "
-                  f"resuming from its checkpoint (retry {trips[name]} of {guard_retries})", flush=True)
-            todo.insert(0, st)
-            continue
-          status[name] = "ran" if rc == 0 and is_done(st["done"]) else f"failed (rc {rc})"
-          print(f"[replicate] {name}: {status[name]} in {(time.time() - t0[name]) / 60:.1f} min", flush=True)
+        finished, _ = cf.wait([f for _, f in running.values()], return_when=cf.FIRST_COMPLETED)
+        for name, (st, fut) in list(running.items()):
+          if fut in finished:
+            rc = fut.result()
+            del running[name]
+            if rc == guard_lib.EXIT_TRIPPED and trips.get(name, 0) < guard_retries:
+              trips[name] = trips.get(name, 0) + 1
+              print(f"[replicate] {name}: wall-clock guard tripped after {(time.time() - t0[name]) / 60:.1f} min; "
+                    f"resuming from its checkpoint (retry {trips[name]} of {guard_retries})", flush=True)
+              todo.insert(0, st)
+              continue
+            status[name] = "ran" if rc == 0 and is_done(st["done"]) else f"failed (rc {rc})"
+            print(f"[replicate] {name}: {status[name]} in {(time.time() - t0[name]) / 60:.1f} min", flush=True)
+  finally:
+    signal.signal(signal.SIGTERM, previous)
   return status
 
 

@@ -262,6 +262,42 @@ def test_execute_resumes_a_stage_its_guard_stopped_and_counts_other_failures(tmp
   assert starts == {"twice": 3, "always": 3, "fail": 1, "next": 1}  # retries only after a guard trip
 
 
+def test_sigterm_to_the_driver_stops_its_running_stages_and_waits_for_them(tmp_path):
+  """The driver (a real process running `execute`) passes SIGTERM to its running stage, which records it
+  (as a trainer checkpoints) and exits 143; the driver waits for it and exits 143 too, leaving no stage
+  behind; the pending stage never starts."""
+  import signal
+  import subprocess
+  import sys
+  import time
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  stage = ("import os, signal, sys, time; out = sys.argv[1]; "
+           "signal.signal(signal.SIGTERM, lambda *_: (open(out + '.term', 'w').close(), sys.exit(143))); "
+           "open(out + '.pid', 'w').write(str(os.getpid())); time.sleep(600)")
+  stages = [{"name": "slow", "argv": [sys.executable, "-c", stage, str(tmp_path / "slow")],
+             "done": str(tmp_path / "slow.done"), "after": [], "dir": None, "heavy": True},
+            {"name": "next", "argv": [sys.executable, "-c", "open(__import__('sys').argv[1], 'w').close()",
+                                      str(tmp_path / "next.done")],
+             "done": str(tmp_path / "next.done"), "after": ["slow"], "dir": None, "heavy": False}]
+  driver = subprocess.Popen(
+      [sys.executable, "-c", f"from experiments import replicate; replicate.execute({stages!r}, {str(tmp_path)!r}, 5.0)"],
+      cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  try:
+    deadline = time.monotonic() + 120  # only so a broken test cannot hang
+    while not (tmp_path / "slow.pid").exists() or not (tmp_path / "slow.pid").read_text():
+      assert driver.poll() is None and time.monotonic() < deadline, driver.communicate()[0]
+      time.sleep(0.05)
+    pid = int((tmp_path / "slow.pid").read_text())
+    driver.send_signal(signal.SIGTERM)
+    out, _ = driver.communicate(timeout=60)
+  finally:
+    if driver.poll() is None:
+      driver.kill()
+  assert driver.returncode == 128 + signal.SIGTERM, out
+  assert "SIGTERM: stopping 1 running stage(s)" in out and (tmp_path / "slow.term").exists()
+  assert not os.path.exists(f"/proc/{pid}") and not (tmp_path / "next.done").exists()
+
+
 def test_result_rows_cli_turns_evaluations_into_rows_and_refuses_a_run_twice(tmp_path):
   import subprocess
   import sys

@@ -11,7 +11,9 @@ SIGTERM (pkill, a scheduler's pre-emption, the end of a session) stops a stage t
 (`stop_on_sigterm`, installed by tars_jax/train/run.py): the loop checkpoints at its next step and exits
 with 128 + SIGTERM, so the work since the last periodic checkpoint is kept. A stage that does not reach
 its next step within `STOP_GRACE_S` (an RL rollout, an evaluation) exits then, unwinding through
-`finally` and resuming from its last periodic checkpoint; a second SIGTERM exits at once.
+`finally` and resuming from its last periodic checkpoint. A repeated SIGTERM changes nothing (a stage
+of experiments/replicate.py gets one from the driver and often one from whoever stopped the driver);
+SIGKILL stops a stage at once.
 """
 
 from __future__ import annotations
@@ -99,16 +101,16 @@ class Guard:
 
 def stop_on_sigterm(guard: Guard, grace_s: float = STOP_GRACE_S) -> None:
   """Makes SIGTERM trip `guard` (the loop checkpoints at its next step, then raises `Terminated`); if the
-  process is still running `grace_s` seconds later, or on a second SIGTERM, it exits with 128 + SIGTERM
-  through `finally` (sandbox servers stop) and resumes from its last periodic checkpoint. Call from the
-  main thread (Python runs signal handlers there)."""
+  process is still running `grace_s` seconds after the first SIGTERM, it exits with 128 + SIGTERM
+  through `finally` (sandbox servers stop) and resumes from its last periodic checkpoint. Later SIGTERMs
+  are ignored. Call from the main thread (Python runs signal handlers there)."""
 
   def exit_now(signum, frame):
     sys.exit(128 + signal.SIGTERM)
 
   def on_sigterm(signum, frame):
-    if guard.signum is not None:
-      exit_now(signum, frame)
+    if guard.signum is not None:  # already stopping, its grace timer running
+      return
     guard.signum = signum
     print(f"[{guard.stage}] {signal.Signals(signum).name} received: checkpointing at the next {guard.unit} "
           f"(or exiting in {grace_s:g} s)", file=sys.stderr, flush=True)

@@ -368,16 +368,30 @@ def _minutes_per_step(rows: list[dict]) -> float | None:
   return (m1 - m0) / (s1 - s0)
 
 
+def _eval_summary(path: str) -> str:
+  """'success 0.336 (5 tasks x 100)': the mean held-out success over the tasks of an evaluation's
+  eval.json (experiments/eval.py), as a finished sweep's rows will have it; '' if it cannot be read."""
+  try:
+    with open(path) as f:
+      res = json.load(f)["results"]
+    eps = {r["episodes"] for r in res.values()}
+    mean = sum(r["success"] for r in res.values()) / len(res)
+  except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+    return ""
+  return f"success {mean:.3f} ({len(res)} tasks x {'/'.join(map(str, sorted(eps)))})"
+
+
 def stage_state(st: dict, workdir: str) -> tuple[str, str]:
   """(state, progress) of one planned stage, read from its files without touching them (no lock is
-  taken, so a running sweep is never disturbed): "done"; "running" (its run dir's lock names a live
+  taken, so a running sweep is never disturbed): "done" (an evaluation's progress: `_eval_summary`);
+  "running" (its run dir's lock names a live
   process; progress "step k / budget, m min (~r min left)" from metrics.jsonl and run.json, the time
   left at the pace of its current process, `_minutes_per_step`); "started" (a log or a run dir but no live process: interrupted, or an
   evaluation in progress, which holds no lock); "pending"; "corrupt" (done.json names a missing
   checkpoint; progress = the error)."""
   try:
     if is_done(st["done"]):
-      return "done", ""
+      return "done", _eval_summary(st["done"]) if st["name"].startswith("eval/") else ""
   except run_lib.CorruptRun as e:
     return "corrupt", str(e)
   rdir = st["dir"]

@@ -212,6 +212,9 @@ def test_status_reads_each_stage_state_from_its_files_without_a_lock(tmp_path):
                                                 "variants": ["ppo"], "sft_seed": None}))
   os.makedirs(w / "demos")
   (w / "demos" / "experts.json").write_text("{}")
+  os.makedirs(w / "ppo" / "seed_0")  # a finished evaluation: its mean held-out success
+  (w / "ppo" / "seed_0" / "eval.json").write_text(json.dumps({"results": {
+      "miniwob/click-button": {"success": 0.5, "episodes": 2}, "miniwob/enter-text": {"success": 0.0, "episodes": 2}}}))
   sft = w / "sft" / "seed_0"  # running: its lock names this (live) process; the last line half-written
   os.makedirs(sft)
   (sft / "run.json").write_text(json.dumps({"stage": "sft", "budget": 21, "unit": "step"}))
@@ -234,8 +237,8 @@ def test_status_reads_each_stage_state_from_its_files_without_a_lock(tmp_path):
   states = {line.split()[0]: line.split(None, 2)[1:] for line in table[2:]}
   assert states == {"demos": ["done"], "sft/seed_0": ["running", "step 13 / 21, 1.5 min (~4 min left)"],
                     "eval/sft/seed_0": ["started"], "vpt/seed_0": ["started", "step 4 / 10, 2.0 min"], "ppo/seed_0": ["pending"],
-                    "eval/ppo/seed_0": ["pending"]}
-  assert table[0].endswith("driver: not running") and table[1] == "done 1, running 1, started 2, pending 2"
+                    "eval/ppo/seed_0": ["done", "success 0.250 (2 tasks x 2)"]}
+  assert table[0].endswith("driver: not running") and table[1] == "done 2, running 1, started 2, pending 1"
   assert not (w / "replicate.lock").exists()  # nothing written, no lock taken
 
 

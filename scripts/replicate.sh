@@ -6,6 +6,7 @@
 #   SEEDS=0,1,2,3,4 VARIANTS=ppo,grpo bash scripts/replicate.sh
 #   MOD=smoke RUN=/tmp/rep bash scripts/replicate.sh         # tiny model and budgets
 #   RUN=runs/rl_seeds VARIANTS=ppo_thoughts bash scripts/replicate.sh --sft_seed 0   # every RL seed from seed 0's SFT
+#   CONFIG=experiments/configs/replication_multiturn.py RUN=runs/multiturn bash scripts/replicate.sh  # 3 multi-turn tasks
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -14,7 +15,8 @@ RUN=${RUN:-runs/replication}
 SEEDS=${SEEDS:-0,1,2}
 VARIANTS=${VARIANTS:-ppo,grpo,ppo_novpt,ppo_coupled,ppo_lenadapt,ppo_kl,ppo_thoughts}
 MOD=${MOD:-}
+CONFIG=${CONFIG:-experiments/configs/replication.py}
 mkdir -p "$RUN"
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$(realpath -m "$RUN")/jax_cache}
-exec .venv/bin/python -m experiments.replicate --config experiments/configs/replication.py --workdir "$RUN" \
+exec .venv/bin/python -m experiments.replicate --config "$CONFIG" --workdir "$RUN" \
   --seeds "$SEEDS" --variants "$VARIANTS" ${MOD:+--suffix "+$MOD"} "$@"

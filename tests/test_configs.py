@@ -54,11 +54,12 @@ def test_config_lambdas_fields_and_hparams(name, arg):
   hp = _hparams(c)
   r = c.rl
   if arg in COUPLED:
-    assert name in ("miniwob_ablations", "value_pretrain", "replication") and r.lam_policy == r.lam_critic == 0.95
+    assert name in ("miniwob_ablations", "value_pretrain", "replication", "replication_multiturn") and (
+        r.lam_policy == r.lam_critic == 0.95)
   elif r.algo == "ppo":  # GAE is used: unbiased value targets, lower-variance policy advantages
     assert (r.lam_critic, hp.lam_critic) == (1.0, 1.0)
     if arg.startswith("ppo_kl_mc"):  # the replication suite's Monte-Carlo arm: lambda_policy 1 on purpose
-      assert name == "replication" and (r.lam_policy, hp.lam_policy) == (1.0, 1.0)
+      assert name.startswith("replication") and (r.lam_policy, hp.lam_policy) == (1.0, 1.0)
     else:
       assert 0.0 < r.lam_policy < 1.0 or r.length_adaptive_alpha is not None
   else:  # group-relative: a baseline needs two episodes per group

@@ -366,6 +366,26 @@ def test_replication_config_variants_differ_in_one_knob():
   assert sft.sft.steps == base.sft.steps and sft.data.demo_seeds == base.data.demo_seeds
 
 
+def test_the_multi_turn_suite_is_the_suite_plus_two_name_copying_tasks_with_experts():
+  """replication_multiturn.py changes only the task set and the demonstrations: every other setting is the
+  suite's, for every stage; each task it trains or demonstrates has an expert; the turn budget fits
+  search-engine's 5 steps."""
+  from experiments.configs import replication_multiturn as multi
+  from tars_jax.data.sources import experts
+  changed = {"tasks", "data.demo_tasks", "data.demo_seeds_by_task"}
+  for stage in ("sft", *cfg_mod.VARIANTS):
+    a, b = cfg_mod.get_config(stage).to_dict(), multi.get_config(stage).to_dict()
+    flat = lambda d, p="": {k2: v2 for k, v in d.items() for k2, v2 in (
+        flat(v, f"{p}{k}.").items() if isinstance(v, dict) else [(p + k, v)])}
+    fa, fb = flat(a), flat(b)
+    assert {k for k in fa if fa[k] != fb[k]} == changed and fa.keys() == fb.keys(), stage
+  c = multi.get_config("ppo")
+  assert set(c.tasks) - set(cfg_mod.TASKS) == {"miniwob/enter-text-2", "miniwob/search-engine"}
+  assert set(c.tasks) | set(c.data.demo_tasks) <= set(experts.experts())
+  assert dict(c.data.demo_seeds_by_task)["miniwob/search-engine"] == 240 and c.env.max_turns >= 5
+  assert multi.get_config("ppo+smoke").to_dict() == cfg_mod.get_config("ppo+smoke").to_dict()
+
+
 def test_execute_runs_what_is_ready_two_at_a_time_one_heavy_and_skips_dependants_of_a_failure(tmp_path):
   """Stages are real subprocesses (python -c) that log their start and end: at most 2 run at once,
   never two heavy ones, none before what it needs, and a failed stage's dependants are skipped."""

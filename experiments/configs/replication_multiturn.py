@@ -1,0 +1,37 @@
+r"""The replication suite with three multi-turn RL tasks (issue #37 item 3): the suite of
+experiments/configs/replication.py (same model, variants, budgets and demonstration mix) with two more RL
+tasks whose text comes from MiniWoB++'s fifty first names, as enter-text's does (the suite's policy
+copies those; the 5-step typing tasks' random passwords it never copies):
+
+  miniwob/enter-text-2   click the field, type the name in the asked case, Submit (3 turns)
+  miniwob/search-engine  click the search box, type the name, Search, the result's page when it is past
+                         the 3rd, the k-th result (4-5 turns)
+
+240 expert demonstrations of each (as of the typing tasks) join the suite's demonstrations.
+
+  RUN=runs/multiturn CONFIG=experiments/configs/replication_multiturn.py VARIANTS=ppo_ptx SEEDS=0 \
+      bash scripts/replicate.sh --jobs 2
+
+Args: those of replication.py (its `STAGES`), "+smoke" appended = its tiny model and budgets (the smoke
+tasks are replication.py's).
+"""
+
+import ml_collections as mlc
+
+from experiments.configs import replication
+
+VARIANTS, STAGES, ARGS = replication.VARIANTS, replication.STAGES, replication.ARGS
+MULTI_TURN = ("miniwob/enter-text-2", "miniwob/search-engine")
+TASKS = (*replication.TASKS, *MULTI_TURN)
+DEMO_TASKS = (*replication.DEMO_TASKS, *MULTI_TURN)
+TYPING = (*replication.TYPING, *MULTI_TURN)
+
+
+def get_config(arg: str | None = None) -> mlc.ConfigDict:
+  c = replication.get_config(arg)
+  if arg and arg.endswith("+smoke"):
+    return c
+  c.tasks = TASKS
+  c.data.demo_tasks = DEMO_TASKS
+  c.data.demo_seeds_by_task = tuple((t, 240) for t in TYPING)
+  return c

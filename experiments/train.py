@@ -172,7 +172,7 @@ def main(argv):
     tripped = False
     try:
       for it in range(start_iter, config.iterations):
-        if guard.tripped():
+        if dist.any_process(guard.tripped()):  # one decision for every process of the run
           tripped = True
           break
         t0 = time.perf_counter()

@@ -173,6 +173,15 @@ def allgather_list(items: list) -> list:
   return [x for row, size in zip(every, sizes) for x in pickle.loads(row[:int(size)].tobytes())]
 
 
+def any_process(flag: bool) -> bool:
+  """Whether `flag` is true on any process; every process must call it. One process: `flag`. A loop
+  that stops on a per-process condition (a wall-clock guard, a SIGTERM to one process) stops at the
+  same step everywhere, so no process enters the checkpoint's collectives while another trains on."""
+  if not is_multi():
+    return bool(flag)
+  return bool(np.asarray(multihost_utils.process_allgather(np.array([bool(flag)]))).any())
+
+
 def barrier(name: str) -> None:
   """Every process waits here until all have arrived (`multihost_utils.sync_global_devices`); `name`
   must be the same on every process. One process: returns at once."""

@@ -179,6 +179,15 @@ def test_dead_peer_fails_fast_naming_its_rank_and_run_resumes(tmp_path):
     np.testing.assert_array_equal(resumed[k], saved[k], err_msg=k)
 
 
+@pytest.mark.long  # two processes' start-up
+def test_one_sigterm_d_process_stops_every_process_of_the_run_at_the_same_iteration():
+  """`distributed.any_process` on real gloo collectives: the process that got SIGTERM stops as
+  `Terminated`, its peer at the same iteration with a plain stop (it was not signalled itself)."""
+  (rc0, out0), (rc1, out1) = _wait(_launch_pair("stop", "-"), timeout=300)
+  assert (rc0, rc1) == (0, 0), out0 + out1
+  assert "stopped at iteration 3: StageStopped" in out0 and "stopped at iteration 3: Terminated" in out1, out0 + out1
+
+
 # --- worker (a separate process) ---------------------------------------------------------------------
 
 def _main(mode: str, out: str, procs: int, pid: int, port: int) -> None:
@@ -190,6 +199,20 @@ def _main(mode: str, out: str, procs: int, pid: int, port: int) -> None:
                                         coordinator_address=f"127.0.0.1:{port}",
                                         heartbeat_timeout_s=HEARTBEAT_S, initialization_timeout_s=120,
                                         cpu_collectives="gloo")))
+  if mode == "stop":  # process 1 alone is SIGTERM'd at iteration 3; both must stop at one iteration
+    import signal
+
+    from tars_jax import distributed as dist
+    from tars_jax.train.guard import Guard, stop_on_sigterm
+    g = Guard("train", 60.0, 1000, "iteration")
+    stop_on_sigterm(g)
+    for it in range(1000):
+      if pid == 1 and it == 3:
+        os.kill(os.getpid(), signal.SIGTERM)
+      if dist.any_process(g.tripped()):
+        break
+    print(f"stopped at iteration {it}: {type(g.error(it)).__name__}", flush=True)
+    return
   import jax
   from flax import nnx
 

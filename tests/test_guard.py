@@ -73,3 +73,11 @@ def test_a_run_stops_on_sigterm_through_its_own_guard(sigterm_restored, tmp_path
               unit="iteration", max_minutes=60.0)
   os.kill(os.getpid(), signal.SIGTERM)
   assert run.guard.tripped() and isinstance(run.guard.error(4), Terminated)
+
+
+def test_a_process_stopped_with_its_run_but_not_itself_says_so():
+  """A multi-process run stops where any process does (distributed.any_process): a process whose own
+  guard did not trip and that got no signal stops with a plain StageStopped, not a guard's message."""
+  from tars_jax.train.guard import StageStopped
+  e = Guard("train", 60.0, 5, "iteration").error(2)
+  assert type(e) is StageStopped and "with another process of the run" in str(e) and e.exit_status == 1

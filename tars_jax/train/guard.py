@@ -93,10 +93,15 @@ class Guard:
     return self.signum is not None or self.minutes() > self.max_minutes
 
   def error(self, count: int) -> StageStopped:
-    """Why the loop stopped at `count`, to raise after its checkpoint: `Terminated` or `GuardTripped`."""
+    """Why the loop stopped at `count`, to raise after its checkpoint: `Terminated`, `GuardTripped`, or
+    (neither here: a multi-process run stops where any of its processes does) a plain `StageStopped`."""
     if self.signum is not None:
       return Terminated(self.stage, count, self.total, self.unit, self.signum)
-    return GuardTripped(self.stage, count, self.total, self.unit, self.max_minutes)
+    if self.minutes() > self.max_minutes:
+      return GuardTripped(self.stage, count, self.total, self.unit, self.max_minutes)
+    return StageStopped(f"[{self.stage}] stopped at {self.unit} {count} of {self.total} with another process "
+                        f"of the run (its guard or a signal; checkpoint saved at {count})", self.stage, count,
+                        self.total, self.unit)
 
 
 def stop_on_sigterm(guard: Guard, grace_s: float = STOP_GRACE_S) -> None:

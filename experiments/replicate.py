@@ -130,21 +130,25 @@ def resolved(config: str, args: list[str], overrides: list[str] = ()) -> dict[st
   return {a: _flat(json.loads(load_stage_config(config, a, overrides).to_json_best_effort())) for a in args}
 
 
-def is_guard(key: str) -> bool:
-  """Whether a flat config key is a wall-clock guard (`max_minutes`, tars_jax/train/guard.py): it stops
-  a stage loudly on a slow host and never changes what a finished run trained, so a resumed sweep may
-  raise it (`--set sft.max_minutes=120`, as the guard's own message advises)."""
-  return key.rsplit(".", 1)[-1] == "max_minutes"
+BOOKKEEPING = ("max_minutes", "ckpt_every")
+
+
+def is_bookkeeping(key: str) -> bool:
+  """Whether a flat config key says how a stage is guarded or checkpointed, never what it trains: a
+  wall-clock guard (`max_minutes`, tars_jax/train/guard.py) or the checkpoint cadence (`ckpt_every`: a
+  resumed run repeats the same steps, its randomness derived from (seed, step)). A resumed sweep may
+  change them (`--set sft.max_minutes=120`, as the guard's own message advises)."""
+  return key.rsplit(".", 1)[-1] in BOOKKEEPING
 
 
 def check_same(old: dict, new: dict) -> list[str]:
-  """Raises ConfigMismatch naming the differing fields of the stage args both plans hold (wall-clock
-  guards, `is_guard`, not compared). Returns the fields only one side has (a setting added to or
+  """Raises ConfigMismatch naming the differing fields of the stage args both plans hold (guards and
+  checkpoint cadences, `is_bookkeeping`, not compared). Returns the fields only one side has (a setting added to or
   removed from the code since the work dir's plan: not compared, listed for the log)."""
   diffs, one_sided = [], set()
   for arg in sorted(set(old) & set(new)):
     for k in sorted(set(old[arg]) | set(new[arg])):
-      if is_guard(k):
+      if is_bookkeeping(k):
         continue
       if (k in old[arg]) != (k in new[arg]):
         one_sided.add(k)

@@ -185,6 +185,7 @@ def test_a_workdir_of_another_config_is_refused_naming_the_fields():
   new["ppo+smoke"]["rl.new_setting"] = 0  # a setting added to the code since: listed, not a mismatch
   assert replicate.check_same(old, new) == ["rl.new_setting"]
   new["ppo+smoke"]["sft.max_minutes"] = 120.0  # a wall-clock guard raised on a slow host: not a mismatch
+  new["ppo+smoke"]["ckpt_every"] = 1  # nor checkpointing more often
   assert replicate.check_same(old, new) == ["rl.new_setting"]
   new["ppo+smoke"]["rl.lr"] = 1.0
   with pytest.raises(replicate.ConfigMismatch, match=r"ppo\+smoke: rl.lr"):

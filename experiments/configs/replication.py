@@ -89,15 +89,17 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.sft.lr = 3e-3
   c.sft.eval_every = 0
   c.sft.eval_episodes = 0
-  c.sft.ckpt_every = 2 if smoke else 200
+  c.sft.ckpt_every = 2 if smoke else 50  # ~3 min of updates at most lost to a kill (~1 s per checkpoint)
   c.sft.max_minutes = 30.0 if smoke else 60.0
 
   # --- RL from the SFT checkpoint ---------------------------------------------------------------------
   c.rl.algo, c.rl.group_size = "ppo", 1
   c.vpt.enabled = stage.startswith("ppo") and stage != "ppo_novpt"
   c.vpt.max_iterations = 2 if smoke else 10
+  c.vpt.ckpt_every = 1
   c.iterations = 2 if smoke else 30  # x 32 episodes (~190 per task)
   c.max_minutes = 30.0 if smoke else 60.0  # guard only (tars_jax/train/guard.py)
+  c.ckpt_every = 1  # a kill loses one RL iteration at most (a few MB per checkpoint)
   # lr 3e-4 without an entropy bonus: on tasks with a partial skill it raised success by ~0.15 in 20
   # iterations; with ent_coef 0.01 it undid the SFT policy (benchmarks/RESULTS.md, "Replication suite")
   c.rl.lr = 3e-4

@@ -143,8 +143,8 @@ def is_bookkeeping(key: str) -> bool:
 
 def check_same(old: dict, new: dict) -> list[str]:
   """Raises ConfigMismatch naming the differing fields of the stage args both plans hold (guards and
-  checkpoint cadences, `is_bookkeeping`, not compared). Returns the fields only one side has (a setting added to or
-  removed from the code since the work dir's plan: not compared, listed for the log)."""
+  checkpoint cadences, `is_bookkeeping`, not compared). Returns the fields only one side has (a setting
+  added to or removed from the code since the work dir's plan: not compared, listed for the log)."""
   diffs, one_sided = [], set()
   for arg in sorted(set(old) & set(new)):
     for k in sorted(set(old[arg]) | set(new[arg])):
@@ -374,23 +374,24 @@ def _minutes_per_step(rows: list[dict]) -> float | None:
 
 def _eval_summary(path: str) -> str:
   """'success 0.336 (5 tasks x 100)': the mean held-out success over the tasks of an evaluation's
-  eval.json (experiments/eval.py), as a finished sweep's rows will have it; '' if it cannot be read."""
+  eval.json (experiments/eval.py), from the rows a finished sweep will have (`rep.rows_of_eval`: tasks
+  with episodes); '' if it cannot be read."""
   try:
     with open(path) as f:
-      res = json.load(f)["results"]
-    eps = {r["episodes"] for r in res.values()}
-    mean = sum(r["success"] for r in res.values()) / len(res)
+      rows = rep.rows_of_eval("", 0, json.load(f)["results"])
+    mean = sum(r["successes"] / r["episodes"] for r in rows) / len(rows)
   except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
     return ""
-  return f"success {mean:.3f} ({len(res)} tasks x {'/'.join(map(str, sorted(eps)))})"
+  eps = sorted({r["episodes"] for r in rows})
+  return f"success {mean:.3f} ({len(rows)} tasks x {'/'.join(map(str, eps))})"
 
 
 def stage_state(st: dict, workdir: str) -> tuple[str, str]:
   """(state, progress) of one planned stage, read from its files without touching them (no lock is
   taken, so a running sweep is never disturbed): "done" (an evaluation's progress: `_eval_summary`);
-  "running" (its run dir's lock names a live
-  process; progress "step k / budget, m min (~r min left)" from metrics.jsonl and run.json, the time
-  left at the pace of its current process, `_minutes_per_step`); "started" (a log or a run dir but no live process: interrupted, or an
+  "running" (its run dir's lock names a live process; progress "step k / budget, m min (~r min left)"
+  from metrics.jsonl and run.json, the time left at the pace of its current process,
+  `_minutes_per_step`); "started" (a log or a run dir but no live process: interrupted, or an
   evaluation in progress, which holds no lock); "pending"; "corrupt" (done.json names a missing
   checkpoint; progress = the error)."""
   try:

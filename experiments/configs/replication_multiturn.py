@@ -18,7 +18,7 @@ tasks are replication.py's).
 
 import ml_collections as mlc
 
-from experiments.configs import replication
+from experiments.configs import miniwob_pipeline, replication
 
 VARIANTS, STAGES, ARGS = replication.VARIANTS, replication.STAGES, replication.ARGS
 MULTI_TURN = ("miniwob/enter-text-2", "miniwob/search-engine")
@@ -29,7 +29,7 @@ TYPING = (*replication.TYPING, *MULTI_TURN)
 
 def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c = replication.get_config(arg)
-  if arg and arg.endswith("+smoke"):
+  if miniwob_pipeline.stage_arg(arg or "ppo", STAGES)[1]:  # smoke: replication.py's tasks
     return c
   c.tasks = TASKS
   c.data.demo_tasks = DEMO_TASKS

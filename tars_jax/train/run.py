@@ -11,9 +11,10 @@ with its loop body in plain view and calls these steps in order:
 
 What `start` does once per process: the matmul precision (before any computation), the work dir,
 quiet absl/Orbax logging, SIGTERM stopping the stage at its next step with a checkpoint (or, past a
-grace period, unwinding through `finally`: sandbox servers stop; guard.stop_on_sigterm), an exclusive lock on the work dir (a second process on it is
-refused), the stage's name and count budget in `run.json` (another stage's directory is refused) and the wall-clock
-guard of the count budget (tars_jax/train/guard.py); the checkpoint manager is made at first use.
+grace period, unwinding through `finally`: sandbox servers stop; guard.stop_on_sigterm), an exclusive
+lock on the work dir (a second process on it is refused), the stage's name and count budget in
+`run.json` (another stage's directory is refused) and the wall-clock guard of the count budget
+(tars_jax/train/guard.py); the checkpoint manager is made at first use.
 
 A stage is finished when `is_done(workdir)`: its `done.json` names a complete checkpoint that exists,
 or, for a stage that trains nothing (data collection, evaluation), was written by `mark_done`. Stage

@@ -211,7 +211,7 @@ def test_real_suite_has_200_questions_and_a_disjoint_held_out_split(suite):
     assert st["kept"] == len(train) + len(test)
     assert st["candidates"] == st["kept"] + st["trivial"] + st["unreachable"] + st["ambiguous"]
   assert suite.stats["multi-condition"]["trivial"] > 50  # titles listed on the library index
-  assert {q.answer_kind for q in suite.questions} == set(B.ANSWER_KINDS)
+  assert {q.answer_kind for q in suite.questions} == {*B.ANSWER_KINDS, "page"}
   held_out = suite.split("multi-hop", "test")
   assert suite.question("multi-hop", 7, "test") == held_out[7 % len(held_out)]
 
@@ -228,8 +228,33 @@ def test_real_pages_parse():
 
 
 @needs_corpus
+def test_real_find_page_questions_start_on_the_chapter_that_lists_their_module(suite):
+  corpus = B.load_corpus()
+  for q in suite.split("find-page", "train") + suite.split("find-page", "test"):
+    (hop,) = q.plan
+    assert (hop.page, hop.target) == (q.start, q.answer_page) and q.answer_kind == "page"
+    assert corpus.chapter_pages[q.start] == corpus.chapters[q.answer_page]  # the chapter that files it
+    assert hop.text == corpus.pages[q.answer_page].title  # the list entry shows the page's title
+    assert any(l.target == q.answer_page and l.text == hop.text for l in corpus.pages[q.start].links)
+    assert q.answer == corpus.pages[q.answer_page].module and q.answer in q.question
+    assert int(dict(c.split("=") for c in q.conditions)["rank"]) < B.FIND_PAGE_MAX_RANK
+  text = next(q for q in suite.split("find-page", "train") + suite.split("find-page", "test")
+              if q.answer_page == "library/re.html")
+  assert text.start == "library/text.html" and text.plan[0].text == "re — Regular expression operations"
+
+
+@needs_corpus
+def test_judge_scores_find_page_by_the_page_shown(suite):
+  q = bt.question("browse/find-page", 3, "test")
+  assert bt.judge("browse/find-page", 3, "test", A.Finished(""), q.answer_page) == (1.0, "on the page asked for")
+  assert bt.judge("browse/find-page", 3, "test", A.Finished(q.answer), q.start) == (0.0, "not on the page asked for")
+  assert bt.judge("browse/find-page", 3, "test", A.Finished(q.answer), None)[0] == 0.0
+  assert bt.judge("browse/find-page", 3, "test", A.CallUser(), q.answer_page)[0] == 0.0
+
+
+@needs_corpus
 def test_judge_scores_finished_content_by_normalised_match(suite):
-  for task in bt.task_names():
+  for task in ("browse/multi-condition", "browse/multi-hop"):
     q = bt.question(task, 3, "test")
     assert q in suite.split(bt.family(task), "test")
     assert bt.judge(task, 3, "test", A.Finished(q.answer)) == (1.0, "answer matches")
@@ -242,9 +267,11 @@ def test_judge_scores_finished_content_by_normalised_match(suite):
 @needs_corpus
 def test_browse_tasks_are_registered_and_served_over_http(suite):
   names = tasks.task_names()
-  assert {"browse/multi-condition", "browse/multi-hop"} <= set(names)
+  assert {"browse/multi-condition", "browse/multi-hop", "browse/find-page"} <= set(names)
   ts = tasks.get("browse/multi-hop")
   assert (ts.kind, ts.width, ts.height, ts.url) == ("browse", 640, 480, "about:blank")
+  fp = tasks.get("browse/find-page")
+  assert (fp.width, fp.height) == (240, 320) and fp.css == bt.FIND_PAGE_CSS and ts.css == bt.CSS
   q = bt.question("browse/multi-hop", 2, "train")
   assert ts.start_script(2) == f"globalThis.__tarsQuestion = {json.dumps(q.question)};"
   url = ts.start_url(2, "train")
@@ -384,3 +411,35 @@ def test_scroll_search_box_and_reproducible_link_following(server, suite):
   q = bt.question("browse/multi-hop", 1, "test")
   assert page_a == page_b == q.plan[0].target and seq_a == seq_b
   assert base64.b64decode(seq_a[-1]) != base64.b64decode(seq_a[0])
+
+
+@needs_corpus
+@pytest.mark.browser
+def test_find_page_episode_in_its_small_viewport(server, suite):
+  """The expert opens a held-out question's module page and is paid on it; finished() on the chapter
+  page pays 0; the chapter page's list shows the modules without their nested lists of sections."""
+  re_q = next(q for q in suite.split("find-page", "train") + suite.split("find-page", "test")
+              if q.answer_page == "library/re.html")
+  re_seed = suite.split("find-page", re_q.split).index(re_q)
+
+  async def go():
+    async with SandboxClient(server.url) as c:
+      r = await X.solve(c, "browse/find-page", 1, "test", max_turns=12)
+      sid, obs = await c.open("browse/find-page", 1, data_mode="test")
+      early = await c.step(sid, "Thought: here\nAction: finished(content='x')")
+      await c.close(sid)
+      sid, _ = await c.open("browse/find-page", re_seed, data_mode=re_q.split)
+      shown = []
+      for _ in range(4):
+        shown += [e["text"] for e in await c.elements(sid) if e["tag"] == "a"]
+        await c.step(sid, "hotkey(key='pagedown')")
+      await c.close(sid)
+      return r, obs, early, shown
+  r, obs, early, shown = run(go())
+  q = bt.question("browse/find-page", 1, "test")
+  assert r.reward == 1.0 and r.stopped is None and 2 <= r.turns <= 8, r
+  assert obs.image().shape == (320, 240, 3) and obs.info["instruction"] == q.question
+  assert early.done and early.reward == 0.0 and early.info["reason"] == "not on the page asked for"
+  assert early.info["page"] == q.start
+  assert "re — Regular expression operations" in shown and "difflib — Helpers for computing deltas" in shown
+  assert "Regular Expression Syntax" not in shown  # re's nested section list: hidden by FIND_PAGE_CSS

@@ -90,21 +90,23 @@ def test_browse_demonstrations_follow_the_question_plan_and_fit_the_verticals_gr
   succeed by the sandbox's own answer check, end with the answer of the question the seed asks, and every
   reply is in the verticals' grammar (the episode would have raised ReplyNotInGrammar otherwise)."""
   config = verticals.get_config("sft+smoke")
+  config.data.demo_max_turns = 40  # multi-hop (not in the verticals at this scale) takes 10-40 turns
   parts = state_lib.build(config)
   spec = demos.DemoSpec.from_parts(parts)
-  jobs = [("browse/multi-hop", s) for s in (0, 1)]
+  browse = ("browse/multi-hop", "browse/find-page")
+  jobs = [(t, s) for t in browse for s in (0, 1)]
 
   async def go():
     async with SandboxClient(server.url) as c:
       with demos.open_writer(str(tmp_path), spec) as w:
         return await demos.collect([c], jobs, spec, w, progress=False)
   stats = asyncio.run(go())
-  st = stats["browse/multi-hop"]
-  assert (st.episodes, st.successes, st.expert_errors) == (2, 2, 0)
-  eps = sorted(records.read_episodes(str(tmp_path)), key=lambda p: p[0].seed)
-  assert [e.seed for e, _ in eps] == [0, 1]
+  for t in browse:
+    assert (stats[t].episodes, stats[t].successes, stats[t].expert_errors) == (2, 2, 0), t
+  eps = sorted(records.read_episodes(str(tmp_path)), key=lambda p: (p[0].task, p[0].seed))
+  assert [(e.task, e.seed) for e, _ in eps] == sorted(jobs)
   for ep, prov in eps:
-    q = bt.question("browse/multi-hop", ep.seed, "train")
+    q = bt.question(ep.task, ep.seed, "train")
     assert ep.instruction == q.question and prov["source"] == "expert"
     assert ep.turns[-1].text.endswith(f"finished(content='{q.answer}')") and ep.turns[-1].env_reward > 0
     assert all(accepts(parts.grammar, t.text, TOK) for t in ep.turns)

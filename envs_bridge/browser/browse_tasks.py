@@ -7,7 +7,10 @@ starts on the question's start page; the instruction is the question; the agent 
 clicks links, scrolls, types into the page's search box (Sphinx's client-side search over
 searchindex.js, offline) and ends with `finished(content='<answer>')`: reward 1 when the content
 equals the answer after `browsing.normalize` (lowercase, no punctuation or whitespace), else 0;
-`call_user()` ends with 0. Observation.info carries `page`, the corpus path shown ('library/json.html').
+`call_user()` ends with 0. An episode of `browse/find-page` asks to open a module's page from its
+chapter page and pays 1 for `finished(...)` on that page (`judge`), in a smaller viewport and with the
+chapter page's list compacted (`VIEWPORTS`, `FIND_PAGE_CSS`). Observation.info carries `page`, the
+corpus path shown ('library/json.html').
 
 Serving: the corpus directory (Debian's python3-doc) is served read-only by a `ThreadingHTTPServer` on
 127.0.0.1 and a free port, started in the sandbox process at the first browse page (`base_url`). One
@@ -44,6 +47,9 @@ FAMILIES = {PREFIX + f: f for f in browsing.FAMILIES}
 # Below 1024 px Sphinx's python-docs theme shows its narrow layout: no sidebars, a fixed 40 px top bar
 # with the search box; the main text is 14 px, readable at this size.
 WIDTH, HEIGHT = 640, 480
+# find-page is sized for the policy's own screenshot (168 x 224 px in the MiniWoB++ configs): at 240 x 320
+# its 14 px text is still ~10 px after the resize; at 640 x 480 it was ~4 px, and squashed.
+VIEWPORTS = {"find-page": (240, 320)}
 SPLIT_OF_MODE = {"train": "train", "test": "test"}  # data_mode -> question split
 SUITE_SEED = 0  # generation seed of the served suite
 
@@ -109,16 +115,29 @@ INFO_KEYS = ("page",)
 # +-1 differences in a few edge pixels from one load of the same page to the next (measured): square
 # corners make the screenshots of the same episode byte-equal.
 CSS = "* { border-radius: 0 !important; }"
+# find-page: a chapter page's list of modules without each module's nested list of sections (one line
+# or two per module instead of a screen or more)
+FIND_PAGE_CSS = CSS + " .toctree-wrapper li.toctree-l1 > ul { display: none !important; }"
 
 
 def task_names() -> tuple[str, ...]:
-  """'browse/multi-condition', 'browse/multi-hop'."""
+  """'browse/find-page', 'browse/multi-condition', 'browse/multi-hop'."""
   return tuple(sorted(FAMILIES))
 
 
 def family(task: str) -> str:
   """'browse/multi-hop' -> 'multi-hop'. Raises KeyError for other names."""
   return FAMILIES[task]
+
+
+def viewport(task: str) -> tuple[int, int]:
+  """(width, height) px of `task`'s page. Raises KeyError for other names than browse tasks."""
+  return VIEWPORTS.get(family(task), (WIDTH, HEIGHT))
+
+
+def css(task: str) -> str:
+  """The style added to every page of `task`. Raises KeyError for other names than browse tasks."""
+  return FIND_PAGE_CSS if family(task) == "find-page" else CSS
 
 
 def check_installed() -> str:
@@ -217,11 +236,16 @@ def start_script(task: str, seed: int, data_mode: str = "train") -> str:
   return f"globalThis.__tarsQuestion = {json.dumps(question(task, seed, data_mode).question)};"
 
 
-def judge(task: str, seed: int, data_mode: str, action) -> tuple[float, str]:
-  """(reward, reason) of the action that ended the episode: 1.0 for `finished(content=...)` whose
-  content matches the answer (`browsing.matches`), else 0.0. The reason never shows the answer."""
+def judge(task: str, seed: int, data_mode: str, action, page: str | None = None) -> tuple[float, str]:
+  """(reward, reason) of the action that ended the episode, on `page` (the corpus path shown, as in
+  Observation.info['page']): 1.0 for `finished(content=...)` whose content matches the answer
+  (`browsing.matches`), or for find-page a `finished(...)` on the page asked for, else 0.0. The reason
+  never shows the answer."""
   if not isinstance(action, A.Finished):
     return 0.0, "ended without finished(content=...)"
-  if browsing.matches(action.content, question(task, seed, data_mode).answer):
+  q = question(task, seed, data_mode)
+  if q.family == "find-page":
+    return (1.0, "on the page asked for") if page == q.answer_page else (0.0, "not on the page asked for")
+  if browsing.matches(action.content, q.answer):
     return 1.0, "answer matches"
   return 0.0, "answer does not match"

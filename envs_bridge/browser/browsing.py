@@ -16,9 +16,15 @@ entities being the standard-library module pages (`library/<module>.html`):
                    page that one obfuscated feature singles out among the pages it links to, then from
                    there again (2 or 3 hops); the hops are integrated into one question and the answer
                    is read on the last page. The episode starts on the first page of the chain.
+  find-page        The navigation half of a browsing question, sized for a small policy: "Open the
+                   documentation page of the <module> module." The episode starts on the chapter page of
+                   the library reference that lists that module (among the first FIND_PAGE_MAX_RANK entries of
+                   its list, shown one line per module at the family's 240 x 320 viewport:
+                   browse_tasks.VIEWPORTS, FIND_PAGE_CSS); success is ending with `finished()` on the
+                   module's page (`Question.answer_page`), whatever the content.
 
-The answer is a short string read on the answer page: the file named after "Source code:", the
-title of the first section, or the page title after the module name. It is given with
+The answer of the two question families is a short string read on the answer page: the file named after
+"Source code:", the title of the first section, or the page title after the module name. It is given with
 `finished(content='...')` and checked by `normalize`d exact match (lowercase, punctuation and
 whitespace removed).
 
@@ -64,7 +70,7 @@ GENERATOR_VERSION = 1  # format of the cached suite (the cache key also hashes t
 CORPUS_ENV = "TARS_BROWSE_CORPUS"  # overrides the corpus directory
 CORPUS_CANDIDATES = ("/usr/share/doc/python3/html", "/usr/share/doc/python3-doc/html")
 START_PAGE = "library/index.html"  # multi-condition questions start on the library reference
-FAMILIES = ("multi-condition", "multi-hop")
+FAMILIES = ("multi-condition", "multi-hop", "find-page")
 ANSWER_KINDS = ("source", "first_section", "title")
 SPLITS = ("train", "test")
 TEST_FRACTION = 0.2  # share of answer pages held out
@@ -72,6 +78,9 @@ MAX_HOPS = 4  # longest link chain from the start page to the answer page
 MAX_DF = 40  # attributes shared by more module pages than this say too little to be a condition
 MAX_ANCHOR_CHARS = 80  # followable links have short anchor texts (the expert finds them by text)
 CHARS_PER_SCREEN = 1500  # rough body characters per screen at 640 x 480 (plan cost of scrolling)
+# find-page: the module among the first entries of its chapter page's list (the list shows one line per
+# module there, browse_tasks.FIND_PAGE_CSS), so that an episode takes a few turns (scrolls, the click, finished)
+FIND_PAGE_MAX_RANK = 12
 STOPWORDS = frozenset("""about above after again against along also among and another any are around
 based before being below between both but by can could does doing down during each every few from further
 have having here into itself more most much must other over same should some such than that their them
@@ -178,6 +187,8 @@ class Page:
       return self.first_section
     if kind == "title":
       return self.description
+    if kind == "page":  # find-page: the page itself is the answer; its module names it
+      return self.module
     raise ValueError(f"unknown answer kind {kind!r}; expected one of {ANSWER_KINDS}")
 
   @functools.cached_property
@@ -391,6 +402,7 @@ class Corpus:
   chapters: dict[str, str]  # page -> chapter title of the library reference that lists it
   version: str = ""
   fingerprint: str = ""
+  chapter_pages: dict[str, str] = dataclasses.field(default_factory=dict)  # chapter's own page -> its title
 
   def modules(self) -> list[Page]:
     """The standard-library module pages (entities), sorted by path."""
@@ -426,6 +438,12 @@ def _chapters(index: str) -> dict[str, str]:
   return out
 
 
+def _chapter_pages(index: str) -> dict[str, str]:
+  """chapter page -> chapter title, from the library index's toctree (li.toctree-l1 entries)."""
+  return {posixpath.normpath(posixpath.join("library", href)): " ".join(re.sub(r"<[^>]+>", "", html.unescape(inner)).split())
+          for level, href, inner in _TOCTREE.findall(index) if level == "1" and "#" not in href}
+
+
 def load_corpus(root: str | None = None, section: str = "library") -> Corpus:
   """Parses every page under `section` of the documentation at `root` (default `corpus_dir()`): the
   library reference holds the start page, every entity and every link of the plans (a route through
@@ -446,14 +464,15 @@ def load_corpus(root: str | None = None, section: str = "library") -> Corpus:
   if START_PAGE not in pages:
     raise CorpusMissing(f"{root} has no {START_PAGE}")
   with open(os.path.join(root, START_PAGE), encoding="utf-8") as fh:
-    chapters = _chapters(fh.read())
+    index = fh.read()
+  chapters = _chapters(index)
   version = ""
   opts = os.path.join(root, "_static", "documentation_options.js")
   if os.path.isfile(opts):
     with open(opts, encoding="utf-8") as fh:
       m = re.search(r"VERSION:\s*'([^']+)'", fh.read())
       version = m.group(1) if m else ""
-  return Corpus(root, pages, chapters, version, h.hexdigest()[:16])
+  return Corpus(root, pages, chapters, version, h.hexdigest()[:16], _chapter_pages(index))
 
 
 # -- questions --------------------------------------------------------------------------------------
@@ -759,11 +778,41 @@ def _multi_hop(corpus: Corpus, rng: random.Random, stats: dict, max_hops: int,
   return out
 
 
+def _find_page(corpus: Corpus, stats: dict, max_rank: int = FIND_PAGE_MAX_RANK) -> list[Question]:
+  """One question per module of a chapter whose entry in the chapter page's list of modules (the toctree
+  link showing the module page's title) is among its first `max_rank`."""
+  mods = {p.path: p for p in corpus.modules()}
+  out = []
+  for chapter_page, chapter in sorted(corpus.chapter_pages.items()):
+    page = corpus.pages.get(chapter_page)
+    if page is None:
+      continue
+    entries, seen = [], set()
+    for link in page.links:  # document order: the list's entries show their page's title
+      if link.target in mods and link.target not in seen and link.text == mods[link.target].title:
+        seen.add(link.target)
+        entries.append(link)
+    for rank, link in enumerate(entries):
+      m = mods[link.target]
+      if corpus.chapters.get(link.target) != chapter:
+        continue  # listed here, filed under another chapter by the library index
+      stats["candidates"] += 1
+      if rank >= max_rank:
+        stats["unreachable"] += 1  # reachable, but more screens down than the family's budget
+        continue
+      out.append(Question(f"find-page/{link.target}", "find-page", split_of(link.target), chapter_page,
+                          f"Open the documentation page of the {m.module} module.", m.module, "page", link.target,
+                          (Hop(chapter_page, link.text, link.target, m.title),), (f"chapter={chapter}", f"rank={rank}")))
+      stats["kept"] += 1
+  return out
+
+
 def generate(corpus: Corpus, seed: int = 0, max_hops: int = MAX_HOPS) -> Suite:
-  """Every question of both families from `corpus`, deterministic for `seed` (see the module docstring)."""
+  """Every question of every family from `corpus`, deterministic for `seed` (see the module docstring)."""
   stats = {f: collections.Counter(candidates=0, kept=0, trivial=0, unreachable=0, ambiguous=0) for f in FAMILIES}
   qs = _multi_condition(corpus, random.Random(f"{seed}/multi-condition"), stats["multi-condition"], max_hops)
   qs += _multi_hop(corpus, random.Random(f"{seed}/multi-hop"), stats["multi-hop"], max_hops)
+  qs += _find_page(corpus, stats["find-page"])
   return Suite(qs, {f: dict(c) for f, c in stats.items()}, corpus.version, corpus.fingerprint, seed)
 
 

@@ -775,7 +775,7 @@ class BrowserSandbox:
       await _goto(s.page, ts, st["nav"])
       st = await _advance_and_read(s.page, self.step_ms, ts.state_script)  # the new page's timers
     if end and ts.judge is not None:  # browse: the answer in finished(content=...) is scored here
-      r, why = ts.judge(s.seed, s.data_mode, action)
+      r, why = ts.judge(s.seed, s.data_mode, action, st.get("page"))
       st = {**st, "done": True, "reward": r, "raw_reward": r, "reason": why}
     s.elapsed_ms += self.step_ms
     s.done = bool(st["done"]) or end  # finished()/call_user(): ends with what the page has scored

@@ -34,8 +34,8 @@ class TaskSpec:
   state in the DOM and closures).
   Pages that navigate (browse tasks; None / empty elsewhere): init_script runs in every document
   before its own scripts; start_url (seed, data_mode) -> the URL loaded at each episode start;
-  judge (seed, data_mode, ending action) -> (reward, reason) of finished()/call_user(), computed by
-  the sandbox instead of the page; prepare () -> anything: slow set-up run in a thread before an open.
+  judge (seed, data_mode, ending action, page shown) -> (reward, reason) of finished()/call_user(),
+  computed by the sandbox instead of the page; prepare () -> anything: slow set-up run in a thread before an open.
   A state script result with a `nav` URL makes the sandbox load that URL within the step.
   """
 
@@ -54,7 +54,7 @@ class TaskSpec:
   restore_script: str | None = None
   init_script: str | None = None
   start_url: Callable[[int, str], str] | None = None
-  judge: Callable[[int, str, object], tuple[float, str]] | None = None
+  judge: Callable[[int, str, object, str | None], tuple[float, str]] | None = None
   prepare: Callable[[], object] | None = None
 
   def start_script(self, seed: int, data_mode: str = "train") -> str:
@@ -84,7 +84,7 @@ def _spec(task: str) -> TaskSpec:
                     catalog.SNAPSHOT_SCRIPT, catalog.RESTORE_SCRIPT)
   if task.startswith(bt.PREFIX):
     bt.check_installed()
-    return TaskSpec(task, "browse", "about:blank", bt.WIDTH, bt.HEIGHT, bt.CSS, bt.CLEAN_SCRIPT, bt.STATE_SCRIPT,
+    return TaskSpec(task, "browse", "about:blank", *bt.viewport(task), bt.css(task), bt.CLEAN_SCRIPT, bt.STATE_SCRIPT,
                     bt.UTTERANCE_SCRIPT, functools.partial(bt.start_script, task), bt.INFO_KEYS,
                     init_script=bt.INIT_SCRIPT, start_url=functools.partial(bt.start_url, task),
                     judge=functools.partial(bt.judge, task), prepare=bt.prepare)

@@ -11,9 +11,12 @@ runs it all under `runs/<name>/`:
   python -m experiments.merge_eval --config experiments/configs/verticals.py:all --workdir R
 
 The task sets (`VERTICALS`):
-  browsing  GUI-Browsing: the generated questions over the Python docs (`browse/*`), answered with
-            `finished(content='...')`; training questions while training, the held-out ones at evaluation
-            (`env.eval_data_mode = 'test'`)
+  browsing  GUI-Browsing at this scale: `browse/find-page`, open a module's page from the chapter page of
+            the Python docs that lists it (2-5 turns in a 240 x 320 viewport); training questions while
+            training, the held-out modules at evaluation (`env.eval_data_mode = 'test'`). The
+            information-seeking families (`browse/multi-condition`, `browse/multi-hop`: answers read off
+            640 x 480 pages, ~14 turns) scored 0.00 for this ~1.5M-parameter policy (RESULTS.md, "Vertical
+            agents"); set `BROWSING` to them for a larger model
   general   GUI-General: the main job's 10 MiniWoB++ tasks and the 5 GUI-only desktop tasks (an Xvfb
             desktop server is launched beside the browser server; episodes go to the server of their task)
   game      Game: the 13 games of the game suite (normalised score as reward, experiments/configs/games.py)
@@ -34,7 +37,7 @@ import ml_collections as mlc
 
 from experiments.configs import miniwob_pipeline
 
-BROWSING = ("browse/multi-condition", "browse/multi-hop")
+BROWSING = ("browse/find-page",)
 DESKTOP = ("desktop/terminal-write-file", "desktop/terminal-mkdir", "desktop/terminal-rename",
            "desktop/editor-type-save", "desktop/dialog-choose")
 GENERAL = (*miniwob_pipeline.DEMO_TASKS, *DESKTOP)
@@ -45,14 +48,14 @@ VERTICALS = {"browsing": BROWSING, "general": GENERAL, "game": GAME}
 ALL_TASKS = (*BROWSING, *GENERAL, *GAME)
 # Smoke: one task of each set, the cheapest to play (a desktop task would start Xvfb sessions in tests
 # that do not need them; tests/test_verticals.py launches the desktop server itself).
-SMOKE_VERTICALS = {"browsing": ("browse/multi-hop",), "general": ("miniwob/click-test",),
+SMOKE_VERTICALS = {"browsing": ("browse/find-page",), "general": ("miniwob/click-test",),
                    "game": ("games/lights-out",)}
 STAGES = ("sft", *VERTICALS, "all")
 ARGS = (*STAGES, *(s + "+smoke" for s in STAGES))
-# Steps per episode: the expert answers ~3/4 of the browsing questions within 14 turns (scrolls and link
-# clicks; it needs up to ~40 on long pages), the multi-step MiniWoB++ tasks take up to 7, a game episode
-# is cut at 8 (games.py).
-MAX_TURNS = {"browsing": 14, "general": 8, "game": 8}
+# Steps per episode: the expert opens a find-page module in 3.4 turns on average (scrolls, the click,
+# finished; RESULTS.md "find-page"), the multi-step MiniWoB++ tasks take up to 7, a game episode is cut at 8
+# (games.py).
+MAX_TURNS = {"browsing": 8, "general": 8, "game": 8}
 
 
 def task_sets(tasks) -> dict[str, tuple[str, ...]]:
@@ -87,7 +90,7 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.data.demo_tasks = tasks
   c.data.demo_seeds = 2 if smoke else 16
   c.data.demo_seeds_rl_tasks = 2 if smoke else 16
-  c.data.demo_seeds_by_task = () if smoke else tuple((t, 40) for t in BROWSING if t in tasks)
+  c.data.demo_seeds_by_task = () if smoke else tuple((t, 160) for t in BROWSING if t in tasks)  # ~each train question
   c.data.demo_max_turns = budget
 
   # --- The shared SFT stage: continues the main job's SFT policy on all three sets -------------------

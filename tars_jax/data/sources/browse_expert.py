@@ -5,9 +5,10 @@ through the agent's actions: it knows the question's solution plan (`browsing.Qu
 links from the start page to the answer page, as the games' reference players know the game state),
 reads the visible elements of the page through the sandbox's debug `elements` call, and every turn
 either clicks the next link of the plan (found by its text among the visible links), scrolls
-(`hotkey(key='pagedown')`; `hotkey(key='home')` on a page entered below its top, e.g. through a
-#fragment link), or, on the answer page, reads the answer off the page (the "Source code:" line,
-the first h2, or the h1 after the dash) and answers `finished(content='<answer>')`. The answer is
+(`hotkey(key='pagedown')`; `hotkey(key='down')` when the link is cut by the bottom edge;
+`hotkey(key='home')` on a page entered below its top, e.g. through a #fragment link), or, on the answer page, reads the answer off the page (the "Source code:" line,
+the first h2, or the h1 after the dash; for find-page the module named by the h1) and answers
+`finished(content='<answer>')`. The answer is
 read from the rendered DOM, never from the question record, so a success checks the generator's
 parse of the page against what the browser shows. Which page it is on comes from `info['page']`.
 
@@ -39,6 +40,9 @@ from tars_jax.rollout.episode import LoopConfig, Reply, StopEpisode, TurnView
 NAV_BAR_PX = 40  # the narrow Sphinx layout's fixed top bar: elements under it cannot be clicked
 LINE_PX = 24  # taller link boxes wrap over several lines
 PAGE_DOWN = A.Hotkey(("pagedown",))
+# 40 px: for a link cut by the bottom edge, which a page down (87.5 % of the viewport) would put under the top
+# bar when the viewport is short (find-page's 320 px)
+ARROW_DOWN = A.Hotkey(("down",))
 HOME = A.Hotkey(("home",))
 
 
@@ -53,9 +57,14 @@ class BrowseExpert:
 
   question: browsing.Question
   coord_format: str = "int"
-  width: int = bt.WIDTH
-  height: int = bt.HEIGHT
+  width: int | None = None  # px; None: the viewport of the question's task (browse_tasks.viewport)
+  height: int | None = None
   seen_top: set = dataclasses.field(default_factory=set)
+
+  def __post_init__(self):
+    w, h = bt.viewport(bt.PREFIX + self.question.family)
+    self.width = w if self.width is None else self.width
+    self.height = h if self.height is None else self.height
 
   def _hop(self, page: str) -> browsing.Hop | None:
     """The plan's link to follow on `page`; None on the answer page. Raises ExpertError off the plan."""
@@ -86,6 +95,12 @@ class BrowseExpert:
                         "height": 12.0})
     return None
 
+  def _cut_at_bottom(self, elements: Sequence[dict], text: str) -> bool:
+    """Whether the link showing `text` is in view below the top bar but cut by the bottom edge."""
+    want = _text(text)
+    return any(e["tag"] == "a" and _text(e["text"]) == want and e["y"] >= NAV_BAR_PX
+               and e["y"] + e["height"] > self.height - 1 for e in elements)
+
   def _answer(self, elements: Sequence[dict]) -> str | None:
     """The answer read off the visible part of the answer page, None until it is in view."""
     kind = self.question.answer_kind
@@ -97,6 +112,8 @@ class BrowseExpert:
         return t
       if kind == "title" and e["tag"] == "h1" and " — " in t:
         return t.split(" — ", 1)[1].strip()
+      if kind == "page" and e["tag"] == "h1":  # find-page: on the page, it names the module it opened
+        return t.split(" — ", 1)[0].strip()
     return None
 
   def decide(self, elements: Sequence[dict], page: str) -> tuple[str, A.Action | E.ClickAt]:
@@ -110,6 +127,8 @@ class BrowseExpert:
       click = self._link(elements, hop.text)
       if click is not None:
         return f"the link {hop.text}", click
+      if self._cut_at_bottom(elements, hop.text):
+        return f"scroll down a little to the link {hop.text}", ARROW_DOWN
       return f"scroll down to the link {hop.text}", PAGE_DOWN
     answer = self._answer(elements)
     if answer is not None:

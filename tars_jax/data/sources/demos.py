@@ -174,7 +174,7 @@ class ExpertAgent:
         self.page = view.info.get("page") or self.page
         thought, act = self.browse.decide(state, self.page)
         thought = E.clean_thought(thought) if spec.thoughts else ""
-        action = E.render(act, spec.coord_format, browse_tasks.WIDTH, browse_tasks.HEIGHT)
+        action = E.render(act, spec.coord_format, self.browse.width, self.browse.height)
       else:
         thought, action = E.decide(self.task, view.ep.instruction, state, view.turn, coord_format=spec.coord_format,
                                    thoughts=spec.thoughts, max_turns=spec.loop.max_turns, expert=self.expert)

@@ -83,7 +83,7 @@ def main(argv):
   sessions = config.env.num_sessions
   turns = {s: min(V.MAX_TURNS[s], config.env.max_turns) for s in sets}  # the config caps (smoke)
   # One inference service for every model (weights swapped between them): each episode one session,
-  # its later turns only their new tokens (multi-turn KV reuse; GUI-Browsing's episodes run 14 turns).
+  # its later turns only their new tokens (multi-turn KV reuse; episodes run up to 8 turns).
   service = parts.inference_service(init["policy"], slots=sessions, seed=config.seed + 7,
                                     max_turns=max(turns.values()))
   version = itertools.count(1)

@@ -318,6 +318,22 @@ def test_expert_clicks_the_plan_link_scrolls_and_answers():
     ex.decide([h1], "library/pickle.html")
 
 
+def test_find_page_expert_steps_down_to_a_link_cut_by_the_bottom_edge_and_names_the_module():
+  hop = B.Hop("library/text.html", "re — Regular expression operations", "library/re.html", "re — Regular")
+  q = B.Question("find-page/library/re.html", "find-page", "test", "library/text.html", "Open ...", "re", "page",
+                 "library/re.html", (hop,), ())
+  ex = X.BrowseExpert(q)
+  assert (ex.width, ex.height) == bt.VIEWPORTS["find-page"] == (240, 320)
+  h1 = el("h1", 10, 50, 200, 30, "Text Processing Services", leaf=False)
+  cut = el("a", 32, 300, 170, 36, "re — Regular expression operations", leaf=False)  # bottom at 336 > 319
+  assert ex.decide([h1, cut], "library/text.html")[1] == X.ARROW_DOWN
+  assert ex.decide([h1], "library/text.html")[1] == X.PAGE_DOWN  # not in view yet: a page down
+  t, a = ex.decide([dict(cut, y=260)], "library/text.html")
+  assert isinstance(a, E.ClickAt)
+  assert ex.decide([el("h1", 10, 50, 200, 30, "re — Regular expression operations")], "library/re.html")[1] == \
+      A.Finished("re")
+
+
 def test_expert_reads_each_answer_kind_and_aims_inside_wrapped_links():
   h1 = el("h1", 10, 60, 600, 30, "json — JSON encoder and decoder", leaf=False)
   els = [h1, el("p", 10, 100, 600, 20, "Source code: Lib/json/__init__.py"),

@@ -425,12 +425,17 @@ def corpus_dir() -> str:
 _TOCTREE = re.compile(r'<li class="toctree-l([12])"><a class="reference internal" href="([^"]*)">(.*?)</a>', re.S)
 
 
+def _toc_text(inner: str) -> str:
+  """The text a toctree entry shows (tags dropped, whitespace collapsed)."""
+  return " ".join(re.sub(r"<[^>]+>", "", html.unescape(inner)).split())
+
+
 def _chapters(index: str) -> dict[str, str]:
   """page -> chapter title, from the library index's toctree (li.toctree-l1: chapters; li.toctree-l2
   without a fragment: the pages the chapter lists)."""
   out, chapter = {}, None
   for level, href, inner in _TOCTREE.findall(index):
-    text = " ".join(re.sub(r"<[^>]+>", "", html.unescape(inner)).split())
+    text = _toc_text(inner)
     if level == "1":
       chapter = text
     elif chapter and "#" not in href:
@@ -440,7 +445,7 @@ def _chapters(index: str) -> dict[str, str]:
 
 def _chapter_pages(index: str) -> dict[str, str]:
   """chapter page -> chapter title, from the library index's toctree (li.toctree-l1 entries)."""
-  return {posixpath.normpath(posixpath.join("library", href)): " ".join(re.sub(r"<[^>]+>", "", html.unescape(inner)).split())
+  return {posixpath.normpath(posixpath.join("library", href)): _toc_text(inner)
           for level, href, inner in _TOCTREE.findall(index) if level == "1" and "#" not in href}
 
 
@@ -801,8 +806,9 @@ def _find_page(corpus: Corpus, stats: dict, max_rank: int = FIND_PAGE_MAX_RANK) 
         stats["unreachable"] += 1  # reachable, but more screens down than the family's budget
         continue
       out.append(Question(f"find-page/{link.target}", "find-page", split_of(link.target), chapter_page,
-                          f"Open the documentation page of the {m.module} module.", m.module, "page", link.target,
-                          (Hop(chapter_page, link.text, link.target, m.title),), (f"chapter={chapter}", f"rank={rank}")))
+                          f"Open the documentation page of the {m.module} module.", m.module, "page",
+                          link.target, (Hop(chapter_page, link.text, link.target, m.title),),
+                          (f"chapter={chapter}", f"rank={rank}")))
       stats["kept"] += 1
   return out
 

@@ -6,9 +6,9 @@ links from the start page to the answer page, as the games' reference players kn
 reads the visible elements of the page through the sandbox's debug `elements` call, and every turn
 either clicks the next link of the plan (found by its text among the visible links), scrolls
 (`hotkey(key='pagedown')`; `hotkey(key='down')` when the link is cut by the bottom edge;
-`hotkey(key='home')` on a page entered below its top, e.g. through a #fragment link), or, on the answer page, reads the answer off the page (the "Source code:" line,
-the first h2, or the h1 after the dash; for find-page the module named by the h1) and answers
-`finished(content='<answer>')`. The answer is
+`hotkey(key='home')` on a page entered below its top, e.g. through a #fragment link), or, on the
+answer page, reads the answer off the page (the "Source code:" line, the first h2, or the h1 after the
+dash; for find-page the module named by the h1) and answers `finished(content='<answer>')`. The answer is
 read from the rendered DOM, never from the question record, so a success checks the generator's
 parse of the page against what the browser shows. Which page it is on comes from `info['page']`.
 

@@ -206,7 +206,10 @@ def test_real_suite_has_200_questions_and_a_disjoint_held_out_split(suite):
     train, test = suite.split(fam, "train"), suite.split(fam, "test")
     assert len(train) >= 50 and len(test) >= 20, (fam, len(train), len(test))
     assert not {q.id for q in train} & {q.id for q in test}
-    assert not {q.answer_page for q in train} & {q.answer_page for q in test}  # held-out pages
+    if fam == "find-page":  # every module in both splits: the list's order is what is held out
+      assert {q.answer_page for q in train} == {q.answer_page for q in test}
+    else:
+      assert not {q.answer_page for q in train} & {q.answer_page for q in test}  # held-out pages
     st = suite.stats[fam]
     assert st["kept"] == len(train) + len(test)
     assert st["candidates"] == st["kept"] + st["trivial"] + st["unreachable"] + st["ambiguous"]
@@ -237,7 +240,8 @@ def test_real_find_page_questions_start_on_the_chapter_that_lists_their_module(s
     assert hop.text == corpus.pages[q.answer_page].title  # the list entry shows the page's title
     assert any(l.target == q.answer_page and l.text == hop.text for l in corpus.pages[q.start].links)
     assert q.answer == corpus.pages[q.answer_page].module and q.answer in q.question
-    assert int(dict(c.split("=") for c in q.conditions)["rank"]) < B.FIND_PAGE_MAX_RANK
+    lo, hi = B.FIND_PAGE_ENTRIES
+    assert lo <= int(dict(c.split("=") for c in q.conditions)["entries"]) <= hi
   text = next(q for q in suite.split("find-page", "train") + suite.split("find-page", "test")
               if q.answer_page == "library/re.html")
   assert text.start == "library/text.html" and text.plan[0].text == "re — Regular expression operations"
@@ -433,10 +437,19 @@ def test_scroll_search_box_and_reproducible_link_following(server, suite):
 @pytest.mark.browser
 def test_find_page_episode_in_its_small_viewport(server, suite):
   """The expert opens a held-out question's module page and is paid on it; finished() on the chapter
-  page pays 0; the chapter page's list shows the modules without their nested lists of sections."""
-  re_q = next(q for q in suite.split("find-page", "train") + suite.split("find-page", "test")
-              if q.answer_page == "library/re.html")
-  re_seed = suite.split("find-page", re_q.split).index(re_q)
+  page pays 0; the chapter page's list shows the modules without their nested lists of sections, in an
+  order that the episode's seed and data mode draw (the same episode: the same order)."""
+  train = suite.split("find-page", "train")
+  re_seed = next(k for k, q in enumerate(train) if q.answer_page == "library/re.html")
+
+  async def listed(c, seed, data_mode):
+    sid, _ = await c.open("browse/find-page", seed, data_mode=data_mode)
+    shown = []
+    for _ in range(4):
+      shown += [e["text"] for e in await c.elements(sid) if e["tag"] == "a" and e["text"] not in shown]
+      await c.step(sid, "hotkey(key='pagedown')")
+    await c.close(sid)
+    return shown
 
   async def go():
     async with SandboxClient(server.url) as c:
@@ -444,14 +457,11 @@ def test_find_page_episode_in_its_small_viewport(server, suite):
       sid, obs = await c.open("browse/find-page", 1, data_mode="test")
       early = await c.step(sid, "Thought: here\nAction: finished(content='x')")
       await c.close(sid)
-      sid, _ = await c.open("browse/find-page", re_seed, data_mode=re_q.split)
-      shown = []
-      for _ in range(4):
-        shown += [e["text"] for e in await c.elements(sid) if e["tag"] == "a"]
-        await c.step(sid, "hotkey(key='pagedown')")
-      await c.close(sid)
-      return r, obs, early, shown
-  r, obs, early, shown = run(go())
+      orders = [await listed(c, s, m) for s, m in ((re_seed, "train"), (re_seed, "train"),
+                                                   (re_seed + len(train), "train"), (re_seed, "test"))]
+      return r, obs, early, orders
+  r, obs, early, orders = run(go())
+  shown = orders[0]
   q = bt.question("browse/find-page", 1, "test")
   assert r.reward == 1.0 and r.stopped is None and 2 <= r.turns <= 8, r
   assert obs.image().shape == (320, 240, 3) and obs.info["instruction"] == q.question
@@ -459,3 +469,9 @@ def test_find_page_episode_in_its_small_viewport(server, suite):
   assert early.info["page"] == q.start
   assert "re — Regular expression operations" in shown and "difflib — Helpers for computing deltas" in shown
   assert "Regular Expression Syntax" not in shown  # re's nested section list: hidden by FIND_PAGE_CSS
+  modules = [[t for t in o if " — " in t and t.split(" — ")[0] in {"string", "re", "difflib", "textwrap", "unicodedata",
+                                                                   "stringprep", "readline", "rlcompleter"}]
+             for o in orders]
+  assert all(sorted(m) == sorted(modules[0]) and len(m) == 8 for m in modules), modules
+  assert modules[0] == modules[1]  # the same episode, the same order
+  assert modules[0] != modules[2] and modules[0] != modules[3]  # another seed / the held-out mode: another

@@ -8,8 +8,9 @@ clicks links, scrolls, types into the page's search box (Sphinx's client-side se
 searchindex.js, offline) and ends with `finished(content='<answer>')`: reward 1 when the content
 equals the answer after `browsing.normalize` (lowercase, no punctuation or whitespace), else 0;
 `call_user()` ends with 0. An episode of `browse/find-page` asks to open a module's page from its
-chapter page and pays 1 for `finished(...)` on that page (`judge`), in a smaller viewport and with the
-chapter page's list compacted (`VIEWPORTS`, `FIND_PAGE_CSS`). Observation.info carries `page`, the
+chapter page and pays 1 for `finished(...)` on that page (`judge`), in a smaller viewport, with the
+chapter page's list compacted and in an order drawn from (seed, data_mode) (`VIEWPORTS`, `FIND_PAGE_CSS`,
+`SHUFFLE_SCRIPT`). Observation.info carries `page`, the
 corpus path shown ('library/json.html').
 
 Serving: the corpus directory (Debian's python3-doc) is served read-only by a `ThreadingHTTPServer` on
@@ -32,6 +33,7 @@ seed and actions give byte-equal screenshots (tests/test_browsing.py).
 from __future__ import annotations
 
 import functools
+import hashlib
 import http.server
 import json
 import os
@@ -231,9 +233,39 @@ def start_url(task: str, seed: int, data_mode: str = "train") -> str:
   return base_url() + question(task, seed, data_mode).start
 
 
+# find-page: the chapter page's list of modules in an order drawn from the episode (Fisher-Yates on
+# mulberry32, seeded from Python): held-out episodes show orders the training ones did not
+SHUFFLE_SCRIPT = """(() => {
+  const ul = document.querySelector('div.toctree-wrapper > ul');
+  if (!ul) return;
+  let a = %d >>> 0;
+  const rnd = () => {
+    a = (a + 0x6D2B79F5) >>> 0;
+    let t = Math.imul(a ^ (a >>> 15), a | 1);
+    t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
+    return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
+  };
+  const items = Array.from(ul.children);
+  for (let i = items.length - 1; i > 0; i--) {
+    const j = Math.floor(rnd() * (i + 1));
+    [items[i], items[j]] = [items[j], items[i]];
+  }
+  items.forEach((li) => ul.appendChild(li));
+})();"""
+
+
+def list_order_seed(seed: int, data_mode: str) -> int:
+  """The 32-bit seed of find-page's list order for an episode (seed, data_mode)."""
+  return int.from_bytes(hashlib.sha256(f"find-page/{data_mode}/{seed}".encode()).digest()[:4], "big")
+
+
 def start_script(task: str, seed: int, data_mode: str = "train") -> str:
-  """JS statement that puts the episode's question where UTTERANCE_SCRIPT reads it."""
-  return f"globalThis.__tarsQuestion = {json.dumps(question(task, seed, data_mode).question)};"
+  """JS statements that put the episode's question where UTTERANCE_SCRIPT reads it (and for find-page
+  put the chapter's list in the episode's order)."""
+  out = f"globalThis.__tarsQuestion = {json.dumps(question(task, seed, data_mode).question)};"
+  if family(task) == "find-page":
+    out += "\n" + SHUFFLE_SCRIPT % list_order_seed(seed, data_mode)
+  return out
 
 
 def judge(task: str, seed: int, data_mode: str, action, page: str | None = None) -> tuple[float, str]:

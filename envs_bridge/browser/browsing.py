@@ -18,10 +18,14 @@ entities being the standard-library module pages (`library/<module>.html`):
                    is read on the last page. The episode starts on the first page of the chain.
   find-page        The navigation half of a browsing question, sized for a small policy: "Open the
                    documentation page of the <module> module." The episode starts on the chapter page of
-                   the library reference that lists that module (among the first FIND_PAGE_MAX_RANK entries of
-                   its list, shown one line per module at the family's 240 x 320 viewport:
-                   browse_tasks.VIEWPORTS, FIND_PAGE_CSS); success is ending with `finished()` on the
-                   module's page (`Question.answer_page`), whatever the content.
+                   the library reference that lists that module (chapters of FIND_PAGE_ENTRIES modules),
+                   its list shown one line per module in an order drawn from the episode's seed and data
+                   mode, at the family's 240 x 320 viewport (browse_tasks.VIEWPORTS, FIND_PAGE_CSS,
+                   start_script); success is ending with `finished()` on the module's page
+                   (`Question.answer_page`), whatever the content. Both splits ask about every module;
+                   what is held out is the list's order (a policy cannot have memorised where the link
+                   is). Held out by module, as the other families are, it asks to read a module name never
+                   seen in training (RESULTS.md, "find-page").
 
 The answer of the two question families is a short string read on the answer page: the file named after
 "Source code:", the title of the first section, or the page title after the module name. It is given with
@@ -78,9 +82,9 @@ MAX_HOPS = 4  # longest link chain from the start page to the answer page
 MAX_DF = 40  # attributes shared by more module pages than this say too little to be a condition
 MAX_ANCHOR_CHARS = 80  # followable links have short anchor texts (the expert finds them by text)
 CHARS_PER_SCREEN = 1500  # rough body characters per screen at 640 x 480 (plan cost of scrolling)
-# find-page: the module among the first entries of its chapter page's list (the list shows one line per
-# module there, browse_tasks.FIND_PAGE_CSS), so that an episode takes a few turns (scrolls, the click, finished)
-FIND_PAGE_MAX_RANK = 12
+# find-page: chapters listing this many modules (shown one line per module, browse_tasks.FIND_PAGE_CSS):
+# fewer have too few orders to hold out (2 modules: 2 orders), more take many screens to scroll
+FIND_PAGE_ENTRIES = (4, 12)
 STOPWORDS = frozenset("""about above after again against along also among and another any are around
 based before being below between both but by can could does doing down during each every few from further
 have having here into itself more most much must other over same should some such than that their them
@@ -783,9 +787,10 @@ def _multi_hop(corpus: Corpus, rng: random.Random, stats: dict, max_hops: int,
   return out
 
 
-def _find_page(corpus: Corpus, stats: dict, max_rank: int = FIND_PAGE_MAX_RANK) -> list[Question]:
-  """One question per module of a chapter whose entry in the chapter page's list of modules (the toctree
-  link showing the module page's title) is among its first `max_rank`."""
+def _find_page(corpus: Corpus, stats: dict, entries_range: tuple[int, int] = FIND_PAGE_ENTRIES) -> list[Question]:
+  """One question per module of a chapter whose page lists between entries_range[0] and [1] modules (the
+  toctree links showing their module page's title), in each split; a candidate (module, split) of a
+  chapter with too few entries counts as trivial, of one with too many as unreachable."""
   mods = {p.path: p for p in corpus.modules()}
   out = []
   for chapter_page, chapter in sorted(corpus.chapter_pages.items()):
@@ -797,19 +802,19 @@ def _find_page(corpus: Corpus, stats: dict, max_rank: int = FIND_PAGE_MAX_RANK) 
       if link.target in mods and link.target not in seen and link.text == mods[link.target].title:
         seen.add(link.target)
         entries.append(link)
-    for rank, link in enumerate(entries):
+    own = [l for l in entries if corpus.chapters.get(l.target) == chapter]  # not those filed elsewhere
+    stats["candidates"] += len(own) * len(SPLITS)
+    if len(entries) < entries_range[0] or len(entries) > entries_range[1]:
+      stats["trivial" if len(entries) < entries_range[0] else "unreachable"] += len(own) * len(SPLITS)
+      continue
+    for link in own:
       m = mods[link.target]
-      if corpus.chapters.get(link.target) != chapter:
-        continue  # listed here, filed under another chapter by the library index
-      stats["candidates"] += 1
-      if rank >= max_rank:
-        stats["unreachable"] += 1  # reachable, but more screens down than the family's budget
-        continue
-      out.append(Question(f"find-page/{link.target}", "find-page", split_of(link.target), chapter_page,
-                          f"Open the documentation page of the {m.module} module.", m.module, "page",
-                          link.target, (Hop(chapter_page, link.text, link.target, m.title),),
-                          (f"chapter={chapter}", f"rank={rank}")))
-      stats["kept"] += 1
+      for split in SPLITS:
+        out.append(Question(f"find-page/{link.target}/{split}", "find-page", split, chapter_page,
+                            f"Open the documentation page of the {m.module} module.", m.module, "page",
+                            link.target, (Hop(chapter_page, link.text, link.target, m.title),),
+                            (f"chapter={chapter}", f"entries={len(entries)}")))
+        stats["kept"] += 1
   return out
 
 

@@ -90,7 +90,7 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.data.demo_tasks = tasks
   c.data.demo_seeds = 2 if smoke else 16
   c.data.demo_seeds_rl_tasks = 2 if smoke else 16
-  c.data.demo_seeds_by_task = () if smoke else tuple((t, 160) for t in BROWSING if t in tasks)  # ~each train question
+  c.data.demo_seeds_by_task = () if smoke else tuple((t, 330) for t in BROWSING if t in tasks)  # 3 list orders a module
   c.data.demo_max_turns = budget
 
   # --- The shared SFT stage: continues the main job's SFT policy on all three sets -------------------

@@ -12,8 +12,8 @@ runs it all under `runs/<name>/`:
 
 The task sets (`VERTICALS`):
   browsing  GUI-Browsing at this scale: `browse/find-page`, open a module's page from the chapter page of
-            the Python docs that lists it (2-5 turns in a 240 x 320 viewport); training questions while
-            training, the held-out modules at evaluation (`env.eval_data_mode = 'test'`). The
+            the Python docs that lists it (2-5 turns in a 240 x 320 viewport); the list's order drawn from
+            the seed and data mode, held-out orders at evaluation (`env.eval_data_mode = 'test'`). The
             information-seeking families (`browse/multi-condition`, `browse/multi-hop`: answers read off
             640 x 480 pages, ~14 turns) scored 0.00 for this ~1.5M-parameter policy (RESULTS.md, "Vertical
             agents"); set `BROWSING` to them for a larger model

@@ -9,9 +9,9 @@ searchindex.js, offline) and ends with `finished(content='<answer>')`: reward 1 
 equals the answer after `browsing.normalize` (lowercase, no punctuation or whitespace), else 0;
 `call_user()` ends with 0. An episode of `browse/find-page` asks to open a module's page from its
 chapter page and pays 1 for `finished(...)` on that page (`judge`), in a smaller viewport, with the
-chapter page's list compacted and in an order drawn from (seed, data_mode) (`VIEWPORTS`, `FIND_PAGE_CSS`,
-`SHUFFLE_SCRIPT`). Observation.info carries `page`, the
-corpus path shown ('library/json.html').
+chapter page's list compacted and in an order drawn from (seed, data_mode) (`VIEWPORTS`,
+`FIND_PAGE_CSS`, `SHUFFLE_SCRIPT`). Observation.info carries `page`, the corpus path shown
+('library/json.html').
 
 Serving: the corpus directory (Debian's python3-doc) is served read-only by a `ThreadingHTTPServer` on
 127.0.0.1 and a free port, started in the sandbox process at the first browse page (`base_url`). One

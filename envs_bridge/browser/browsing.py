@@ -429,28 +429,20 @@ def corpus_dir() -> str:
 _TOCTREE = re.compile(r'<li class="toctree-l([12])"><a class="reference internal" href="([^"]*)">(.*?)</a>', re.S)
 
 
-def _toc_text(inner: str) -> str:
-  """The text a toctree entry shows (tags dropped, whitespace collapsed)."""
-  return " ".join(re.sub(r"<[^>]+>", "", html.unescape(inner)).split())
-
-
-def _chapters(index: str) -> dict[str, str]:
-  """page -> chapter title, from the library index's toctree (li.toctree-l1: chapters; li.toctree-l2
-  without a fragment: the pages the chapter lists)."""
-  out, chapter = {}, None
+def _chapters(index: str) -> tuple[dict[str, str], dict[str, str]]:
+  """(page -> chapter title, chapter page -> chapter title), in one pass over the library index's
+  toctree (li.toctree-l1: chapters; li.toctree-l2 without a fragment: the pages the chapter lists)."""
+  out, pages, chapter = {}, {}, None
   for level, href, inner in _TOCTREE.findall(index):
-    text = _toc_text(inner)
+    text = " ".join(re.sub(r"<[^>]+>", "", html.unescape(inner)).split())
+    path = posixpath.normpath(posixpath.join("library", href))
     if level == "1":
       chapter = text
+      if "#" not in href:
+        pages[path] = text
     elif chapter and "#" not in href:
-      out.setdefault(posixpath.normpath(posixpath.join("library", href)), chapter)
-  return out
-
-
-def _chapter_pages(index: str) -> dict[str, str]:
-  """chapter page -> chapter title, from the library index's toctree (li.toctree-l1 entries)."""
-  return {posixpath.normpath(posixpath.join("library", href)): _toc_text(inner)
-          for level, href, inner in _TOCTREE.findall(index) if level == "1" and "#" not in href}
+      out.setdefault(path, chapter)
+  return out, pages
 
 
 def load_corpus(root: str | None = None, section: str = "library") -> Corpus:
@@ -474,14 +466,14 @@ def load_corpus(root: str | None = None, section: str = "library") -> Corpus:
     raise CorpusMissing(f"{root} has no {START_PAGE}")
   with open(os.path.join(root, START_PAGE), encoding="utf-8") as fh:
     index = fh.read()
-  chapters = _chapters(index)
+  chapters, chapter_pages = _chapters(index)
   version = ""
   opts = os.path.join(root, "_static", "documentation_options.js")
   if os.path.isfile(opts):
     with open(opts, encoding="utf-8") as fh:
       m = re.search(r"VERSION:\s*'([^']+)'", fh.read())
       version = m.group(1) if m else ""
-  return Corpus(root, pages, chapters, version, h.hexdigest()[:16], _chapter_pages(index))
+  return Corpus(root, pages, chapters, version, h.hexdigest()[:16], chapter_pages)
 
 
 # -- questions --------------------------------------------------------------------------------------

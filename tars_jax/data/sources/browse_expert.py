@@ -75,12 +75,15 @@ class BrowseExpert:
         return h
     raise E.ExpertError(f"page {page!r} is not on the plan of {self.question.id}")
 
+  @staticmethod
+  def _showing(elements: Sequence[dict], text: str):
+    """(index, element) of the visible links showing `text`."""
+    want = _text(text)
+    return ((i, e) for i, e in enumerate(elements) if e["tag"] == "a" and _text(e["text"]) == want)
+
   def _link(self, elements: Sequence[dict], text: str) -> E.ClickAt | None:
     """A click on the visible link showing `text`, fully below the top bar; None if none is."""
-    want = _text(text)
-    for i, e in enumerate(elements):
-      if e["tag"] != "a" or _text(e["text"]) != want:
-        continue
+    for i, e in self._showing(elements, text):
       if e["y"] < NAV_BAR_PX or e["y"] + e["height"] > self.height - 1:
         continue  # under the bar or cut by the bottom edge: scroll first
       if e["height"] <= LINE_PX:
@@ -97,9 +100,8 @@ class BrowseExpert:
 
   def _cut_at_bottom(self, elements: Sequence[dict], text: str) -> bool:
     """Whether the link showing `text` is in view below the top bar but cut by the bottom edge."""
-    want = _text(text)
-    return any(e["tag"] == "a" and _text(e["text"]) == want and e["y"] >= NAV_BAR_PX
-               and e["y"] + e["height"] > self.height - 1 for e in elements)
+    return any(e["y"] >= NAV_BAR_PX and e["y"] + e["height"] > self.height - 1
+               for _, e in self._showing(elements, text))
 
   def _answer(self, elements: Sequence[dict]) -> str | None:
     """The answer read off the visible part of the answer page, None until it is in view."""

@@ -346,6 +346,9 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   # With decoupled: tokens whose weight pi_prox / pi_behaviour exceeds this leave the loss (AReaL's
   # behav_imp_weight_cap, 5 in its examples); None keeps every token.
   c.rl.behaviour_weight_cap = 5.0
+  # The vision encoders of policy and critic stay as SFT / value pretraining left them: their screenshot
+  # features are computed once per rollout batch instead of in every minibatch step (no encoder backward).
+  c.rl.freeze_vision = False
   c.rl.epochs = 2
   c.rl.minibatch_size = 16
   # Minibatches of rows of similar length (tars_jax/train/ppo.py `minibatch_rows`): each is cut to its

@@ -43,20 +43,33 @@ class Trunk(nnx.Module):
     self.visual = VisionEncoder(cfg, rngs)
     self.decoder = Decoder(cfg, rngs)
 
-  def visual_per_token(self, tokens, pixel_values, image_mask=None):
-    """[1 + n_deepstack, B, T, D]: for each IMAGE token, its merged vision token (then its DeepStack
-    features); the k-th IMAGE token of a row takes merged token k of that row's images laid end to end
-    ([M * n_img_tokens]). Image slots with image_mask False give zeros; other tokens get garbage."""
+  def image_features(self, pixel_values, image_mask=None):
+    """pixel_values [B, M, H, W, 3] float32 in [0, 1] -> [B, M, 1 + n_deepstack, n_img_tokens, D]: each
+    screenshot's merged vision tokens (then its DeepStack features); slots with image_mask [B, M]
+    False give zeros. What `visual_from_features` places on the IMAGE tokens; computed once per
+    rollout batch when the RL update keeps the vision encoder frozen (`ppo.PPOHparams.freeze_vision`)."""
     b, m = pixel_values.shape[:2]
     feats = self.visual.encode(pixel_values.reshape((b * m,) + pixel_values.shape[2:]))  # [S, B*M, n, D]
     s, _, n, d = feats.shape
     feats = feats.reshape(s, b, m, n, d)
     if image_mask is not None:
       feats = feats * image_mask.astype(feats.dtype)[None, :, :, None, None]
-    feats = feats.reshape(s, b, m * n, d)
+    return feats.transpose(1, 2, 0, 3, 4)
+
+  def visual_from_features(self, tokens, feats):
+    """tokens [B, T], feats [B, M, S, n, D] (`image_features`) -> [S, B, T, D]: the k-th IMAGE token of
+    a row takes merged token k of that row's images laid end to end ([M * n]); other tokens get garbage."""
+    b, m, s, n, d = feats.shape
+    flat = feats.transpose(2, 0, 1, 3, 4).reshape(s, b, m * n, d)
     is_img = tokens == self.image_token_id
     idx = jnp.clip(jnp.cumsum(is_img, axis=-1) - 1, 0, m * n - 1)
-    return jnp.take_along_axis(feats, idx[None, ..., None], axis=2)
+    return jnp.take_along_axis(flat, idx[None, ..., None], axis=2)
+
+  def visual_per_token(self, tokens, pixel_values, image_mask=None):
+    """[1 + n_deepstack, B, T, D]: for each IMAGE token, its merged vision token (then its DeepStack
+    features): `visual_from_features` of `image_features`. Image slots with image_mask False give
+    zeros; other tokens get garbage."""
+    return self.visual_from_features(tokens, self.image_features(pixel_values, image_mask))
 
   def embed_inputs(self, tokens, pixel_values=None, image_mask=None, visual=None):
     """tokens [B, T] -> ([B, T, D], deepstack [n, B, T, D] or None): token embeddings with the IMAGE

@@ -12,7 +12,8 @@ from tars_jax.sharding import param_axes as ax
 
 
 class ValueModel(nnx.Module):
-  """__call__(tokens, positions, attn_mask, pixel_values, image_mask) -> (values [B, T] float32, aux).
+  """__call__(tokens, positions, attn_mask, pixel_values, image_mask, visual=None) -> (values [B, T]
+  float32, aux).
 
   values[:, j] estimates the return from the state after token j. The head starts at zero so
   initial values are 0 (no spurious advantages before value pretraining).
@@ -24,11 +25,11 @@ class ValueModel(nnx.Module):
     self.value_head = nnx.Linear(cfg.hidden, 1, kernel_init=nnx.initializers.zeros_init(), rngs=rngs,
                                  kernel_metadata=ax("embed", None), bias_metadata=ax(None))
 
-  def features(self, tokens, positions, attn_mask, pixel_values=None, image_mask=None):
-    """Final hidden states: (hidden [B, T, D], aux_loss)."""
-    h, aux, _ = self.trunk(tokens, positions, attn_mask, pixel_values, image_mask)
+  def features(self, tokens, positions, attn_mask, pixel_values=None, image_mask=None, visual=None):
+    """Final hidden states: (hidden [B, T, D], aux_loss). visual: as `Trunk.__call__`'s."""
+    h, aux, _ = self.trunk(tokens, positions, attn_mask, pixel_values, image_mask, visual=visual)
     return h, aux
 
-  def __call__(self, tokens, positions, attn_mask, pixel_values=None, image_mask=None):
-    h, aux = self.features(tokens, positions, attn_mask, pixel_values, image_mask)
+  def __call__(self, tokens, positions, attn_mask, pixel_values=None, image_mask=None, visual=None):
+    h, aux = self.features(tokens, positions, attn_mask, pixel_values, image_mask, visual)
     return self.value_head(h.astype(jnp.float32))[..., 0], aux

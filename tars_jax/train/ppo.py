@@ -73,6 +73,12 @@ class PPOHparams:
   ptx_coef: PPO-ptx (Ouyang et al. 2022, eq. 2): each policy step also descends ptx_coef x the SFT
     cross-entropy (`sft.loss_and_metrics`) of a batch of demonstrations (`ppo_update(ptx_batches=...)`);
     0 = off.
+  freeze_vision: the vision encoders of policy and critic are not trained: `ppo_update` computes each
+    model's screenshot features once per rollout batch (`step.image_features`) and every forward pass
+    of the update takes them as constants, so no minibatch step runs an encoder forward or backward;
+    the encoders' parameters stay exactly
+    where they are (`keep_frozen` after each step: weight decay and PPO-ptx's gradient included).
+    False trains them.
   Raises: ValueError for unknown algo / loss_agg / kl_kind names (listing the known ones) and for
     out-of-range constants.
   """
@@ -97,6 +103,7 @@ class PPOHparams:
   behaviour_weight_cap: float | None
   top_entropy_frac: float
   ptx_coef: float
+  freeze_vision: bool
   temperature: float
 
   def __post_init__(self):
@@ -124,6 +131,9 @@ class PPOHparams:
 
 
 ALGOS = ("ppo", "grpo", "drgrpo", "rloo")
+FROZEN_VISION = ("visual",)  # the vision encoder's module name in `models.policy.Trunk`
+# Where `ppo_update` keeps each model's precomputed screenshot features under `freeze_vision`.
+POLICY_FEATURES, CRITIC_FEATURES = "policy_image_features", "critic_image_features"
 
 
 def make_optimizer(lr: float, warmup_steps: int, max_grad_norm: float, weight_decay: float
@@ -134,6 +144,15 @@ def make_optimizer(lr: float, warmup_steps: int, max_grad_norm: float, weight_de
   sched = lambda step: lr * jnp.minimum(1.0, (step + 1) / w)  # noqa: E731
   return optax.chain(optax.clip_by_global_norm(max_grad_norm),
                      optax.adamw(sched, b1=0.9, b2=0.999, weight_decay=weight_decay))
+
+
+def keep_frozen(new, old, frozen: tuple[str, ...] = FROZEN_VISION):
+  """`new` (an nnx.State or nested dict of parameters) with the leaves inside a module named in
+  `frozen` taken from `old`: a step that must not move those parameters, whatever the optimiser
+  does to them (weight decay, PPO-ptx's gradient). The optimiser state keeps its structure, so
+  checkpoints of runs with and without frozen modules restore into each other."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, n, o: o if any(getattr(k, "key", None) in frozen for k in path) else n, new, old)
 
 
 def free_decisions(table, states, mask) -> jax.Array:
@@ -149,12 +168,12 @@ def free_decisions(table, states, mask) -> jax.Array:
   return losses.decision_mask(mask, num_allowed[states])
 
 
-def critic_values(critic_gd, critic_params, batch: dict, inputs: ModelInputs) -> jax.Array:
+def critic_values(critic_gd, critic_params, batch: dict, inputs: ModelInputs, image_features=None) -> jax.Array:
   """Values of the prefix ending at each input token j, i.e. V(s) before target token j+1.
 
-  Returns [B, T-1] float32.
+  Returns [B, T-1] float32. image_features: as `step.forward`'s (the critic's own encoder's).
   """
-  values, _ = step_lib.forward(critic_gd, critic_params, batch, inputs)
+  values, _ = step_lib.forward(critic_gd, critic_params, batch, inputs, image_features)
   return values[:, :-1]
 
 
@@ -207,7 +226,8 @@ def _token_logp(params, gd, table, mb, hp: PPOHparams, inputs: ModelInputs):
   (`sampler.token_logprobs`: grammar-masked, temperature-scaled), logits [B,T-1,V] float32, allowed
   [B,T-1,V] bool or None, MoE aux loss, fraction of MoE top-k assignments dropped over expert
   capacity (0 unless `moe_capacity_factor`))."""
-  logits, aux, _, st = step_lib.forward(gd, params, mb, inputs, moe_stats=True)
+  feats = mb[POLICY_FEATURES] if hp.freeze_vision else None
+  logits, aux, _, st = step_lib.forward(gd, params, mb, inputs, feats, moe_stats=True)
   dropped = st["moe_dropped"] / jnp.maximum(st["moe_assignments"], 1.0)
   logits = logits[:, :-1].astype(jnp.float32)
   allowed = step_lib.allowed_tokens(table, mb["states"], mb["loss_mask"])
@@ -253,7 +273,7 @@ def reference_logp(ref_params, batch: dict, table, *, policy_gd, hp: PPOHparams,
 
 def critic_loss(params, gd, mb, hp: PPOHparams, inputs: ModelInputs):
   """(vf_coef * clipped value loss + MoE aux loss, metrics) of one critic minibatch."""
-  values, aux = step_lib.forward(gd, params, mb, inputs)
+  values, aux = step_lib.forward(gd, params, mb, inputs, mb[CRITIC_FEATURES] if hp.freeze_vision else None)
   vl, m = losses.value_loss(values[:, :-1], mb["old_values"], mb["returns"], mb["loss_mask"],
                             hp.value_clip, hp.loss_agg)
   return hp.vf_coef * vl + hp.aux_loss_coef * aux, dict(m, value_loss=vl)
@@ -278,6 +298,8 @@ def _policy_update(state: dict, mb: dict, table, policy_gd, popt, hp: PPOHparams
   loss_fn = lambda p: policy_loss(p, policy_gd, table, mb, hp, inputs)  # noqa: E731
   params, opt_state, _, pm, gnorm = step_lib.apply_gradients(loss_fn, state["policy"], state["policy_opt"], popt,
                                                              extra_grads=ptx_grads)
+  if hp.freeze_vision:
+    params = keep_frozen(params, state["policy"])
   return dict(state, policy=params, policy_opt=opt_state), dict(pm, policy_grad_norm=gnorm)
 
 
@@ -286,6 +308,8 @@ def critic_update(state: dict, mb: dict, critic_gd, copt, hp: PPOHparams, inputs
   with new critic and critic_opt, metrics + critic_grad_norm). Traced inside the caller's jit."""
   loss_fn = lambda p: critic_loss(p, critic_gd, mb, hp, inputs)  # noqa: E731
   params, opt_state, _, vm, gnorm = step_lib.apply_gradients(loss_fn, state["critic"], state["critic_opt"], copt)
+  if hp.freeze_vision:
+    params = keep_frozen(params, state["critic"])
   return dict(state, critic=params, critic_opt=opt_state), dict(vm, critic_grad_norm=gnorm)
 
 
@@ -338,7 +362,8 @@ def prepare(critic_params, batch: dict, table=None, *, critic_gd, hp: PPOHparams
   lam_policy_mean (over episodes); advantage_abs_mean (mean |A| before whitening over free
   decisions) and informative_fraction (`rl.metrics.informative_fraction` of the same advantages).
   """
-  values = critic_values(critic_gd, critic_params, batch, inputs)
+  values = critic_values(critic_gd, critic_params, batch, inputs,
+                         batch[CRITIC_FEATURES] if hp.freeze_vision else None)
   mask = batch["loss_mask"]
   free = free_decisions(table, batch["states"], mask)
   raw, ret = raw_advantages(values, batch, hp, free)
@@ -408,7 +433,7 @@ def trim_padding(mb: dict, lengths: np.ndarray, images: np.ndarray) -> dict:
     return mb
   out = {}
   for k, v in mb.items():
-    if k in ("pixel_values", "image_mask"):
+    if k in ("pixel_values", "image_mask", POLICY_FEATURES, CRITIC_FEATURES):
       out[k] = v[:, :m]
     elif getattr(v, "ndim", 0) >= 2 and v.shape[1] == t_full:
       out[k] = v[:, :t]
@@ -452,15 +477,22 @@ def ppo_update(state: dict, batch: dict[str, np.ndarray], table, *, policy_gd, c
   if hp.ptx_coef > 0 and ptx_batches is None:
     raise ValueError("rl.ptx_coef > 0 needs ptx_batches (demonstration batches: config rl.ptx_data)")
   batch = {k: jnp.asarray(v) for k, v in batch.items()}
-  if hp.kl_coef > 0:
-    if ref_params is None:
-      raise ValueError("rl.kl_coef > 0 needs ref_params (the reference policy)")
-    batch["ref_logp"] = reference_logp(ref_params, batch, table, policy_gd=policy_gd, hp=hp, inputs=inputs)
-  if hp.decoupled:  # the proximal policy: this update's starting point (one extra forward pass)
-    batch["prox_logp"] = reference_logp(state["policy"], batch, table, policy_gd=policy_gd, hp=hp, inputs=inputs)
   attn = to_host(batch["attn_mask"])  # also a batch of global arrays over several processes
   lengths, images = attn.sum(-1), to_host(batch["image_mask"]).sum(-1)
   batch = trim_padding(batch, lengths, images)  # screenshot slots no episode of the batch used
+  if hp.kl_coef > 0:
+    if ref_params is None:
+      raise ValueError("rl.kl_coef > 0 needs ref_params (the reference policy)")
+    # its own encoder on the screenshots: the reference need not share the policy's frozen encoder
+    batch["ref_logp"] = reference_logp(ref_params, batch, table, policy_gd=policy_gd,
+                                       hp=dataclasses.replace(hp, freeze_vision=False), inputs=inputs)
+  if hp.freeze_vision:  # each encoder once per rollout batch, not in every minibatch step
+    px, im = batch.pop("pixel_values"), batch["image_mask"]
+    batch[POLICY_FEATURES] = step_lib.image_features(policy_gd, state["policy"], px, im)
+    if hp.algo == "ppo":
+      batch[CRITIC_FEATURES] = step_lib.image_features(critic_gd, state["critic"], px, im)
+  if hp.decoupled:  # the proximal policy: this update's starting point (one extra forward pass)
+    batch["prox_logp"] = reference_logp(state["policy"], batch, table, policy_gd=policy_gd, hp=hp, inputs=inputs)
   row_ep = to_host(batch["row_episode"]) if "row_episode" in batch else None
   real = np.nonzero(row_ep >= 0)[0] if row_ep is not None else np.arange(n_real)
   if hp.algo == "ppo":

@@ -284,6 +284,7 @@ def hparams(config) -> ppo.PPOHparams:
                         behaviour_weight_cap=r.get("behaviour_weight_cap"),  # absent from older runs' configs
                         top_entropy_frac=r.get("top_entropy_frac", 1.0),  # likewise
                         ptx_coef=r.get("ptx_coef", 0.0),  # likewise
+                        freeze_vision=r.get("freeze_vision", False),  # likewise
                         temperature=config.sampling.temperature)
 
 

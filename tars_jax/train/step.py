@@ -50,11 +50,28 @@ def allowed_tokens(table, states: jax.Array, mask: jax.Array) -> jax.Array | Non
   return jnp.where(mask[..., None] > 0, allowed, True)
 
 
-def forward(graphdef, params, batch: dict, inputs: ModelInputs, **kwargs):
+def forward(graphdef, params, batch: dict, inputs: ModelInputs, image_features=None, **kwargs):
   """The model (`nnx.merge(graphdef, params)`: a policy or a critic) on a collated batch; kwargs go to
-  the model's call (e.g. `moe_stats=True`). Returns what the model returns."""
-  return nnx.merge(graphdef, params)(batch["tokens"], positions(batch["tokens"], batch["attn_mask"], inputs),
-                                     batch["attn_mask"], batch["pixel_values"], batch["image_mask"], **kwargs)
+  the model's call (e.g. `moe_stats=True`). Returns what the model returns.
+
+  image_features: None (the screenshots `batch["pixel_values"]` go through the model's vision encoder),
+  or their features [B, M, 1 + n_deepstack, n_img_tokens, D] precomputed by this model's encoder
+  (`Trunk.image_features`): used as constants (no gradient reaches the encoder), the vision encoder
+  is not run."""
+  model = nnx.merge(graphdef, params)
+  pos = positions(batch["tokens"], batch["attn_mask"], inputs)
+  if image_features is None:
+    return model(batch["tokens"], pos, batch["attn_mask"], batch["pixel_values"], batch["image_mask"], **kwargs)
+  visual = model.trunk.visual_from_features(batch["tokens"], jax.lax.stop_gradient(image_features))
+  return model(batch["tokens"], pos, batch["attn_mask"], visual=visual, **kwargs)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def image_features(graphdef, params, pixel_values: jax.Array, image_mask: jax.Array) -> jax.Array:
+  """[B, M, 1 + n_deepstack, n_img_tokens, D]: the screenshots' features under the vision encoder of
+  the model `nnx.merge(graphdef, params)` (`Trunk.image_features`; jitted), for `forward(image_features=)`.
+  pixel_values: [B, M, H, W, 3] float32 in [0, 1]; image_mask: [B, M] bool."""
+  return nnx.merge(graphdef, params).trunk.image_features(pixel_values, image_mask)
 
 
 def target_logp(logits: jax.Array, tokens: jax.Array, allowed: jax.Array | None = None,

@@ -1,0 +1,119 @@
+"""`rl.freeze_vision` (`ppo.PPOHparams.freeze_vision`): the PPO update computes each model's screenshot
+features once per rollout batch and never moves the vision encoders. Checked against the update that
+trains them: the model's outputs from precomputed features equal those from the screenshots, and one
+PPO step moves every other parameter exactly as the unfrozen step does (no gradient of the decoder or
+heads passes through the encoder's parameters; plain SGD, no clipping, so nothing couples them)."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from experiments.configs import miniwob_ppo
+from tars_jax.train import ppo
+from tars_jax.train import state as state_lib
+from tars_jax.train import step as step_lib
+from tars_jax.train import value_pretrain
+
+
+def _batch(parts, cfg, b, t, seed):
+  """b rows of t random byte tokens with one screenshot's IMAGE block each, the loss on 40 positions,
+  a reward on the last one."""
+  rng = np.random.default_rng(seed)
+  h, w = parts.image_hw
+  tok = rng.integers(32, 120, (b, t)).astype(np.int32)
+  tok[:, 0] = parts.tokenizer.bos_id
+  tok[:, 8:8 + parts.model_cfg.n_img_tokens] = parts.tokenizer.image_id
+  loss = np.zeros((b, t - 1), np.float32)
+  loss[:, t - 41:t - 1] = 1.0
+  rewards = np.zeros((b, t - 1), np.float32)
+  rewards[:, t - 2] = rng.choice([-1.0, 1.0], b)
+  return dict(tokens=tok, attn_mask=np.ones((b, t), bool), loss_mask=loss, rewards=rewards,
+              old_logp=np.full((b, t - 1), -5.0, np.float32), states=np.zeros((b, t - 1), np.int32),
+              pixel_values=rng.random((b, cfg.env.max_turns, h, w, 3), np.float32),
+              image_mask=np.array([[True] + [False] * (cfg.env.max_turns - 1)] * b))
+
+
+@pytest.fixture(scope="module")
+def setup():
+  cfg = miniwob_ppo.get_config("smoke")
+  parts = state_lib.build(cfg)
+  return cfg, parts, _batch(parts, cfg, 4, 320, 0)
+
+
+def _is_visual(path) -> bool:
+  return any(getattr(k, "key", None) == "visual" for k in path)
+
+
+def _split(tree):
+  """(leaves inside the vision encoder, the other leaves) of a parameter tree, as numpy arrays."""
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return ([np.asarray(v) for p, v in flat if _is_visual(p)], [np.asarray(v) for p, v in flat if not _is_visual(p)])
+
+
+def test_precomputed_features_give_the_models_own_outputs(setup):
+  cfg, parts, batch = setup
+  state = parts.init_state(0)
+  b = {k: jax.numpy.asarray(v) for k, v in batch.items()}
+  for gd, params in ((parts.policy_gd, state["policy"]), (parts.critic_gd, state["critic"])):
+    feats = step_lib.image_features(gd, params, b["pixel_values"], b["image_mask"])
+    n = parts.model_cfg.n_img_tokens
+    assert feats.shape[:2] == b["pixel_values"].shape[:2] and feats.shape[3] == n
+    assert not np.asarray(feats[:, 1:]).any()  # unused screenshot slots are zeros
+    want = np.asarray(step_lib.forward(gd, params, b, parts.inputs)[0])
+    got = np.asarray(step_lib.forward(gd, params, {k: v for k, v in b.items() if k != "pixel_values"},
+                                      parts.inputs, feats)[0])
+    np.testing.assert_allclose(got, want, atol=1e-5 * max(1.0, float(np.abs(want).max())))
+
+
+SGD = optax.sgd(1.0)  # the step is minus the gradient: compared linearly (Adam's g / (|g| + eps) is not)
+
+
+def _init(parts):
+  state = parts.init_state(0)
+  return dict(state, policy_opt=SGD.init(state["policy"]), critic_opt=SGD.init(state["critic"]))
+
+
+def _one_step(parts, batch, freeze):
+  hp = dataclasses.replace(parts.hparams, freeze_vision=freeze)
+  # 4 rows, minibatches of 4, one epoch: exactly one policy and one critic step
+  return ppo.ppo_update(_init(parts), batch, None, policy_gd=parts.policy_gd, critic_gd=parts.critic_gd,
+                        popt=SGD, copt=SGD, hp=hp, inputs=parts.inputs, epochs=1, minibatch_size=4,
+                        rng=np.random.default_rng(0), n_real=4)
+
+
+@pytest.mark.long  # ~1 min: two compiled PPO updates of a tiny policy and critic
+def test_a_frozen_step_keeps_the_encoders_and_moves_the_rest_as_the_unfrozen_step(setup):
+  cfg, parts, batch = setup
+  init = _init(parts)
+  frozen, fm = _one_step(parts, batch, True)
+  trained, tm = _one_step(parts, batch, False)
+  for model in ("policy", "critic"):
+    vis0, _ = _split(init[model])
+    vis_f, rest_f = _split(frozen[model])
+    vis_t, rest_t = _split(trained[model])
+    assert vis0 and all(np.array_equal(a, b) for a, b in zip(vis_f, vis0))  # bit-equal: not moved at all
+    assert any(not np.array_equal(a, b) for a, b in zip(vis_t, vis0))  # the unfrozen step does move them
+    _, rest0 = _split(init[model])
+    moved = max(float(np.abs(a - b).max()) for a, b in zip(rest_t, rest0))
+    assert moved > 0
+    for a, b, c in zip(rest_f, rest_t, rest0):  # every other parameter: the same step
+      np.testing.assert_allclose(a - c, b - c, atol=1e-4 * moved)
+  for k in ("pg_loss", "value_loss", "entropy", "explained_variance"):
+    assert fm[k] == pytest.approx(tm[k], rel=1e-4, abs=1e-6)
+
+
+def test_keep_frozen_takes_only_the_named_modules_from_the_old_tree():
+  old = {"trunk": {"visual": {"w": np.zeros(2)}, "decoder": {"w": np.zeros(2)}}, "head": np.zeros(1)}
+  new = jax.tree.map(lambda x: x + 1, old)
+  out = ppo.keep_frozen(new, old)
+  assert (out["trunk"]["visual"]["w"] == 0).all()
+  assert (out["trunk"]["decoder"]["w"] == 1).all() and (out["head"] == 1).all()
+  assert (ppo.keep_frozen(new, old, ())["trunk"]["visual"]["w"] == 1).all()
+
+
+def test_value_pretraining_trains_the_whole_critic():
+  hp = dataclasses.replace(state_lib.hparams(miniwob_ppo.get_config("smoke")), freeze_vision=True)
+  assert value_pretrain.pretrain_hparams(hp).freeze_vision is False

@@ -35,6 +35,10 @@ Args: "sft" = the SFT stage (and the demonstration budget); a variant of `VARIAN
   ppo_ptx       ppo with PPO-ptx and no KL penalty: the demonstrations, not the SFT policy, anchor the
                 skills RL does not reinforce, so the rewarded ones (where to click) can move further
   ppo_thoughts  ppo on the SFT stage that kept the templated thoughts (think length logged)
+  ppo_fv        ppo with both vision encoders frozen in RL (`rl.freeze_vision`): screenshot features once per
+                rollout batch, no encoder forward or backward in the minibatch steps (issue #37 item 1's
+                cheaper update); beside `ppo` on the same seeds it shows whether the update still learns
+                what `ppo` learns
 "+smoke" appended = tiny model and budgets.
 
 Tasks: RL and evaluation on MiniWoB++ tasks where the SFT start is partial (0.3-0.5 on training seed 0)
@@ -49,7 +53,7 @@ import ml_collections as mlc
 from experiments.configs import miniwob_pipeline
 
 VARIANTS = ("ppo", "grpo", "ppo_novpt", "ppo_coupled", "ppo_lenadapt", "ppo_kl", "grpo_kl", "ppo_topent",
-            "ppo_kl_topent", "ppo_kl_1ep", "ppo_kl_mc", "ppo_kl_ptx", "ppo_ptx", "ppo_thoughts")
+            "ppo_kl_topent", "ppo_kl_1ep", "ppo_kl_mc", "ppo_kl_ptx", "ppo_ptx", "ppo_thoughts", "ppo_fv")
 STAGES = ("sft", "sft_thoughts", *VARIANTS)
 ARGS = (*STAGES, *(s + "+smoke" for s in STAGES))
 
@@ -128,6 +132,8 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   if stage == "ppo_kl_1ep":
     c.rl.epochs = 1
     c.iterations = 2 if smoke else 50
+  if stage == "ppo_fv":
+    c.rl.freeze_vision = True
   if stage in ("ppo_topent", "ppo_kl_topent"):
     c.rl.top_entropy_frac = 0.2
   return c

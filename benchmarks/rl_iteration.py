@@ -16,8 +16,9 @@ Each checkout (a git worktree of another commit, or this one) runs the RL traine
 alternate `--repeats` times (A B A B), so a busy host slows both alike. Per iteration after the first
 (compilations) the trainer's `metrics.jsonl` gives: rollout (sampling, waiting for the sandboxes),
 the update, and the rest of the iteration (collating, metrics, checkpoint, logging: the wall time
-between rows minus both). Prints one table of medians per checkout, episodes per second (episodes of an
-iteration / its wall time) and the ratio to the first checkout, plus the training success of each
+between rows minus both, per iteration). Prints one table of medians per checkout, episodes per second
+(episodes of an iteration / its wall time), the update and iteration times of the fastest half of the
+iterations (`steady_*`: those that compiled no new minibatch or prompt shape) and the ratio to the first checkout, plus the training success of each
 iteration (the same seeds: equal within sampling noise). The stage columns are the whole trainer
 process: its episodes over its wall time, start-up and compilations included (`--cold`: each run with
 its own empty compilation cache, as a user's first run; otherwise one cache shared by all runs).
@@ -76,7 +77,12 @@ def summarize(run: dict) -> dict:
   med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
   out = {"rollout_s": med("perf/rollout_s"), "policy_s": med("perf/policy_s"), "env_wait_s": med("perf/env_wait_s"),
          "update_s": med("perf/train_s"), "iteration_s": statistics.median(iter_s)}
-  out["rest_s"] = out["iteration_s"] - out["rollout_s"] - out["update_s"]
+  # per iteration, then the median: a difference of medians taken over different iterations is not a time
+  out["rest_s"] = statistics.median(d - r["perf/rollout_s"] - r["perf/train_s"] for d, r in zip(iter_s, rows))
+  # iterations that compile nothing new (the fastest half): where the time goes once every shape is compiled
+  steady = sorted(zip(iter_s, rows), key=lambda p: p[0])[:max(1, len(rows) // 2)]
+  out["steady_iteration_s"] = statistics.median(d for d, _ in steady)
+  out["steady_update_s"] = statistics.median(r["perf/train_s"] for _, r in steady)
   episodes = run["rows"][1]["episodes_total"] - run["rows"][0]["episodes_total"]
   out["episodes_per_s"] = episodes / out["iteration_s"]
   out["success"] = [round(r["success_rate"], 3) for r in run["rows"]]
@@ -104,7 +110,7 @@ def main(_):
               f"({run['stage_s']:.0f} s)", flush=True)
   print(command_line("benchmarks.rl_iteration", " ".join(sys.argv[1:])))
   keys = ("rollout_s", "policy_s", "env_wait_s", "update_s", "rest_s", "iteration_s", "episodes_per_s",
-          "stage_s", "stage_episodes_per_s")
+          "steady_update_s", "steady_iteration_s", "stage_s", "stage_episodes_per_s")
   print("| checkout | " + " | ".join(keys) + " | x baseline (iteration, stage) | training success per iteration |")
   print("|---" * (len(keys) + 3) + "|")
   base = None

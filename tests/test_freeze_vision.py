@@ -16,24 +16,16 @@ from tars_jax.train import ppo
 from tars_jax.train import state as state_lib
 from tars_jax.train import step as step_lib
 from tars_jax.train import value_pretrain
+from test_ptx import _batch as _ptx_batch
 
 
 def _batch(parts, cfg, b, t, seed):
-  """b rows of t random byte tokens with one screenshot's IMAGE block each, the loss on 40 positions,
-  a reward on the last one."""
-  rng = np.random.default_rng(seed)
-  h, w = parts.image_hw
-  tok = rng.integers(32, 120, (b, t)).astype(np.int32)
-  tok[:, 0] = parts.tokenizer.bos_id
-  tok[:, 8:8 + parts.model_cfg.n_img_tokens] = parts.tokenizer.image_id
-  loss = np.zeros((b, t - 1), np.float32)
-  loss[:, t - 41:t - 1] = 1.0
-  rewards = np.zeros((b, t - 1), np.float32)
-  rewards[:, t - 2] = rng.choice([-1.0, 1.0], b)
-  return dict(tokens=tok, attn_mask=np.ones((b, t), bool), loss_mask=loss, rewards=rewards,
-              old_logp=np.full((b, t - 1), -5.0, np.float32), states=np.zeros((b, t - 1), np.int32),
-              pixel_values=rng.random((b, cfg.env.max_turns, h, w, 3), np.float32),
-              image_mask=np.array([[True] + [False] * (cfg.env.max_turns - 1)] * b))
+  """`test_ptx._batch` (random tokens, one screenshot's IMAGE block a row) with the loss on the last 40
+  positions, a +-1 reward on the last one and one screenshot slot in use."""
+  batch = _ptx_batch(parts, cfg, b, t, seed, slice(t - 41, t - 1))
+  batch["rewards"][:, t - 2] = np.random.default_rng(seed).choice([-1.0, 1.0], b)
+  batch["image_mask"][:, 1:] = False
+  return batch
 
 
 @pytest.fixture(scope="module")

@@ -76,9 +76,8 @@ class PPOHparams:
   freeze_vision: the vision encoders of policy and critic are not trained: `ppo_update` computes each
     model's screenshot features once per rollout batch (`step.image_features`) and every forward pass
     of the update takes them as constants, so no minibatch step runs an encoder forward or backward;
-    the encoders' parameters stay exactly
-    where they are (`keep_frozen` after each step: weight decay and PPO-ptx's gradient included).
-    False trains them.
+    the encoders' parameters stay exactly where they are (`keep_frozen` after each step: weight decay
+    and PPO-ptx's gradient included). False trains them.
   Raises: ValueError for unknown algo / loss_agg / kl_kind names (listing the known ones) and for
     out-of-range constants.
   """
@@ -155,6 +154,12 @@ def keep_frozen(new, old, frozen: tuple[str, ...] = FROZEN_VISION):
       lambda path, n, o: o if any(getattr(k, "key", None) in frozen for k in path) else n, new, old)
 
 
+def frozen_features(batch: dict, key: str, hp: PPOHparams):
+  """The screenshot features `ppo_update` stored under `key` (`POLICY_FEATURES` / `CRITIC_FEATURES`)
+  when `hp.freeze_vision`, else None (the model runs its own encoder): `step.forward`'s image_features."""
+  return batch[key] if hp.freeze_vision else None
+
+
 def free_decisions(table, states, mask) -> jax.Array:
   """[B, T] float32: `mask` where the grammar allowed more than one token (a sampled decision), 0 on
   grammar-forced tokens and outside the mask (`losses.decision_mask`).
@@ -226,8 +231,8 @@ def _token_logp(params, gd, table, mb, hp: PPOHparams, inputs: ModelInputs):
   (`sampler.token_logprobs`: grammar-masked, temperature-scaled), logits [B,T-1,V] float32, allowed
   [B,T-1,V] bool or None, MoE aux loss, fraction of MoE top-k assignments dropped over expert
   capacity (0 unless `moe_capacity_factor`))."""
-  feats = mb[POLICY_FEATURES] if hp.freeze_vision else None
-  logits, aux, _, st = step_lib.forward(gd, params, mb, inputs, feats, moe_stats=True)
+  logits, aux, _, st = step_lib.forward(gd, params, mb, inputs, frozen_features(mb, POLICY_FEATURES, hp),
+                                        moe_stats=True)
   dropped = st["moe_dropped"] / jnp.maximum(st["moe_assignments"], 1.0)
   logits = logits[:, :-1].astype(jnp.float32)
   allowed = step_lib.allowed_tokens(table, mb["states"], mb["loss_mask"])
@@ -273,7 +278,7 @@ def reference_logp(ref_params, batch: dict, table, *, policy_gd, hp: PPOHparams,
 
 def critic_loss(params, gd, mb, hp: PPOHparams, inputs: ModelInputs):
   """(vf_coef * clipped value loss + MoE aux loss, metrics) of one critic minibatch."""
-  values, aux = step_lib.forward(gd, params, mb, inputs, mb[CRITIC_FEATURES] if hp.freeze_vision else None)
+  values, aux = step_lib.forward(gd, params, mb, inputs, frozen_features(mb, CRITIC_FEATURES, hp))
   vl, m = losses.value_loss(values[:, :-1], mb["old_values"], mb["returns"], mb["loss_mask"],
                             hp.value_clip, hp.loss_agg)
   return hp.vf_coef * vl + hp.aux_loss_coef * aux, dict(m, value_loss=vl)
@@ -362,8 +367,7 @@ def prepare(critic_params, batch: dict, table=None, *, critic_gd, hp: PPOHparams
   lam_policy_mean (over episodes); advantage_abs_mean (mean |A| before whitening over free
   decisions) and informative_fraction (`rl.metrics.informative_fraction` of the same advantages).
   """
-  values = critic_values(critic_gd, critic_params, batch, inputs,
-                         batch[CRITIC_FEATURES] if hp.freeze_vision else None)
+  values = critic_values(critic_gd, critic_params, batch, inputs, frozen_features(batch, CRITIC_FEATURES, hp))
   mask = batch["loss_mask"]
   free = free_decisions(table, batch["states"], mask)
   raw, ret = raw_advantages(values, batch, hp, free)

@@ -97,6 +97,27 @@ def test_a_frozen_step_keeps_the_encoders_and_moves_the_rest_as_the_unfrozen_ste
     assert fm[k] == pytest.approx(tm[k], rel=1e-4, abs=1e-6)
 
 
+def test_ptx_gradient_under_freeze_skips_the_encoder_and_keeps_the_rest(setup):
+  """PPO-ptx's demonstration gradient with the encoder frozen: zero on the encoder (its backward is not
+  run), every other leaf as the unfrozen gradient's."""
+  cfg, parts, batch = setup
+  state = parts.init_state(0)
+  demos = {k: jax.numpy.asarray(batch[k]) for k in ("tokens", "attn_mask", "loss_mask", "states", "pixel_values",
+                                                    "image_mask")}
+  grads = {}
+  for freeze in (True, False):
+    hp = dataclasses.replace(parts.hparams, freeze_vision=freeze, ptx_coef=1.0)
+    grads[freeze], _ = ppo.ptx_gradients(state["policy"], demos, None, policy_gd=parts.policy_gd, hp=hp,
+                                         inputs=parts.inputs)
+  vis_f, rest_f = _split(grads[True])
+  vis_t, rest_t = _split(grads[False])
+  assert vis_f and not any(a.any() for a in vis_f) and any(a.any() for a in vis_t)
+  scale = max(float(np.abs(a).max()) for a in rest_t)
+  assert scale > 0
+  for a, b in zip(rest_f, rest_t):
+    np.testing.assert_allclose(a, b, atol=1e-5 * scale)
+
+
 def test_keep_frozen_takes_only_the_named_modules_from_the_old_tree():
   old = {"trunk": {"visual": {"w": np.zeros(2)}, "decoder": {"w": np.zeros(2)}}, "head": np.zeros(1)}
   new = jax.tree.map(lambda x: x + 1, old)

@@ -290,9 +290,14 @@ def ptx_gradients(params, batch: dict, table, *, policy_gd, hp: PPOHparams, inpu
   (gradient tree of hp.ptx_coef x the SFT cross-entropy of `batch` under the grammar `table`, metrics
   ptx_ce / ptx_ce_free (nats per reply token / per free decision) and ptx_acc_free).
   batch: a collated demonstration batch (`sft.demo_batches`: tokens [B, T] int32, loss_mask / states
-  [B, T-1], pixel_values [B, M, H, W, 3] float32, image_mask [B, M] bool)."""
+  [B, T-1], pixel_values [B, M, H, W, 3] float32, image_mask [B, M] bool). With hp.freeze_vision the
+  screenshots' features enter as constants: no encoder backward for a gradient `keep_frozen` drops."""
+  feats = (step_lib.image_features(policy_gd, params, batch["pixel_values"], batch["image_mask"])
+           if hp.freeze_vision else None)
+
   def loss_fn(p):
-    ce, m = sft_lib.loss_and_metrics(p, batch, table, graphdef=policy_gd, inputs=inputs, aux_coef=0.0)
+    ce, m = sft_lib.loss_and_metrics(p, batch, table, graphdef=policy_gd, inputs=inputs, aux_coef=0.0,
+                                     image_features=feats)
     return hp.ptx_coef * ce, {"ptx_ce": m["ce"], "ptx_ce_free": m["ce_free"], "ptx_acc_free": m["acc_free"]}
   (_, m), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
   return g, m

@@ -126,15 +126,16 @@ def make_optimizer(lr: float, warmup_steps: int, total_steps: int, final_fractio
                      optax.adamw(lambda s: sched(s + 1), b1=0.9, b2=0.999, weight_decay=weight_decay))
 
 
-def token_logp(params, batch: dict, table, *, graphdef, inputs: ModelInputs):
+def token_logp(params, batch: dict, table, *, graphdef, inputs: ModelInputs, image_features=None):
   """Log-probs of the target tokens under the grammar-constrained distribution at temperature 1
   (the full vocabulary where `table` is None).
 
   batch: a collated `trajectory.Batch` dict (tokens [B, T] int32, loss_mask / states [B, T-1], images).
+  image_features: None, or the screenshots' features as constants (`step.forward`).
   Returns (logp [B, T-1] float32, allowed_count [B, T-1] int32 (tokens the grammar allows; 1 = forced),
   correct [B, T-1] bool (the target is the arg-max), aux_loss scalar).
   """
-  out = step_lib.forward(graphdef, params, batch, inputs)
+  out = step_lib.forward(graphdef, params, batch, inputs, image_features=image_features)
   allowed = step_lib.allowed_tokens(table, batch["states"], batch["loss_mask"])
   logp, logp_all = step_lib.target_logp(out.logits, batch["tokens"], allowed)
   target = batch["tokens"][:, 1:]
@@ -142,16 +143,18 @@ def token_logp(params, batch: dict, table, *, graphdef, inputs: ModelInputs):
   return logp, n_allowed, jnp.argmax(logp_all, -1) == target, out.aux_loss
 
 
-def loss_and_metrics(params, batch: dict, table, *, graphdef, inputs: ModelInputs, aux_coef: float):
+def loss_and_metrics(params, batch: dict, table, *, graphdef, inputs: ModelInputs, aux_coef: float,
+                     image_features=None):
   """(loss, metrics): token-mean cross-entropy over the `loss_mask` tokens + aux_coef * MoE
   load-balance loss. SFT: the reply tokens under the grammar `table`; CT (`ct.loss_and_metrics`):
-  every text token, table None (the full vocabulary).
+  every text token, table None (the full vocabulary). image_features: as in `token_logp`.
 
   metrics (float32 scalars): ce (per masked token, nats), ce_free (per free decision: positions where
   the grammar allows more than one token), acc_free (arg-max = target at free decisions), tokens
   (masked tokens), free (free decisions), aux.
   """
-  logp, n_allowed, correct, aux = token_logp(params, batch, table, graphdef=graphdef, inputs=inputs)
+  logp, n_allowed, correct, aux = token_logp(params, batch, table, graphdef=graphdef, inputs=inputs,
+                                             image_features=image_features)
   mask = batch["loss_mask"]
   free = mask * (n_allowed > 1)
   n, nf = jnp.maximum(mask.sum(), 1.0), jnp.maximum(free.sum(), 1.0)

@@ -368,12 +368,12 @@ def test_replication_config_variants_differ_in_one_knob():
 
 
 def test_the_multi_turn_suite_is_the_suite_plus_two_name_copying_tasks_with_experts():
-  """replication_multiturn.py changes only the task set and the demonstrations: every other setting is the
-  suite's, for every stage; each task it trains or demonstrates has an expert; the turn budget fits
-  search-engine's 5 steps."""
+  """replication_multiturn.py changes only the task set, the demonstrations and the SFT budget (1400 updates,
+  its guard with them): every other setting is the suite's, for every stage; each task it trains or
+  demonstrates has an expert; the turn budget fits search-engine's 5 steps."""
   from experiments.configs import replication_multiturn as multi
   from tars_jax.data.sources import experts
-  changed = {"tasks", "data.demo_tasks", "data.demo_seeds_by_task"}
+  changed = {"tasks", "data.demo_tasks", "data.demo_seeds_by_task", "sft.steps", "sft.max_minutes"}
   for stage in ("sft", *cfg_mod.VARIANTS):
     a, b = cfg_mod.get_config(stage).to_dict(), multi.get_config(stage).to_dict()
     flat = lambda d, p="": {k2: v2 for k, v in d.items() for k2, v2 in (
@@ -384,6 +384,7 @@ def test_the_multi_turn_suite_is_the_suite_plus_two_name_copying_tasks_with_expe
   assert set(c.tasks) - set(cfg_mod.TASKS) == {"miniwob/enter-text-2", "miniwob/search-engine"}
   assert set(c.tasks) | set(c.data.demo_tasks) <= set(experts.experts())
   assert dict(c.data.demo_seeds_by_task)["miniwob/search-engine"] == 240 and c.env.max_turns >= 5
+  assert c.sft.steps == 1400 > cfg_mod.get_config("ppo").sft.steps
   assert multi.get_config("ppo+smoke").to_dict() == cfg_mod.get_config("ppo+smoke").to_dict()
 
 

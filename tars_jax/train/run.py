@@ -146,10 +146,16 @@ def _claim(workdir: str, stage: str, budget: int, unit: str) -> None:
   path = os.path.join(workdir, RUN_FILE)
   if os.path.exists(path):
     with open(path) as f:
-      other = json.load(f).get("stage")
-    if other != stage:
-      raise WorkdirInUse(f"[{stage}] {workdir} holds a {other!r} run, not a {stage!r} one: give this stage "
-                         "its own --workdir")
+      old = json.load(f)
+    if old.get("stage") != stage:
+      raise WorkdirInUse(f"[{stage}] {workdir} holds a {old.get('stage')!r} run, not a {stage!r} one: give this "
+                         "stage its own --workdir")
+    if old.get("budget") not in (None, int(budget)):
+      # Schedules that span the budget (SFT's cosine with decay_steps 0) are rebuilt from the new one: a
+      # resumed run then differs from one started with it (benchmarks/RESULTS.md, "multi-turn suite's SFT start").
+      print(f"[{stage}] budget changed {old['budget']} -> {int(budget)} {unit}s: a learning-rate schedule over "
+            "the budget now spans the new one from the step this run resumes at, unlike a run started with it",
+            flush=True)
   write_json(path, {"stage": stage, "budget": int(budget), "unit": unit})
 
 

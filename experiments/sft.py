@@ -86,6 +86,11 @@ def main(argv):
   run = run_lib.start("sft", config, workdir, budget=s.steps, unit="step", max_minutes=s.max_minutes,
                       keep_checkpoints=config.keep_checkpoints)
   guard = run.guard  # evaluations not counted against it
+  if run.previous_budget is not None and not s.decay_steps:
+    # the cosine spans sft.steps: rebuilt over the new count, it differs from a run started with it
+    # (benchmarks/RESULTS.md, "The multi-turn suite's SFT start")
+    print(f"[sft] the learning-rate cosine now spans {s.steps} updates, not {run.previous_budget}: from the update "
+          f"this run resumes at it differs from a run started with sft.steps={s.steps}", flush=True)
 
   # ----------------------------------------------------------------------------------------------
   # Model, optimiser, data (checked against the model before any step), resume.

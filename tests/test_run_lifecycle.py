@@ -78,10 +78,12 @@ def test_finish_without_a_checkpoint_is_refused(tmp_path):
 
 def test_another_stage_s_directory_is_refused_naming_both(tmp_path, capsys):
   d = str(tmp_path / "run")
-  run_lib.start("sft", _config(), d, budget=1, unit="step", max_minutes=5.0)._lock.close()
-  assert "budget changed" not in capsys.readouterr().out
-  run_lib.start("sft", _config(), d, budget=7, unit="step", max_minutes=5.0)._lock.close()  # resumed, raised
-  assert "[sft] budget changed 1 -> 7 steps" in capsys.readouterr().out
+  first = run_lib.start("sft", _config(), d, budget=1, unit="step", max_minutes=5.0)
+  first._lock.close()
+  assert first.previous_budget is None and "budget changed" not in capsys.readouterr().out
+  again = run_lib.start("sft", _config(), d, budget=7, unit="step", max_minutes=5.0)  # resumed, raised
+  again._lock.close()
+  assert again.previous_budget == 1 and "[sft] budget changed 1 -> 7 steps" in capsys.readouterr().out
   with open(os.path.join(d, "run.json")) as f:
     assert json.load(f) == {"stage": "sft", "budget": 7, "unit": "step"}
   with pytest.raises(run_lib.WorkdirInUse, match="holds a 'sft' run, not a 'train' one"):

@@ -54,13 +54,15 @@ class Run:
 
   Attributes: stage (name in messages and run.json), workdir, guard (wall-clock guard of the count
     budget), main (this process writes the run's files; Orbax checkpoints are written by every
-    process), mngr (Orbax manager of `<workdir>/checkpoints`, made at first use).
+    process), mngr (Orbax manager of `<workdir>/checkpoints`, made at first use), previous_budget (the
+    count budget the dir's run.json recorded before this start when it was another, else None).
   """
   stage: str
   workdir: str
   guard: Guard
   main: bool
   keep_checkpoints: int = 3
+  previous_budget: int | None = None
   _lock: Any = dataclasses.field(repr=False, default=None)
   _mngr: Any = dataclasses.field(repr=False, default=None)
 
@@ -139,10 +141,12 @@ def _lock(workdir: str, stage: str):
   return f
 
 
-def _claim(workdir: str, stage: str, budget: int, unit: str) -> None:
+def _claim(workdir: str, stage: str, budget: int, unit: str) -> int | None:
   """Records the stage and its count budget in `run.json` ({"stage", "budget", "unit"}, rewritten by each
   process: a resumed run may raise its budget), which readers of a running sweep use
-  (experiments/replicate.py --status); raises WorkdirInUse if the dir holds another stage's run."""
+  (experiments/replicate.py --status). Returns the budget recorded before when it differs (printed), else
+  None; raises WorkdirInUse if the dir holds another stage's run."""
+  previous = None
   path = os.path.join(workdir, RUN_FILE)
   if os.path.exists(path):
     with open(path) as f:
@@ -151,12 +155,10 @@ def _claim(workdir: str, stage: str, budget: int, unit: str) -> None:
       raise WorkdirInUse(f"[{stage}] {workdir} holds a {old.get('stage')!r} run, not a {stage!r} one: give this "
                          "stage its own --workdir")
     if old.get("budget") not in (None, int(budget)):
-      # Schedules that span the budget (SFT's cosine with decay_steps 0) are rebuilt from the new one: a
-      # resumed run then differs from one started with it (benchmarks/RESULTS.md, "multi-turn suite's SFT start").
-      print(f"[{stage}] budget changed {old['budget']} -> {int(budget)} {unit}s: a learning-rate schedule over "
-            "the budget now spans the new one from the step this run resumes at, unlike a run started with it",
-            flush=True)
+      previous = int(old["budget"])
+      print(f"[{stage}] budget changed {previous} -> {int(budget)} {unit}s", flush=True)
   write_json(path, {"stage": stage, "budget": int(budget), "unit": unit})
+  return previous
 
 
 def start(stage: str, config, workdir: str | None, *, budget: int, unit: str, max_minutes: float,
@@ -179,11 +181,11 @@ def start(stage: str, config, workdir: str | None, *, budget: int, unit: str, ma
   guard = Guard(stage, max_minutes, budget, unit)
   # SIGTERM (pkill, a scheduler's pre-emption, a session's end) checkpoints at the next step and stops.
   stop_on_sigterm(guard)
-  lock = None
+  lock, previous = None, None
   if main:
     lock = _lock(workdir, stage)
-    _claim(workdir, stage, budget, unit)
-  return Run(stage, workdir, guard, main, keep_checkpoints, lock)
+    previous = _claim(workdir, stage, budget, unit)
+  return Run(stage, workdir, guard, main, keep_checkpoints, previous, lock)
 
 
 def _read_done(workdir: str) -> dict | None:

@@ -363,6 +363,10 @@ def test_replication_config_variants_differ_in_one_knob():
   assert {k: v for k, v in ppo_ptx.items() if not k.startswith("ptx")} == {k: v for k, v in base.rl.items()
                                                                            if not k.startswith("ptx")}
   assert (ppo_ptx.ptx_coef, ppo_ptx.ptx_batch_size) == (ptx.ptx_coef, ptx.ptx_batch_size)
+  notext = cfg_mod.get_config("ppo_notext").rl  # ppo with the typed characters out of the policy gradient
+  assert notext.skip_typed_text and not base.rl.skip_typed_text
+  assert {k: v for k, v in notext.items() if k != "skip_typed_text"} == {k: v for k, v in base.rl.items()
+                                                                         if k != "skip_typed_text"}
   assert cfg_mod.get_config("ppo_thoughts").sft.thoughts and not sft.sft.thoughts
   assert sft.sft.steps == base.sft.steps and sft.data.demo_seeds == base.data.demo_seeds
 

@@ -334,6 +334,8 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.rl.kl_coef = 0.0  # 0 = no KL term
   # policy gradient on the highest-entropy fraction of free decisions only (Wang et al. 2025: 0.2)
   c.rl.top_entropy_frac = 1.0
+  # no policy gradient on the characters a type() reply types (rl/typed_text.py; an ablation, issue #37)
+  c.rl.skip_typed_text = False
   # PPO-ptx (Ouyang et al. 2022, eq. 2): + ptx_coef x the SFT cross-entropy of a batch of demonstrations
   # (records in ptx_data, ptx_batch_size episodes) in every policy step, so the skills the reward does not
   # reinforce stay learnt; 0 = off.

@@ -39,6 +39,9 @@ Args: "sft" = the SFT stage (and the demonstration budget); a variant of `VARIAN
                 rollout batch, no encoder forward or backward in the minibatch steps (issue #37 item 1's
                 cheaper update); beside `ppo` on the same seeds it shows whether the update still learns
                 what `ppo` learns
+  ppo_notext    ppo without the policy gradient on the characters a type() reply types
+                (`rl.skip_typed_text`): whether RL's erosion of the copied names (exact copies 0.54 -> 0.33
+                under `ppo_ptx` on the multi-turn suite) comes from the gradient on those characters
 "+smoke" appended = tiny model and budgets.
 
 Tasks: RL and evaluation on MiniWoB++ tasks where the SFT start is partial (0.3-0.5 on training seed 0)
@@ -53,7 +56,8 @@ import ml_collections as mlc
 from experiments.configs import miniwob_pipeline
 
 VARIANTS = ("ppo", "grpo", "ppo_novpt", "ppo_coupled", "ppo_lenadapt", "ppo_kl", "grpo_kl", "ppo_topent",
-            "ppo_kl_topent", "ppo_kl_1ep", "ppo_kl_mc", "ppo_kl_ptx", "ppo_ptx", "ppo_thoughts", "ppo_fv")
+            "ppo_kl_topent", "ppo_kl_1ep", "ppo_kl_mc", "ppo_kl_ptx", "ppo_ptx", "ppo_thoughts", "ppo_fv",
+            "ppo_notext")
 STAGES = ("sft", "sft_thoughts", *VARIANTS)
 ARGS = (*STAGES, *(s + "+smoke" for s in STAGES))
 
@@ -134,6 +138,8 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
     c.iterations = 2 if smoke else 50
   if stage == "ppo_fv":
     c.rl.freeze_vision = True
+  if stage == "ppo_notext":
+    c.rl.skip_typed_text = True
   if stage in ("ppo_topent", "ppo_kl_topent"):
     c.rl.top_entropy_frac = 0.2
   return c

@@ -184,6 +184,8 @@ COMPARISONS = (
     (2, "ppo_kl", "grpo_kl", "PPO beats GRPO, both with the KL penalty to the SFT policy"),
     ("3b", "ppo", "ppo_coupled", "decoupled GAE (lam_critic 1, lam_policy 0.95) beats coupled lam 0.95"),
     ("3b", "ppo_lenadapt", "ppo", "length-adaptive GAE helps"),
+    (1, "ppo_notext", "ppo", "no policy gradient on the typed characters helps PPO (keeps the copies)"),
+    (1, "ppo_notext", "sft", "PPO without the policy gradient on the typed characters improves on SFT"),
 )
 
 

@@ -44,6 +44,7 @@ from tars_jax.models.inference import sampler
 from tars_jax.rl import advantages as adv_lib
 from tars_jax.rl import losses
 from tars_jax.rl import metrics as rl_metrics
+from tars_jax.rl import typed_text
 from tars_jax.rl.checks import check_finite
 from tars_jax.train import sft as sft_lib
 from tars_jax.train import step as step_lib
@@ -78,6 +79,10 @@ class PPOHparams:
     of the update takes them as constants, so no minibatch step runs an encoder forward or backward;
     the encoders' parameters stay exactly where they are (`keep_frozen` after each step: weight decay
     and PPO-ptx's gradient included). False trains them.
+  skip_typed_text: the policy gradient leaves out the characters a `type(content='...')` reply types
+    (`rl.typed_text.typed_text_targets`; byte tokenizer only): RL then moves the actions and where they
+    point, never the copied text itself (an ablation, issue #37 item 4). Entropy bonus and KL term keep
+    every free decision.
   Raises: ValueError for unknown algo / loss_agg / kl_kind names (listing the known ones) and for
     out-of-range constants.
   """
@@ -104,6 +109,7 @@ class PPOHparams:
   ptx_coef: float
   freeze_vision: bool
   temperature: float
+  skip_typed_text: bool
 
   def __post_init__(self):
     if self.algo not in ALGOS:
@@ -133,6 +139,7 @@ ALGOS = ("ppo", "grpo", "drgrpo", "rloo")
 FROZEN_VISION = ("visual",)  # the vision encoder's module name in `models.policy.Trunk`
 # Where `ppo_update` keeps each model's precomputed screenshot features under `freeze_vision`.
 POLICY_FEATURES, CRITIC_FEATURES = "policy_image_features", "critic_image_features"
+TYPED_TEXT = "typed_text"  # [B, T-1] float32 of `ppo_update` under skip_typed_text: 1 = a typed character
 
 
 def make_optimizer(lr: float, warmup_steps: int, max_grad_norm: float, weight_decay: float
@@ -250,6 +257,8 @@ def policy_loss(params, gd, table, mb, hp: PPOHparams, inputs: ModelInputs):
   free = free_decisions(table, mb["states"], mb["loss_mask"])
   tok_ent = losses.entropy(logits, free, allowed, hp.temperature)
   pg_mask = losses.top_entropy_mask(tok_ent, free, hp.top_entropy_frac)
+  if hp.skip_typed_text:
+    pg_mask = pg_mask * (1.0 - mb[TYPED_TEXT])
   if hp.decoupled:  # trust region around the pre-update policy; behaviour policy as importance weight
     pg, m = losses.decoupled_ppo_policy_loss(logp, mb["prox_logp"], mb["old_logp"], mb["advantages"], pg_mask,
                                              hp.clip_low, hp.clip_high, hp.clip_c, hp.loss_agg,
@@ -260,7 +269,7 @@ def policy_loss(params, gd, table, mb, hp: PPOHparams, inputs: ModelInputs):
   ent = losses.aggregate(tok_ent, free, "token-mean")
   loss = pg - hp.ent_coef * ent + hp.aux_loss_coef * aux
   m = dict(m, pg_loss=pg, entropy=ent, moe_aux_loss=aux, moe_dropped_frac=dropped)
-  if hp.top_entropy_frac < 1.0:
+  if hp.top_entropy_frac < 1.0 or hp.skip_typed_text:
     m["pg_token_frac"] = pg_mask.sum() / jnp.maximum(free.sum(), 1.0)
   if hp.kl_coef > 0:  # KL to the reference (initial) policy as a loss term (verl use_kl_loss)
     kl = losses.aggregate(losses.kl_penalty(logp, mb["ref_logp"], hp.kl_kind), free, hp.loss_agg)
@@ -483,6 +492,9 @@ def ppo_update(state: dict, batch: dict[str, np.ndarray], table, *, policy_gd, c
     behaviour log-probs, critic values or scores.
   """
   check_finite(rewards=batch["rewards"], old_logp=batch["old_logp"])
+  if hp.skip_typed_text:
+    batch = dict(batch, **{TYPED_TEXT: typed_text.typed_text_targets(
+        to_host(batch["tokens"]), to_host(batch["loss_mask"])).astype(np.float32)})
   if hp.ptx_coef > 0 and ptx_batches is None:
     raise ValueError("rl.ptx_coef > 0 needs ptx_batches (demonstration batches: config rl.ptx_data)")
   batch = {k: jnp.asarray(v) for k, v in batch.items()}

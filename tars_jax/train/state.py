@@ -285,7 +285,8 @@ def hparams(config) -> ppo.PPOHparams:
                         top_entropy_frac=r.get("top_entropy_frac", 1.0),  # likewise
                         ptx_coef=r.get("ptx_coef", 0.0),  # likewise
                         freeze_vision=r.get("freeze_vision", False),  # likewise
-                        temperature=config.sampling.temperature)
+                        temperature=config.sampling.temperature,
+                        skip_typed_text=r.get("skip_typed_text", False))  # likewise
 
 
 def reward_config(r) -> RewardConfig:
@@ -315,7 +316,7 @@ def build(config) -> Parts:
   and config.model (whose RUNTIME_FIELDS, dtype / moe_impl / ..., still apply), the system prompt is
   the full UI-TARS one with 0-1000 coordinates, and decoding is unconstrained (BPE text tokens, then
   EOS; `hf_tokenizer.free_grammar`): the format penalty does the grammar's work.
-  Raises: ValueError for grammar.constrained=True with an hf: init; hf_tokenizer.HFCheckpointError /
+  Raises: ValueError for grammar.constrained=True or rl.skip_typed_text with an hf: init; hf_tokenizer.HFCheckpointError /
     FileNotFoundError naming what the checkpoint lacks.
   """
   g = config.grammar
@@ -354,6 +355,9 @@ def build(config) -> Parts:
   image_hw = (config.model.image_h, config.model.image_w) if hf is None else hf.image_hw
   grid_hw = mcfg.merged_grid
   hp = hparams(config)
+  if hp.skip_typed_text and hf is not None:
+    raise ValueError(f"rl.skip_typed_text finds the typed characters as bytes (rl/typed_text.py): the byte "
+                     f"tokenizer only, not policy.init={config.policy.init!r}")
   inputs = ModelInputs(tok.image_id, tuple(grid_hw))
   actions = tuple(g.actions) if g.constrained else None
   loop_cfg = LoopConfig(max_turns=config.env.max_turns, image_hw=image_hw,

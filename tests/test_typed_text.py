@@ -3,6 +3,7 @@ offsets computed from `actions.format_action`), and the PPO / GRPO policy loss t
 from their advantages while every other token's still counts."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -106,10 +107,14 @@ def _model_batch(rng):
               image_mask=np.ones((len(rows), 1), bool)), typed
 
 
+@functools.partial(jax.jit, static_argnames=("gd", "hp"))
+def _grad_fn(params, mb, *, gd, hp):
+  return jax.grad(lambda p: ppo.policy_loss(p, gd, None, mb, hp, INPUTS)[0])(params)
+
+
 def _grad(model, mb, hp):
   gd, params = model
-  fn = lambda p: ppo.policy_loss(p, gd, None, mb, hp, INPUTS)[0]  # noqa: E731
-  return jax.tree.leaves(jax.grad(fn)(params))
+  return jax.tree.leaves(_grad_fn(params, mb, gd=gd, hp=hp))
 
 
 def test_policy_loss_takes_no_gradient_from_the_typed_characters_advantages(model):

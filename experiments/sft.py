@@ -65,10 +65,10 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (get_conf
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (created; resumed if it has checkpoints).")
 
 
-def main(argv):
-  del argv
-  config, workdir = _CONFIG.value, _WORKDIR.value
-  s = config.sft
+def check_data_settings(s) -> None:
+  """Refuses a contradictory SFT / CT data mix of `config.sft` before anything starts: app.UsageError
+  naming the fields (ct_ratio outside [0, 1], ct_data without ct_ratio or the reverse, data that
+  ct_ratio 1 would never read, no data at all)."""
   if not 0.0 <= s.ct_ratio <= 1.0:
     raise app.UsageError(f"config.sft.ct_ratio={s.ct_ratio}: the fraction of batches from ct_data, in [0, 1]")
   if s.ct_data and s.ct_ratio == 0:
@@ -83,6 +83,13 @@ def main(argv):
   if s.ct_ratio < 1 and not s.data:
     raise app.UsageError("config.sft.data is empty: name the record dirs to train on, e.g. "
                          "--config.sft.data=\"('runs/x/demos',)\" (or set ct_ratio=1.0 for a CT-only run)")
+
+
+def main(argv):
+  del argv
+  config, workdir = _CONFIG.value, _WORKDIR.value
+  s = config.sft
+  check_data_settings(s)
   run = run_lib.start("sft", config, workdir, budget=s.steps, unit="step", max_minutes=s.max_minutes,
                       keep_checkpoints=config.keep_checkpoints)
   guard = run.guard  # evaluations not counted against it

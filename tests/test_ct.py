@@ -216,17 +216,30 @@ def _run(workdir, *overrides, check=True):
   return p
 
 
-def test_trainer_refuses_bad_ct_settings_before_training(parts, tmp_path):
-  """Each bad combination stops at start with a UsageError naming the fields; a CT set written for
-  another screenshot size stops at `sft.check_data` naming image_hw, before any step."""
+@pytest.mark.parametrize("sets, msg", [
+    (dict(ct_data=("ct",)), "ct_data is set but config.sft.ct_ratio is 0"),
+    (dict(ct_ratio=0.5), r"ct_ratio=0.5 but config.sft.ct_data is empty"),
+    (dict(ct_data=("ct",), ct_ratio=1.0), "would never be read"),
+    (dict(ct_ratio=1.5, ct_data=("ct",)), r"ct_ratio=1.5: .* in \[0, 1\]"),
+    (dict(data=()), "config.sft.data is empty")])
+def test_bad_ct_settings_are_refused_naming_the_fields(sets, msg):
+  from absl import app
+  from experiments import sft as sft_script
+  s = miniwob_pipeline.get_config("thoughts+smoke").sft
+  s.data = ("demos",)
+  s.update(sets)
+  with pytest.raises(app.UsageError, match=msg):
+    sft_script.check_data_settings(s)
+
+
+def test_trainer_refuses_a_ct_set_of_another_screenshot_size_before_training(parts, tmp_path):
+  """The trainer itself: a CT set written for another screenshot size stops at `sft.check_data` naming
+  image_hw, before any step (the settings' refusals above run first in `experiments/sft.py`'s main)."""
   _write(tmp_path / "sft", parts, [_episode(parts, REPLIES[:1])])
   _write(tmp_path / "ct_bad", parts, [_episode(parts, [BAD_REPLY], hw=(28, 42))], image_hw=(28, 42))
-  data, ct_bad = f"--config.sft.data=('{tmp_path / 'sft'}',)", f"--config.sft.ct_data=('{tmp_path / 'ct_bad'}',)"
-  for args, msg in [((data, ct_bad), "ct_ratio is 0"), ((data, "--config.sft.ct_ratio=0.5"), "ct_data is empty"),
-                    ((data, ct_bad, "--config.sft.ct_ratio=1.0"), "would never be read"),
-                    ((data, ct_bad, "--config.sft.ct_ratio=0.5"), "DatasetMismatch.*image_hw")]:
-    p = _run(tmp_path / "run", *args, check=False)
-    assert p.returncode != 0 and re.search(msg, p.stderr), (args, p.stderr[-2000:])
+  p = _run(tmp_path / "run", f"--config.sft.data=('{tmp_path / 'sft'}',)",
+           f"--config.sft.ct_data=('{tmp_path / 'ct_bad'}',)", "--config.sft.ct_ratio=0.5", check=False)
+  assert p.returncode != 0 and re.search("DatasetMismatch.*image_hw", p.stderr), p.stderr[-2000:]
   assert not os.path.exists(tmp_path / "run" / "checkpoints")
 
 

@@ -8,9 +8,9 @@ copies those; the 5-step typing tasks' random passwords it never copies):
                          the 3rd, the k-th result (4-5 turns)
 
 240 expert demonstrations of each (as of the typing tasks) join the suite's demonstrations, and SFT runs
-1400 updates instead of the suite's 800: after 800 every typing task was at 0.01-0.02 held out (sampled),
-after 600 more enter-text 0.66, enter-text-2 0.27, search-engine 0.07 (one training seed, the 600 a resumed
-run; benchmarks/RESULTS.md, "The multi-turn suite's SFT start"; one 1400-update run not measured yet).
+1400 updates instead of the suite's 800: after 800 every typing task was at 0.01-0.02 held out (sampled);
+one 1400-update run (training seed 1) put every task in 0.2-0.7: enter-text 0.65, enter-text-2 0.28,
+search-engine 0.22 (benchmarks/RESULTS.md, "The multi-turn suite's SFT start as one 1400-update run").
 
   RUN=runs/multiturn CONFIG=experiments/configs/replication_multiturn.py VARIANTS=ppo_ptx SEEDS=0 \
       bash scripts/replicate.sh --jobs 2

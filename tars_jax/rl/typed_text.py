@@ -1,9 +1,8 @@
 """Which reply tokens are the text a `type(...)` action types: the copied characters.
 
-For the ablation `rl.skip_typed_text` (issue #37 item 4): under RL the copied names of the typing tasks
-erode (benchmarks/RESULTS.md, "Where enter-text goes": exact copies 0.39 -> 0.17 under `ppo_kl`), and one
-suspect is the policy gradient on the characters themselves, which raises a succeeded name's characters
-beyond their own context. Leaving those tokens out of the policy gradient tests it.
+For the ablation `rl.skip_typed_text` (variant `ppo_notext` of experiments/configs/replication.py): the
+policy gradient leaves these tokens out, so RL cannot move the copied text directly. What it showed is in
+benchmarks/RESULTS.md, "The multi-turn suite's SFT start as one 1400-update run".
 """
 
 from __future__ import annotations

@@ -367,6 +367,9 @@ def test_replication_config_variants_differ_in_one_knob():
   assert notext.skip_typed_text and not base.rl.skip_typed_text
   assert {k: v for k, v in notext.items() if k != "skip_typed_text"} == {k: v for k, v in base.rl.items()
                                                                          if k != "skip_typed_text"}
+  low = cfg_mod.get_config("ppo_lr1e4").rl  # ppo with a smaller learning rate and nothing else
+  assert low.lr < base.rl.lr and {k: v for k, v in low.items() if k != "lr"} == {k: v for k, v in base.rl.items()
+                                                                                 if k != "lr"}
   assert cfg_mod.get_config("ppo_thoughts").sft.thoughts and not sft.sft.thoughts
   assert sft.sft.steps == base.sft.steps and sft.data.demo_seeds == base.data.demo_seeds
 

@@ -186,6 +186,8 @@ COMPARISONS = (
     ("3b", "ppo_lenadapt", "ppo", "length-adaptive GAE helps"),
     (1, "ppo_notext", "ppo", "no policy gradient on the typed characters helps PPO (keeps the copies)"),
     (1, "ppo_notext", "sft", "PPO without the policy gradient on the typed characters improves on SFT"),
+    (1, "ppo_lr1e4", "ppo", "a third of PPO's learning rate helps PPO (keeps the skills RL does not reinforce)"),
+    (1, "ppo_lr1e4", "sft", "PPO at lr 1e-4 improves on its SFT start"),
 )
 
 

@@ -216,3 +216,28 @@ def test_multi_turn_session_extends_its_slot_like_a_full_prefill(split):
     svc.submit(*ctx[0], key=jax.random.PRNGKey(7), session=0).result(timeout=300)
     # session 0 sent the same prompt again (not an extension of prompt + reply): prefilled anew
     assert svc.stats.prefills == p0 + 3 and svc.stats.reused == 4
+
+
+def test_an_idle_session_longer_than_the_replies_decoding_beside_it_keeps_its_context(split):
+  """Decode steps attend over the first 256 * 2**k cache positions that hold every context a slot keeps
+  (`InferenceService._span`), not the whole cache: episode 0's idle context (~300 positions) survives the
+  steps of a short request that alone would fit 256, and its next turn draws the tokens (log-probs to
+  float32 rounding) that a full prefill of its history draws in a service without sessions."""
+  from tars_jax.agent.tokenizer import TURN_END
+  g = build_grammar(actions=("click",), max_thought_bytes=6, coord_format="fixed3")
+  rng = np.random.default_rng(5)
+  ids, ims = _prompt(rng, 260, 1)
+  shot = rng.integers(0, 256, HW + (3,), dtype=np.uint8)
+  short = _prompt(rng, 4, 0)
+  kw = dict(slots=2, jump_forward=4, context_len=1024, max_images=2)
+  with _service(split, g, **kw) as svc:
+    first = svc.submit(ids, ims, key=jax.random.PRNGKey(1), session=0).result(timeout=300)
+    nxt = ids + first.tokens + [TURN_END, VISION_START] + [IMAGE] * CFG.n_img_tokens + [VISION_END]
+    assert 256 < len(ids) + len(first.tokens) < 512 and svc._span() == 512  # the idle context sets the span
+    svc.submit(*short, key=jax.random.PRNGKey(2), max_new_tokens=N_NEW).result(timeout=300)  # beside it
+    got = svc.submit(nxt, ims + [shot], key=jax.random.PRNGKey(3), session=0).result(timeout=300)
+    assert svc.stats.reused == 1
+  with _service(split, g, **kw) as full:
+    want = full.submit(nxt, ims + [shot], key=jax.random.PRNGKey(3)).result(timeout=300)
+  assert got.tokens == want.tokens
+  assert_close_f32(got.logprobs, want.logprobs, terms=forward_terms(CFG, 512), scale=max(1.0, np.abs(want.logprobs).max()))

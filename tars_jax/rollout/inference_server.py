@@ -158,6 +158,11 @@ class BatchedPolicy:
     return res
 
 
+# The smallest span a decode step attends over (`InferenceService._span`): spans are 256 * 2**k, so a
+# service compiles a handful of step programs.
+SPAN_FLOOR = 256
+
+
 class ContextTooLong(ValueError):
   """A request that cannot fit a slot: prompt (bucketed) + max new tokens + one chunk > cache length."""
 
@@ -249,8 +254,11 @@ class InferenceService:
   token as newer than it is.
 
   Shapes: `slots` rows of `context_len` cache positions; prompts are left-padded to a multiple of
-  `length_multiple` and prefilled in groups of a power-of-two size, so jit compiles one step
-  program and a handful of prefill / insert / extend programs. Single device.
+  `length_multiple` and prefilled in groups of a power-of-two size. A decode step (and an extend)
+  attends over the first `span` positions of the slots, 256 * 2**k covering the longest context any
+  slot holds (a request's or an idle session's, `_span`), not over all `context_len`: a step streams
+  every slot's keys and values, so its cost follows the contexts held, not the capacity. jit compiles
+  one step program per span and a handful of prefill / insert / extend programs. Single device.
   """
 
   def __init__(self, graphdef, params, *, tokenizer: ByteTokenizer, grammar: Grammar | None, slots: int,
@@ -464,6 +472,14 @@ class InferenceService:
       fresh.append((r, free[0]))
     return fresh, extend
 
+  def _span(self, needed: int = 0) -> int:
+    """Cache positions a step or an extend attends over: 256 * 2**k (at most `context_len`) covering
+    `needed` and every slot that holds a request or an idle session, cursor + one decode chunk (the
+    positions past it are neither read nor written: `slot_decode.step`)."""
+    held = [self._cursor[s] + self.chunk for s in range(self.n_slots)
+            if self._owner[s] is not None or self._pinned[s] is not None]
+    return pow2_bucket(max([needed, *held]), SPAN_FLOOR, self.context_len)
+
   def _extend(self, plan) -> None:
     groups: dict[int, list] = {}
     for r, s, n_ctx, n_img in plan:
@@ -493,7 +509,7 @@ class InferenceService:
         self.stats.reused += 1
       self._slots = slot_decode.extend(self.graphdef, self._params, self._slots, jnp.asarray(tokens),
                                        jnp.asarray(mask), jnp.asarray(pix), jnp.asarray(img_mask), idx, keys,
-                                       start, budget)
+                                       start, budget, span=self._span())
       self.stats.extends += 1
 
   def _admit(self, plan: list[tuple[_Request, int]]):
@@ -535,7 +551,7 @@ class InferenceService:
     self._slots, chunk = slot_decode.step(
         self.graphdef, self._params, self._decode_weights, self._slots, self._table,
         temperature=self.temperature, top_p=self.top_p, eos_id=self.tokenizer.eos_id,
-        pad_id=self.tokenizer.pad_id, chunk=self.chunk)
+        pad_id=self.tokenizer.pad_id, chunk=self.chunk, span=self._span())
     toks, lps, sts, lens, active = jax.device_get(chunk)
     self.stats.steps += 1
     self.stats.busy_slot_steps += len(busy)

@@ -18,8 +18,15 @@ draws the tokens `sampler.generate` draws for it as a batch of one with the same
 depend on the key and the number of values drawn, not on the batch around them (tested). The chunk
 logic (sampled token, then the tokens the grammar forces, log-prob 0) is `sampler.generate`'s.
 
-Shapes are fixed by (S slots, L cache length, K chunk): `step` compiles once, `insert` once per
-(n, P) and `prefill` once per (n, P, M images) bucket. Single device (no mesh) for now.
+`step` and `extend` attend over the first `span` cache positions of each slot only (a static size the
+caller buckets: `InferenceService` uses 256 * 2**k), not all L: a decode step streams every slot's keys and values, and a
+cache sized for the longest episode (L) is mostly empty. The caller picks a span that holds every
+position a slot may still read or write (the cursors of slots that hold a request or an idle session,
+plus the tokens written): positions past it are untouched.
+
+Shapes are fixed by (S slots, L cache length, K chunk): `step` compiles once per span, `insert` once per
+(n, P), `extend` once per (n, P, M images, span) and `prefill` once per (n, P, M) bucket. Single device
+(no mesh) for now.
 """
 
 from __future__ import annotations
@@ -71,6 +78,19 @@ class Chunk(NamedTuple):
   states: jax.Array
   lengths: jax.Array
   active: jax.Array
+
+
+def _head(cache: KVCache, span: int) -> KVCache:
+  """The first `span` positions of every slot: k / v head-major [..., S, hd] (stacked or per layer),
+  mask [B, S]."""
+  cut = lambda x: x[..., :span, :]
+  return KVCache(jax.tree.map(cut, cache.k), jax.tree.map(cut, cache.v), cache.mask[:, :span])
+
+
+def _put_head(full: KVCache, head: KVCache) -> KVCache:
+  """`full` with its first positions replaced by `head`'s (in place when `full` is donated)."""
+  put = lambda b, x: jax.lax.dynamic_update_slice(b, x.astype(b.dtype), (0,) * b.ndim)
+  return KVCache(jax.tree.map(put, full.k, head.k), jax.tree.map(put, full.v, head.v), put(full.mask, head.mask))
 
 
 def init_slots(model, slots: int, length: int) -> Slots:
@@ -153,7 +173,7 @@ def insert(slots: Slots, pre: Prefilled, idx, keys, start_state, budget) -> Slot
 
 
 def _extend_fn(params, slots: Slots, tokens, attn_mask, pixel_values, image_mask, idx, keys, start_state, budget,
-               *, graphdef, image_token_id):
+               *, graphdef, image_token_id, span):
   model = nnx.merge(graphdef, params)
   cfg = model.cfg
   itok = cfg.image_token_id if image_token_id is None else image_token_id
@@ -161,13 +181,12 @@ def _extend_fn(params, slots: Slots, tokens, attn_mask, pixel_values, image_mask
   stacked = not isinstance(slots.cache.k, tuple)
   ax = 1 if stacked else 0
   gather = lambda x, a: jnp.take(x, idx, axis=a, mode="clip")  # filler rows (idx = S) read a slot, dropped below
-  scatter = lambda big, rows, a: jnp.moveaxis(
-      jnp.moveaxis(big, a, 0).at[idx].set(jnp.moveaxis(rows, a, 0).astype(big.dtype), mode="drop"), 0, a)
+  scatter = lambda big, rows, a: _put_rows(big, rows, idx, a)  # the rows' first `span` positions
+  head = _head(slots.cache, span)
   if stacked:
-    rows = KVCache(gather(slots.cache.k, 1), gather(slots.cache.v, 1), gather(slots.cache.mask, 0))
+    rows = KVCache(gather(head.k, 1), gather(head.v, 1), gather(head.mask, 0))
   else:
-    rows = KVCache(tuple(gather(x, 0) for x in slots.cache.k), tuple(gather(x, 0) for x in slots.cache.v),
-                   gather(slots.cache.mask, 0))
+    rows = KVCache(tuple(gather(x, 0) for x in head.k), tuple(gather(x, 0) for x in head.v), gather(head.mask, 0))
   cur, npos = gather(slots.cur, 0), gather(slots.npos, 0)
   # positions continue the slot's context: the new tokens' own M-RoPE positions shifted by its next one
   pos = rope_positions(tokens, attn_mask, itok, cfg.merged_grid) + npos[None, :, None]
@@ -186,11 +205,11 @@ def _extend_fn(params, slots: Slots, tokens, attn_mask, pixel_values, image_mask
                setr(slots.left, budget), setr(slots.key, keys), setr(slots.active, jnp.ones(idx.shape, bool)))
 
 
-_extend = jax.jit(_extend_fn, static_argnames=("graphdef", "image_token_id"), donate_argnums=(1,))
+_extend = jax.jit(_extend_fn, static_argnames=("graphdef", "image_token_id", "span"), donate_argnums=(1,))
 
 
 def extend(graphdef, params, slots: Slots, tokens, attn_mask, pixel_values, image_mask, idx, keys, start_state,
-           budget, image_token_id=None) -> Slots:
+           budget, image_token_id=None, span: int | None = None) -> Slots:
   """Continues the contexts held by slots `idx` [n] int32 with n LEFT-padded token blocks [n, P] (a
   multi-turn episode's next observation: only its new tokens are run; the earlier turns' keys and
   values stay in the slot). attn_mask [n, P] bool; pixel_values [n, M, H, W, 3] float32 / image_mask
@@ -198,12 +217,15 @@ def extend(graphdef, params, slots: Slots, tokens, attn_mask, pixel_values, imag
   (padding included, masked), their M-RoPE positions continue the slot's (`rope_positions` shifted by
   its next position, as one prefill of the whole context numbers them). Then the slot decodes as after
   `insert`: keys [n, 2], start_state [n], budget [n]. An index >= S drops that row. The caller checks
-  cur + P + budget + chunk <= L. `slots` is donated. Compiles once per (n, P, M).
+  cur + P + budget + chunk <= L. span: the new tokens attend over the slots' first `span` positions
+  (None: all L); the caller's span holds cur + P of every row. `slots` is donated. Compiles once per
+  (n, P, M, span).
   """
+  span = slots.cache.mask.shape[1] if span is None else int(span)
   return _extend(params, slots, jnp.asarray(tokens, jnp.int32), jnp.asarray(attn_mask, bool), pixel_values,
                  image_mask, jnp.asarray(idx, jnp.int32), jnp.asarray(keys, jnp.uint32),
                  jnp.asarray(start_state, jnp.int32), jnp.asarray(budget, jnp.int32), graphdef=graphdef,
-                 image_token_id=image_token_id)
+                 image_token_id=image_token_id, span=span)
 
 
 def release(slots: Slots, idx) -> Slots:
@@ -212,7 +234,7 @@ def release(slots: Slots, idx) -> Slots:
 
 
 def _step_fn(params, decode_weights, slots: Slots, table, *, graphdef, temperature, top_p, eos_id, pad_id,
-             chunk):
+             chunk, span):
   model = nnx.merge(graphdef, params)
   s, k = slots.state.shape[0], chunk
   use_grammar = table is not None
@@ -239,32 +261,39 @@ def _step_fn(params, decode_weights, slots: Slots, table, *, graphdef, temperatu
     last_st = jnp.take_along_axis(csts, last_i, axis=1)[:, 0]
     new_state = jnp.where(length > 0, table[jnp.maximum(last_st, 0), last_tok], slots.state)
   positions = jnp.broadcast_to((slots.npos[:, None] + jnp.arange(k))[None], (3, s, k))
-  out = model(ctoks, positions, cvalid, cache=slots.cache, cache_index=slots.cur, decode_weights=decode_weights)
+  # the first `span` positions only: every slot the caller may read later has its cursor + chunk in them,
+  # so the writes of idle slots (at their cursors, masked) land inside too and nothing past span changes
+  out = model(ctoks, positions, cvalid, cache=_head(slots.cache, span), cache_index=slots.cur,
+              decode_weights=decode_weights)
   new_last = jnp.take_along_axis(out.logits, last_i[:, :, None], axis=1)[:, 0]
   left = slots.left - length
   active = slots.active & (left > 0) & ~((length > 0) & (last_tok == eos_id))
-  new = Slots(out.cache, jnp.where((length > 0)[:, None], new_last, slots.last), new_state,
+  new = Slots(_put_head(slots.cache, out.cache), jnp.where((length > 0)[:, None], new_last, slots.last), new_state,
               slots.cur + length, slots.npos + length, left, jnp.where(live[:, None], key, slots.key), active)
   return new, Chunk(ctoks, clps, csts, length, active)
 
 
-_STEP_STATIC = ("graphdef", "temperature", "top_p", "eos_id", "pad_id", "chunk")
+_STEP_STATIC = ("graphdef", "temperature", "top_p", "eos_id", "pad_id", "chunk", "span")
 # On CPU without YNNPACK fusions, as the sampler's decode loop (`compile_options`).
 _step = compile_options.jit_per_backend(_step_fn, cpu_options=compile_options.DECODE_CPU_OPTIONS,
                                         static_argnames=_STEP_STATIC, donate_argnums=(2,))
 
 
 def step(graphdef, params, decode_weights, slots: Slots, table, *, temperature: float, top_p: float,
-         eos_id: int, pad_id: int, chunk: int) -> tuple[Slots, Chunk]:
+         eos_id: int, pad_id: int, chunk: int, span: int | None = None) -> tuple[Slots, Chunk]:
   """One decode chunk in every active slot (inactive slots emit nothing: length 0, key unchanged).
 
   decode_weights: `prepare_decode_weights(graphdef, params)` of the same params (or None).
   table: [G, V] int32 grammar automaton or None. chunk: K >= 1 tokens per step (1 sampled, the
-  rest grammar-forced; 1 without grammar). `slots` is donated. Returns (new slots, `Chunk`).
+  rest grammar-forced; 1 without grammar). span: attend over (and write into) the first `span` cache
+  positions (None: all L); it must hold cur + chunk of every slot whose cache is read later (a request
+  or an idle session), since a write past it is clamped into it. `slots` is donated.
+  Returns (new slots, `Chunk`).
   """
   return _step(params, decode_weights, slots, table, graphdef=graphdef, temperature=float(temperature),
                top_p=float(top_p), eos_id=int(eos_id), pad_id=int(pad_id),
-               chunk=int(chunk) if table is not None else 1)
+               chunk=int(chunk) if table is not None else 1,
+               span=slots.cache.mask.shape[1] if span is None else int(span))
 
 
 def _prepare_fn(params, *, graphdef):

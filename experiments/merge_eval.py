@@ -6,7 +6,7 @@ their uniform merge and a merge with searched α, each evaluated on every vertic
       --episodes 2 --val_episodes 1
 
 WORKDIR holds the runs of scripts/verticals.sh: `sft/` and one run per vertical (`browsing/`, `general/`,
-`game/`, the config's `verticals`). Written there:
+`game/`: the config's `verticals`, each a task set with its step budget). Written there:
   alpha_search/<i>/        θ = Σ α_k θ_k for each α candidate (`analysis.merge_eval.alpha_candidates`,
                            tars_jax.merge.interpolate; kept on a re-run): 0 is the uniform merge
                            ("merged_uniform"), the best mean validation score over the sets is
@@ -21,8 +21,8 @@ The table (markdown) is printed. Scores: success rate per task (normalised game 
 averaged over a set's tasks. Held-out evaluation uses `env.eval_seed_offset` seeds in
 `env.eval_data_mode` (held-out GUI-Browsing questions); the α search uses other seeds
 (`--val_seed_offset`) in training mode, so α is never chosen on the evaluation episodes. Every set is
-played with its own step budget (`verticals.MAX_TURNS`, capped by the config's `env.max_turns`: the
-smoke config's 3) whichever model plays it.
+played with its own step budget (`config.verticals.<set>.max_turns`, capped by the config's
+`env.max_turns`) whichever model plays it.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from envs_bridge.launch import env_fleet
-from experiments.configs import verticals as V
 from tars_jax import merge
 from tars_jax.analysis import merge_eval as ME
 from tars_jax.analysis.game_scores import summarize_with_games
@@ -71,7 +70,7 @@ def main(argv):
   del argv
   logging.getLogger().setLevel(logging.WARNING)
   config, wd = _CONFIG.value, _WORKDIR.value
-  sets = V.task_sets(config.tasks)
+  sets = {v: tuple(x.tasks) for v, x in config.verticals.items()}
   names = list(sets)
   verticals = [os.path.join(wd, v) for v in names]
   models = {"sft": os.path.join(wd, "sft"), **dict(zip(names, verticals))}
@@ -81,7 +80,7 @@ def main(argv):
   parts = state_lib.build(config)
   init = parts.init_state(config.seed)
   sessions = config.env.num_sessions
-  turns = {s: min(V.MAX_TURNS[s], config.env.max_turns) for s in sets}  # the config caps (smoke)
+  turns = {s: min(config.verticals[s].max_turns, config.env.max_turns) for s in sets}
   # One inference service for every model (weights swapped between them): each episode one session,
   # its later turns only their new tokens (multi-turn KV reuse; episodes run up to 8 turns).
   service = parts.inference_service(init["policy"], slots=sessions, seed=config.seed + 7,

@@ -35,7 +35,8 @@ CASES = list(_cases())
 def _keys(c, prefix=""):
   out = set()
   for k, v in c.items():
-    out |= _keys(v, f"{prefix}{k}.") if hasattr(v, "items") and k != "mesh" else {prefix + k}
+    # mesh and verticals hold data keyed by name (axes, task sets), not settings with one default each
+    out |= _keys(v, f"{prefix}{k}.") if hasattr(v, "items") and k not in ("mesh", "verticals") else {prefix + k}
   return out
 
 

@@ -168,6 +168,9 @@ def test_vertical_configs_share_what_merging_and_cross_evaluation_need():
     assert c.model.to_dict() == base.model.to_dict() and c.grammar.to_dict() == base.grammar.to_dict(), a
   for v, tasks in verticals.VERTICALS.items():
     assert tuple(cfgs[v].tasks) == tasks
+  for c in cfgs.values():  # every stage records the experiment's sets and their step budgets (merge_eval.py)
+    assert {v: tuple(x.tasks) for v, x in c.verticals.items()} == verticals.VERTICALS
+    assert {v: x.max_turns for v, x in c.verticals.items()} == verticals.MAX_TURNS
   assert set(cfgs["all"].tasks) == set(verticals.ALL_TASKS) == set(cfgs["sft"].tasks)
   assert len(verticals.GAME) == 13 and len(verticals.GENERAL) == 15
   assert cfgs["general"].env.launch == ("browser", "desktop") and cfgs["game"].env.launch == ("browser",)
@@ -182,6 +185,27 @@ def test_vertical_configs_share_what_merging_and_cross_evaluation_need():
   assert not any(t in verticals.DESKTOP for t in verticals.get_config("sft+smoke").data.demo_tasks)  # smoke: cheap
   # every action the experts write: the games' reference players click, drag and press keys
   assert {"click", "drag", "type", "hotkey", "finished"} <= set(base.grammar.actions)
+
+
+def test_miniwob_verticals_are_the_multi_turn_suites_ppo_on_three_disjoint_sets_with_experts():
+  """verticals_miniwob.py: each vertical is the multi-turn suite's `ppo` stage (model, grammar, PPO, budget)
+  with only its own tasks; the sets are disjoint, "all" plays every set, and every stage records the sets
+  for merge_eval.py."""
+  from experiments.configs import replication_multiturn, verticals_miniwob as vm
+  sets = vm.VERTICALS
+  tasks = [t for ts in sets.values() for t in ts]
+  assert len(tasks) == len(set(tasks)) == 6
+  for smoke in ("", "+smoke"):
+    base = replication_multiturn.get_config("ppo" + smoke).to_dict()
+    want = vm.SMOKE_VERTICALS if smoke else sets
+    for stage in vm.STAGES:
+      c = vm.get_config(stage + smoke)
+      assert {v: tuple(x.tasks) for v, x in c.verticals.items()} == want
+      assert tuple(c.tasks) == (want[stage] if stage in want else tuple(t for ts in want.values() for t in ts))
+      d = c.to_dict()
+      assert {k for k in d if d[k] != base.get(k)} == {"tasks", "verticals"}, stage
+  with pytest.raises(ValueError, match="unknown config arg"):
+    vm.get_config("sft")  # no SFT stage: the verticals start from an existing SFT run (scripts/verticals.sh SFT=)
 
 
 # -- end to end ---------------------------------------------------------------------------------------
@@ -216,8 +240,8 @@ def test_verticals_script_end_to_end_at_smoke_size(tmp_path):
     assert json.load(open(run / v / "config.json"))["policy"]["init"] == str(run / "sft")
   assert out["alpha"] == max(out["search"], key=lambda r: r["mean"])["alpha"]
   for m in models:  # each set's score is the mean of its tasks' scores in the same JSON
-    for s, tasks in verticals.task_sets(verticals.get_config("all+smoke").tasks).items():
-      assert out["scores"][m][s] == pytest.approx(ME.set_score(tasks, out["tasks"][m]))
+    for s, x in verticals.get_config("all+smoke").verticals.items():
+      assert out["scores"][m][s] == pytest.approx(ME.set_score(tuple(x.tasks), out["tasks"][m]))
   # every α candidate's checkpoint is the α-weighted average of the verticals' policies (numpy, float64)
   cfg = verticals.get_config("all+smoke")
   parts = state_lib.build(cfg)
@@ -230,3 +254,33 @@ def test_verticals_script_end_to_end_at_smoke_size(tmp_path):
     for x, y in zip(jax.tree.leaves(merged), jax.tree.leaves(want)):
       np.testing.assert_allclose(np.asarray(x, np.float64), y, rtol=1e-5, atol=1e-6)
   assert (run / "merge_eval.png").stat().st_size > 10_000
+
+
+@pytest.mark.long  # ~11 min on the 2-core machine: a smoke replication start (SFT, value pretraining), 3 PPO runs, merges
+@pytest.mark.browser
+def test_verticals_script_runs_another_configs_verticals_from_an_existing_sft_run(tmp_path):
+  """`scripts/verticals.sh` with CFG=verticals_miniwob.py, SFT= and CRITIC= (MOD=smoke): no demonstrations or
+  SFT stage; the SFT run is linked as the shared start, each of the config's verticals trains from it and
+  from the given critic, and merge_eval plays every model on the config's sets."""
+  import json
+  import os
+  import subprocess
+  from experiments.configs import verticals_miniwob as vm
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  rep, run = tmp_path / "rep", tmp_path / "v"
+  env = dict(os.environ, MOD="smoke", RUN=str(rep), VARIANTS="ppo", SEEDS="0")
+  p = subprocess.run(["bash", "scripts/replicate.sh", "--jobs", "1"], cwd=root, env=env, capture_output=True,
+                     text=True, timeout=1200)
+  assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+  env = dict(os.environ, MOD="smoke", RUN=str(run), SFT=str(rep / "sft" / "seed_0"), EPISODES="3", VAL_EPISODES="1",
+             CRITIC=str(rep / "vpt" / "seed_0" / "critic"), CFG="experiments/configs/verticals_miniwob.py")
+  p = subprocess.run(["bash", "scripts/verticals.sh"], cwd=root, env=env, capture_output=True, text=True, timeout=1700)
+  assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+  assert os.path.realpath(run / "sft") == str((rep / "sft" / "seed_0").resolve()) and not (run / "demos").exists()
+  out = json.load(open(run / "merge_eval.json"))
+  assert out["sets"] == {v: list(ts) for v, ts in vm.SMOKE_VERTICALS.items()}
+  assert set(out["scores"]) == {"sft", *vm.SMOKE_VERTICALS, "merged_uniform", "merged_searched", "task_arithmetic"}
+  for v, tasks in vm.SMOKE_VERTICALS.items():
+    cfg = json.load(open(run / v / "config.json"))
+    assert tuple(cfg["tasks"]) == tasks and cfg["policy"]["init"] == str(run / "sft")
+    assert cfg["critic"]["init"] == str((rep / "vpt" / "seed_0" / "critic").resolve())

@@ -387,6 +387,11 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   # "(2,1,2,2)"); rules re-map logical axes to mesh axes, e.g. {"mlp": "fsdp"} (sharding.DEFAULT_RULES).
   c.mesh = mlc.ConfigDict({"shape": (), "rules": {}})
 
+  # --- Vertical agents (experiments/merge_eval.py; report section 2.6) ------------------------------
+  # {vertical: {"tasks": (...), "max_turns": n}}: the task sets of a merge experiment, each played with
+  # its step budget (experiments/configs/verticals.py, verticals_miniwob.py); empty elsewhere.
+  c.verticals = mlc.ConfigDict()
+
   # --- Processes (tars_jax/distributed.py; docs/running.md, "Multi-process runs") ------------------------------
   # num_processes: 1 = one process (nothing started); N > 1 = N processes (one per host or device
   # group) through jax.distributed, the mesh spanning all of them and each driving its share of

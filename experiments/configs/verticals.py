@@ -58,10 +58,10 @@ ARGS = (*STAGES, *(s + "+smoke" for s in STAGES))
 MAX_TURNS = {"browsing": 8, "general": 8, "game": 8}
 
 
-def task_sets(tasks) -> dict[str, tuple[str, ...]]:
-  """{vertical: its tasks among `tasks`} for the verticals with any (a config's `tasks` -> its sets)."""
-  sets = {v: tuple(t for t in ts if t in set(tasks)) for v, ts in VERTICALS.items()}
-  return {v: ts for v, ts in sets.items() if ts}
+def vertical_sets(sets: dict[str, tuple[str, ...]], max_turns: dict[str, int]) -> mlc.ConfigDict:
+  """`config.verticals`: {vertical: {"tasks": its task set, "max_turns": the step budget every model plays
+  it with}}, in the verticals' order (the merge's α order; experiments/merge_eval.py)."""
+  return mlc.ConfigDict({v: {"tasks": tuple(ts), "max_turns": int(max_turns[v])} for v, ts in sets.items()})
 
 
 def get_config(arg: str | None = None) -> mlc.ConfigDict:
@@ -71,6 +71,8 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   sets = SMOKE_VERTICALS if smoke else VERTICALS
   tasks = sets[stage] if stage in sets else tuple(t for ts in sets.values() for t in ts)
   c.tasks = tasks
+  # The experiment's task sets and each one's step budget (experiments/merge_eval.py reads them)
+  c.verticals = vertical_sets(sets, {v: 3 if smoke else MAX_TURNS[v] for v in sets})
 
   # --- One grammar for every vertical: clicks, typing, keys (scrolling pages, playing games), drags (the
   # games' reference players drag) and answers as long as the longest GUI-Browsing answer (70 bytes) ---

@@ -261,8 +261,9 @@ def _step_fn(params, decode_weights, slots: Slots, table, *, graphdef, temperatu
     last_st = jnp.take_along_axis(csts, last_i, axis=1)[:, 0]
     new_state = jnp.where(length > 0, table[jnp.maximum(last_st, 0), last_tok], slots.state)
   positions = jnp.broadcast_to((slots.npos[:, None] + jnp.arange(k))[None], (3, s, k))
-  # the first `span` positions only: every slot the caller may read later has its cursor + chunk in them,
-  # so the writes of idle slots (at their cursors, masked) land inside too and nothing past span changes
+  # the first `span` positions only: every slot the caller reads later (a request, an idle session) has
+  # its cursor + chunk inside, so its write lands where it would in the whole cache; a free slot's write
+  # may be clamped into its own row, which holds nothing (`insert` rewrites a row it fills)
   out = model(ctoks, positions, cvalid, cache=_head(slots.cache, span), cache_index=slots.cur,
               decode_weights=decode_weights)
   new_last = jnp.take_along_axis(out.logits, last_i[:, :, None], axis=1)[:, 0]

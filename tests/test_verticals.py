@@ -187,7 +187,7 @@ def test_vertical_configs_share_what_merging_and_cross_evaluation_need():
   assert {"click", "drag", "type", "hotkey", "finished"} <= set(base.grammar.actions)
 
 
-def test_miniwob_verticals_are_the_multi_turn_suites_ppo_on_three_disjoint_sets_with_experts():
+def test_miniwob_verticals_are_the_multi_turn_suites_ppo_on_three_disjoint_sets():
   """verticals_miniwob.py: each vertical is the multi-turn suite's `ppo` stage (model, grammar, PPO, budget)
   with only its own tasks; the sets are disjoint, "all" plays every set, and every stage records the sets
   for merge_eval.py."""

@@ -42,9 +42,8 @@ Args: "sft" = the SFT stage (and the demonstration budget); a variant of `VARIAN
   ppo_notext    ppo without the policy gradient on the characters a type() reply types
                 (`rl.skip_typed_text`): whether RL's erosion of the copied names (exact copies 0.54 -> 0.33
                 under `ppo_ptx` on the multi-turn suite) comes from the gradient on those characters
-  ppo_lr1e4     ppo at a third of its learning rate (1e-4): on the multi-turn suite `ppo`'s steps moved the policy
-                by an approx. KL of ~0.03 each and its entropy per free decision rose 0.32 -> 0.55 while the
-                copied names eroded; whether smaller steps keep them and still move the one-screen tasks
+  ppo_lr1e4     ppo at a third of its learning rate (1e-4): smaller steps per update, whether they keep the
+                copied names `ppo` erodes on the multi-turn suite and still move the one-screen tasks
 "+smoke" appended = tiny model and budgets.
 
 Tasks: RL and evaluation on MiniWoB++ tasks where the SFT start is partial (0.3-0.5 on training seed 0)

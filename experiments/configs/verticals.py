@@ -60,7 +60,8 @@ MAX_TURNS = {"browsing": 8, "general": 8, "game": 8}
 
 def vertical_sets(sets: dict[str, tuple[str, ...]], max_turns: dict[str, int]) -> mlc.ConfigDict:
   """`config.verticals`: {vertical: {"tasks": its task set, "max_turns": the step budget every model plays
-  it with}}, in the verticals' order (the merge's α order; experiments/merge_eval.py)."""
+  it with}}. ml_collections keeps the verticals sorted by name: that is experiments/merge_eval.py's order
+  (and the α order of its merges)."""
   return mlc.ConfigDict({v: {"tasks": tuple(ts), "max_turns": int(max_turns[v])} for v, ts in sets.items()})
 
 

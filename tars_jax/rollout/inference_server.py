@@ -472,13 +472,13 @@ class InferenceService:
       fresh.append((r, free[0]))
     return fresh, extend
 
-  def _span(self, needed: int = 0) -> int:
+  def _span(self) -> int:
     """Cache positions a step or an extend attends over: 256 * 2**k (at most `context_len`) covering
-    `needed` and every slot that holds a request or an idle session, cursor + one decode chunk (the
-    positions past it are neither read nor written: `slot_decode.step`)."""
+    every slot that holds a request or an idle session, cursor + one decode chunk (the positions past
+    it are neither read nor written: `slot_decode.step`)."""
     held = [self._cursor[s] + self.chunk for s in range(self.n_slots)
             if self._owner[s] is not None or self._pinned[s] is not None]
-    return pow2_bucket(max([needed, *held]), SPAN_FLOOR, self.context_len)
+    return pow2_bucket(max(held, default=0), SPAN_FLOOR, self.context_len)
 
   def _extend(self, plan) -> None:
     groups: dict[int, list] = {}

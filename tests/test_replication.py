@@ -370,6 +370,10 @@ def test_replication_config_variants_differ_in_one_knob():
   low = cfg_mod.get_config("ppo_lr1e4").rl  # ppo with a smaller learning rate and nothing else
   assert low.lr < base.rl.lr and {k: v for k, v in low.items() if k != "lr"} == {k: v for k, v in base.rl.items()
                                                                                  if k != "lr"}
+  low_fv = cfg_mod.get_config("ppo_lr1e4_fv").rl  # ppo_lr1e4 with the vision encoders frozen and nothing else
+  assert low_fv.freeze_vision and not low.freeze_vision
+  assert {k: v for k, v in low_fv.items() if k != "freeze_vision"} == {k: v for k, v in low.items()
+                                                                       if k != "freeze_vision"}
   assert cfg_mod.get_config("ppo_thoughts").sft.thoughts and not sft.sft.thoughts
   assert sft.sft.steps == base.sft.steps and sft.data.demo_seeds == base.data.demo_seeds
 

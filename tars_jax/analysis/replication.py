@@ -188,6 +188,8 @@ COMPARISONS = (
     (1, "ppo_notext", "sft", "PPO without the policy gradient on the typed characters improves on SFT"),
     (1, "ppo_lr1e4", "ppo", "a third of PPO's learning rate helps PPO (keeps the skills RL does not reinforce)"),
     (1, "ppo_lr1e4", "sft", "PPO at lr 1e-4 improves on its SFT start"),
+    (1, "ppo_lr1e4_fv", "ppo_lr1e4", "frozen vision encoders learn what the full update learns (PPO at lr 1e-4)"),
+    (1, "ppo_lr1e4_fv", "sft", "PPO at lr 1e-4 with frozen vision encoders improves on its SFT start"),
 )
 
 

@@ -22,7 +22,8 @@ Layout of the work dir (every stage a normal run dir of its trainer, resumable):
                            wall-clock guards may change)
   demos/                   expert demonstrations (shared by every seed and variant)
   sft/seed_<s>/            SFT from the demonstrations (sft_thoughts/ for the thoughts variant)
-  vpt/seed_<s>/            value pretraining under that SFT policy (vpt_thoughts/ likewise; without an
+  vpt/seed_<s>/            value pretraining under that SFT policy (the variant's `vpt.stage` names the dir:
+                           vpt_thoughts/, vpt30/ ... for variants that pretrain otherwise; without an
                            SFT stage, under the config's initial policy of seed s)
   <variant>/seed_<s>/      the RL run from sft/seed_<s> (critic from vpt/seed_<s> where the variant
                            pretrains it)
@@ -160,6 +161,20 @@ def check_same(old: dict, new: dict) -> list[str]:
   return sorted(one_sided)
 
 
+def check_same_vpt(vpt_of: dict[str, tuple[str, dict]], stage: str, variant: str, c) -> None:
+  """Records `variant`'s value pretraining (its `vpt` section, bookkeeping aside) under its stage name
+  `stage` in `vpt_of` {stage: (first variant, section)}; raises ConfigMismatch when a variant recorded
+  before under the same name pretrains otherwise (one run dir per name and seed: the second would reuse
+  the first's critic), naming both variants and the differing fields."""
+  mine = {k: v for k, v in c.vpt.to_dict().items() if not is_bookkeeping(k) and k != "policy_run"}
+  first, theirs = vpt_of.setdefault(stage, (variant, mine))
+  diffs = [f"vpt.{k}: {theirs.get(k)!r} ({first}) vs {mine.get(k)!r} ({variant})"
+           for k in sorted(set(theirs) | set(mine)) if theirs.get(k) != mine.get(k)]
+  if diffs:
+    raise ConfigMismatch(f"value pretraining stage {stage!r} is shared by {first} and {variant}, which pretrain "
+                         f"differently: {'; '.join(diffs)}; give one of them its own vpt.stage")
+
+
 def sft_name(variant: str) -> str:
   """The SFT stage (and its row variant) a variant starts from."""
   return "sft_thoughts" if variant == THOUGHTS else "sft"
@@ -211,6 +226,7 @@ def plan(config: str, workdir: str, seeds: list[int], variants: list[str], suffi
     add("demos", [py, "-m", "experiments.demos", "--config", cfg("sft"), *sets, "--out", W("demos")],
         W("demos", "experts.json"))
   order = ["ppo"] + [v for v in variants if v != "ppo"] if "ppo" in variants else list(variants)
+  vpt_of: dict[str, tuple[str, dict]] = {}
   for variant in order:
     for s in seeds:
       t = s if sft_seed is None else sft_seed  # the training seed of this RL run's SFT start
@@ -233,7 +249,8 @@ def plan(config: str, workdir: str, seeds: list[int], variants: list[str], suffi
           raise ValueError(f"{variant}: rl.ptx_coef needs the demonstrations of an SFT stage; {config} has none")
         train.append(f"--config.rl.ptx_data=('{W('demos')}',)")
       if c.vpt.enabled:
-        vname = ("vpt_thoughts" if variant == THOUGHTS else "vpt") + f"/seed_{t}"
+        vname = f"{c.vpt.stage}/seed_{t}"
+        check_same_vpt(vpt_of, c.vpt.stage, variant, c)
         vdir = W(vname)
         # value pretraining is the same for every variant of a start (lam_critic = 1, the start's policy)
         add(vname, [py, "-m", "experiments.value_pretrain", "--config", cfg(variant), *sets, sft_cfg_seed, "--workdir",

@@ -130,6 +130,31 @@ def test_plan_runs_the_bar_first_and_shares_sft_and_vpt(tmp_path):
   assert [s["name"] for s in thoughts][1:4] == ["sft_thoughts/seed_0", "eval/sft_thoughts/seed_0", "vpt_thoughts/seed_0"]
 
 
+def test_a_variant_that_pretrains_its_critic_otherwise_gets_its_own_value_pretraining_stage(tmp_path):
+  st = replicate.plan(CONFIG, str(tmp_path), [0], ["ppo", "ppo_lr1e4", "ppo_lr1e4_vpt30"], "+smoke")
+  by_name = {s["name"]: s for s in st}
+  assert {"vpt/seed_0", "vpt30/seed_0"} <= set(by_name)
+  assert f"--config.critic.init={tmp_path}/vpt/seed_0/critic" in by_name["ppo_lr1e4/seed_0"]["argv"]
+  assert f"--config.critic.init={tmp_path}/vpt30/seed_0/critic" in by_name["ppo_lr1e4_vpt30/seed_0"]["argv"]
+  assert "vpt30/seed_0" in by_name["ppo_lr1e4_vpt30/seed_0"]["after"]
+  assert "ppo_lr1e4_vpt30" in " ".join(by_name["vpt30/seed_0"]["argv"])  # its own config pretrains it
+  full = cfg_mod.get_config("ppo_lr1e4_vpt30")
+  assert full.vpt.max_iterations == 30 > cfg_mod.get_config("ppo_lr1e4").vpt.max_iterations
+  assert {k: v for k, v in full.rl.items()} == {k: v for k, v in cfg_mod.get_config("ppo_lr1e4").rl.items()}
+
+
+def test_two_variants_that_share_a_value_pretraining_stage_but_pretrain_differently_are_refused():
+  vpt_of = {}
+  a, b = cfg_mod.get_config("ppo"), cfg_mod.get_config("ppo_kl")
+  replicate.check_same_vpt(vpt_of, "vpt", "ppo", a)
+  replicate.check_same_vpt(vpt_of, "vpt", "ppo_kl", b)  # same value pretraining: shared
+  b.vpt.max_minutes, b.vpt.ckpt_every = 999.0, 3  # bookkeeping: still shared
+  replicate.check_same_vpt(vpt_of, "vpt", "ppo_kl", b)
+  b.vpt.max_iterations = 30
+  with pytest.raises(replicate.ConfigMismatch, match=r"'vpt' is shared by ppo and ppo_kl.*vpt.max_iterations: 10 \(ppo\) vs 30"):
+    replicate.check_same_vpt(vpt_of, "vpt", "ppo_kl", b)
+
+
 def test_one_sft_start_for_every_rl_seed_plans_it_once_and_pairs_its_rows_with_each_rl_seed(tmp_path):
   st = replicate.plan(CONFIG, str(tmp_path), [0, 1, 2], ["ppo_thoughts"], "+smoke", sft_seed=1)
   names = [s["name"] for s in st]

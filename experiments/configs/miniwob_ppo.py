@@ -30,6 +30,9 @@ def vpt_section(smoke: bool) -> mlc.ConfigDict:
   # critic.init; experiments/train.py refuses such a config without critic.init.
   v.enabled = False
   v.policy_run = ""  # run dir whose latest checkpoint is the fixed policy; "" = initial policy
+  # experiments/replicate.py's stage (and directory) name of this value pretraining, one per training seed,
+  # shared by every variant that names it: a variant whose value pretraining differs names its own
+  v.stage = "vpt"
   v.max_iterations = 2 if smoke else 30
   v.max_minutes = 30.0 if smoke else 60.0  # guard only (tars_jax/train/guard.py): the budget is max_iterations
   # Stop when `patience` consecutive fresh batches have value loss <= .. and explained var >= ..

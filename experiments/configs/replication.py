@@ -44,6 +44,9 @@ Args: "sft" = the SFT stage (and the demonstration budget); a variant of `VARIAN
                 under `ppo_ptx` on the multi-turn suite) comes from the gradient on those characters
   ppo_lr1e4     ppo at a third of its learning rate (1e-4): smaller steps per update, whether they keep the
                 copied names `ppo` erodes on the multi-turn suite and still move the one-screen tasks
+  ppo_lr1e4_vpt30  ppo_lr1e4 after 30 iterations of value pretraining instead of 10 (its own stage, vpt30/): after
+                10 (80 critic steps) the critic's value is one constant, ~0.35 on every task of the multi-turn suite
+                (success 0.17-0.64), so each task's advantages are its returns minus the suite's mean success
   ppo_lr1e4_fv  ppo_lr1e4 with both vision encoders frozen (`rl.freeze_vision`, as ppo_fv): beside ppo_lr1e4 on
                 the same seeds, whether the cheaper update (1.4x less update time) learns what it learns
 "+smoke" appended = tiny model and budgets.
@@ -61,7 +64,7 @@ from experiments.configs import miniwob_pipeline
 
 VARIANTS = ("ppo", "grpo", "ppo_novpt", "ppo_coupled", "ppo_lenadapt", "ppo_kl", "grpo_kl", "ppo_topent",
             "ppo_kl_topent", "ppo_kl_1ep", "ppo_kl_mc", "ppo_kl_ptx", "ppo_ptx", "ppo_thoughts", "ppo_fv",
-            "ppo_notext", "ppo_lr1e4", "ppo_lr1e4_fv")
+            "ppo_notext", "ppo_lr1e4", "ppo_lr1e4_fv", "ppo_lr1e4_vpt30")
 STAGES = ("sft", "sft_thoughts", *VARIANTS)
 ARGS = (*STAGES, *(s + "+smoke" for s in STAGES))
 
@@ -144,8 +147,12 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
     c.rl.freeze_vision = True
   if stage == "ppo_notext":
     c.rl.skip_typed_text = True
-  if stage in ("ppo_lr1e4", "ppo_lr1e4_fv"):
+  if stage in ("ppo_lr1e4", "ppo_lr1e4_fv", "ppo_lr1e4_vpt30"):
     c.rl.lr = 1e-4
+  if stage == "ppo_lr1e4_vpt30":
+    c.vpt.max_iterations, c.vpt.stage = 2 if smoke else 30, "vpt30"
+  if thoughts:
+    c.vpt.stage = "vpt_thoughts"
   if stage in ("ppo_topent", "ppo_kl_topent"):
     c.rl.top_entropy_frac = 0.2
   return c

@@ -74,3 +74,32 @@ def test_rerun_resumes_instead_of_redoing(pipeline_run):
   # the training stages found their finished checkpoints: no step was trained twice
   assert {s: read_metrics(str(run / s))[-1]["step"] for s in steps} == steps
   assert "resumed from" not in p.stdout  # finished stages are not started again (run.is_done)
+
+
+def test_critic_by_task_reads_the_rl_runs_rollouts_and_fits_its_critic(pipeline_run):
+  """experiments/critic_by_task.py on the pipeline's own PPO run: per task the episodes and successes of its
+  recorded rollouts (checked against the records), the value-pretrained critic's values, and after --fit the
+  critic steps of value pretraining's update (epochs x minibatches)."""
+  import math
+  import re
+  import sys
+  run, _ = pipeline_run
+  cfg = json.load(open(run / "ppo" / "config.json"))
+  p = subprocess.run([sys.executable, "-m", "experiments.critic_by_task", "--run", str(run / "ppo"), "--critic",
+                      str(run / "vpt" / "critic"), "--iterations", "1-2", "--fit", "1", "--passes", "1", "--epochs", "2"],
+                     cwd=ROOT, capture_output=True, text=True, timeout=900)
+  assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+  tables = p.stdout.split("\ncritic as loaded")[1].split("\nafter pass 1")
+  assert len(tables) == 2
+  rolled = [ep for ep, prov in records.read_episodes(str(run / "ppo" / "rollouts")) if prov["policy_version"] < 2]
+  for table in tables:
+    rows = {m[0]: (int(m[1]), float(m[2]), float(m[3])) for m in
+            re.findall(r"\| (\S+) \| (\d+) \| ([\d.]+) \| (-?[\d.]+) \(", table)}
+    assert set(rows) == {ep.task for ep in rolled}
+    for task, (n, success, value) in rows.items():
+      mine = [ep for ep in rolled if ep.task == task]
+      assert n == len(mine) and success == pytest.approx(np.mean([ep.success for ep in mine]), abs=5e-4)
+      assert np.isfinite(value)
+  per_iteration = sum(1 for ep, prov in records.read_episodes(str(run / "ppo" / "rollouts")) if prov["policy_version"] == 0)
+  steps = 2 * math.ceil(per_iteration / cfg["vpt"]["minibatch_size"])
+  assert f"({steps} critic steps, lr {cfg['vpt']['lr']:g}, 2 epochs per batch)" in p.stdout

@@ -11,15 +11,19 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Sequence
+import re
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from tars_jax.agent import actions
 from tars_jax.train.metrics import read_metrics
 
+if TYPE_CHECKING:
+  from tars_jax.agent.trajectory import Episode
+
 __all__ = ["read_metrics", "TRAINING_PANELS", "series", "panel_keys", "absent_keys", "smooth",
-           "reply_point", "saved_episodes", "budget_curves", "success_curves"]
+           "reply_point", "rollout_episodes", "saved_episodes", "budget_curves", "success_curves"]
 
 # Training-dynamics panels of notebooks/training_dynamics.ipynb: (title, keys). A key ending in '*'
 # stands for every logged key with that prefix (reward_terms/* = each reward-shaping term).
@@ -86,6 +90,17 @@ def reply_point(reply: str, width: int, height: int) -> tuple[str, str, tuple[fl
   if "x1" in px:
     return thought, text, (px["x1"], px["y1"])
   return thought, text, None
+
+
+def rollout_episodes(run_rollouts: str) -> list[tuple[int, Episode]]:
+  """(iteration, Episode) of every episode in a run's rollout records (experiments/train.py writes
+  `iter_<n>-<k>.array_record` shards into `<run>/rollouts`; the iteration, 1-based, from each shard's
+  name), in shard then record order. Raises FileNotFoundError when the directory holds no dataset.json."""
+  from tars_jax.data import records
+  shards = records.read_index(run_rollouts)["shards"]
+  iters = [it for s in shards for it in [int(re.match(r"iter_(\d+)", s["file"]).group(1))] * s["records"]]
+  eps = records.read_episodes(run_rollouts)  # shard order, then record order: aligned with `iters`
+  return [(it, ep) for it, (ep, _) in zip(iters, eps, strict=True)]
 
 
 def saved_episodes(run: str, limit: int | None = None) -> list[dict]:

@@ -65,9 +65,6 @@ def rollout_episodes(run_rollouts: str, task: str) -> list[tuple[int, str, list[
   """(iteration, instruction, turn texts, success) of `task`'s episodes in a run's rollout records
   (`iter_<n>-<k>.array_record` shards of `<run>/rollouts`; the iteration from each shard's name).
   Raises FileNotFoundError when the directory holds no dataset.json."""
-  from tars_jax.data import records
-  shards = records.read_index(run_rollouts)["shards"]
-  iters = [it for s in shards for it in [int(re.match(r"iter_(\d+)", s["file"]).group(1))] * s["records"]]
-  eps = records.read_episodes(run_rollouts)  # shard order, then record order: aligned with `iters`
+  from tars_jax.analysis.run_data import rollout_episodes as iteration_episodes
   return [(it, ep.instruction, [t.text for t in ep.turns], bool(ep.success))
-          for it, (ep, _) in zip(iters, eps, strict=True) if ep.task == task]
+          for it, ep in iteration_episodes(run_rollouts) if ep.task == task]

@@ -45,9 +45,9 @@ Args: "sft" = the SFT stage (and the demonstration budget); a variant of `VARIAN
   ppo_lr1e4     ppo at a third of its learning rate (1e-4): smaller steps per update, whether they keep the
                 copied names `ppo` erodes on the multi-turn suite and still move the one-screen tasks
   ppo_lr1e4_vpt30  ppo_lr1e4 after 30 iterations of value pretraining instead of 10 (its own stage, vpt30/): after
-                10 (80 critic steps) the critic's value at an episode's first decision is one constant on every
-                task of the multi-turn suite (0.34-0.36 where success is 0.09-0.70, experiments/critic_by_task.py):
-                a baseline that removes none of the returns' between-task variance
+                10 (80 critic steps) the critic's value at an episode's first decision was one constant on every
+                task of the multi-turn suite on two of three seeds (0.34-0.36 where success is 0.09-0.70,
+                experiments/critic_by_task.py): a baseline that removes none of the returns' between-task variance
   ppo_lr1e4_fv  ppo_lr1e4 with both vision encoders frozen (`rl.freeze_vision`, as ppo_fv): beside ppo_lr1e4 on
                 the same seeds, whether the cheaper update (1.4x less update time) learns what it learns
 "+smoke" appended = tiny model and budgets.

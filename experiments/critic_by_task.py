@@ -32,7 +32,7 @@ from absl import app, flags
 from tars_jax.agent.trajectory import collate
 from tars_jax.analysis import critic_by_task as cbt
 from tars_jax.analysis.run_data import rollout_episodes
-from tars_jax.train import checkpoint, ppo
+from tars_jax.train import ppo
 from tars_jax.train import state as state_lib
 from tars_jax.train import value_pretrain as vpt
 
@@ -62,12 +62,9 @@ def iteration_range(text: str) -> range:
 def load_critic(parts, config, path: str):
   """The critic parameters at `path` (see --critic), in the run's model structure."""
   state = parts.init_state(config.seed)
-  if os.path.isdir(os.path.join(path, "checkpoints")) or os.path.basename(os.path.dirname(path)) == "checkpoints":
-    run, step = state_lib.checkpoint_location(path)
-    mngr = checkpoint.manager(run)
-    step, restored, _ = checkpoint.restore(mngr, state, step)
-    mngr.close()
-    print(f"critic: {run} checkpoint {step}")
+  if os.path.isdir(os.path.join(state_lib.checkpoint_location(path)[0], "checkpoints")):  # a run or its step dir
+    restored, _, src = state_lib.restore_run_state(state, path)
+    print(f"critic: {src}")
     return restored["critic"]
   print(f"critic: {path}")
   return state_lib.load_critic(state, path, parts.copt)["critic"]

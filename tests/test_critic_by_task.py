@@ -1,5 +1,5 @@
-"""tars_jax/analysis/critic_by_task.py by hand; experiments/critic_by_task.py on a smoke PPO run's own
-rollouts and critic (real sandbox, real checkpoint)."""
+"""tars_jax/analysis/critic_by_task.py by hand. experiments/critic_by_task.py on a smoke PPO run's own
+rollouts and critic (real sandbox, real checkpoint) is tests/test_pipeline.py's, on the pipeline's run."""
 
 import numpy as np
 import pytest

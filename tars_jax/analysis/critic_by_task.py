@@ -2,9 +2,8 @@
 success, on a run's recorded rollouts (`<run>/rollouts`, experiments/train.py's records).
 
 The critic of a multi-task PPO run is the baseline of every task's advantages. A critic whose value is one
-constant across tasks makes each task's advantages its returns minus the batch's mean success: a task the
-policy mostly fails gets mostly negative advantages on every token of every episode, the skills its
-failures share with successes included (issue #37 item 4: the copied names of the typing tasks).
+constant across tasks makes each task's advantages its returns minus the batch's mean success: no bias in
+the policy gradient's expectation, but none of the returns' between-task variance removed (issue #37 item 4).
 experiments/critic_by_task.py prints the table; the per-token statistics over whole episodes
 (explained variance, corr(value, return)) are the trainers' `train/*` metrics.
 """

@@ -215,10 +215,8 @@ def checkpoint_location(path: str) -> tuple[str, int | None]:
   return path, None
 
 
-def restore_policy(state: Any, path: str) -> tuple[Any, int, str]:
-  """The policy of a run's checkpoint: (policy nnx.State, checkpoint step, "<checkpoint dir>/<step>").
-  The one "load a run's policy" of evaluation, export, merge evaluation, the ORM scorer, the remote
-  inference service and `load_policy` (a trainer's `policy.init`).
+def restore_run_state(state: Any, path: str) -> tuple[dict, int, str]:
+  """A run's checkpointed train state: (state dict, checkpoint step, "<checkpoint dir>/<step>").
 
   state: the train state of the run's model config (or its `jax.eval_shape`): the checkpoint is
     restored into its structure and shardings.
@@ -231,7 +229,16 @@ def restore_policy(state: Any, path: str) -> tuple[Any, int, str]:
   mngr = checkpoint.manager(run)
   step, restored, _ = checkpoint.restore(mngr, state, step)
   mngr.close()
-  return restored["policy"], step, f"{mngr.directory}/{step}"
+  return restored, step, f"{mngr.directory}/{step}"
+
+
+def restore_policy(state: Any, path: str) -> tuple[Any, int, str]:
+  """The policy of a run's checkpoint: (policy nnx.State, checkpoint step, "<checkpoint dir>/<step>").
+  The one "load a run's policy" of evaluation, export, merge evaluation, the ORM scorer, the remote
+  inference service and `load_policy` (a trainer's `policy.init`). Arguments and errors: `restore_run_state`.
+  """
+  restored, step, src = restore_run_state(state, path)
+  return restored["policy"], step, src
 
 
 def load_policy(state: dict, path: str, popt) -> tuple[dict, str]:

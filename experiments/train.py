@@ -45,7 +45,7 @@ from tars_jax.rollout import pool as pool_lib
 from tars_jax.rollout.agent_loop import run_episodes, trainable
 from tars_jax.rollout.episode import RolloutStats
 from tars_jax.rollout.inference_remote import RemoteInference
-from tars_jax.rollout.jobs import group_ids, rollout_jobs
+from tars_jax.rollout.jobs import group_ids, rollout_jobs, task_ids
 from tars_jax.train import orm as orm_lib
 from tars_jax.train import checkpoint as ckpt
 from tars_jax.train import guard as guard_lib
@@ -221,7 +221,8 @@ def main(argv):
                                   rng=np.random.default_rng([config.seed, it]), n_real=len(episodes),
                                   scores=np.array([e.shaped_return for e in episodes], np.float32),
                                   group_ids=group_ids(episodes), ref_params=ref_params,
-                                  minibatch_by_length=config.rl.minibatch_by_length, ptx_batches=ptx_iter)
+                                  minibatch_by_length=config.rl.minibatch_by_length, ptx_batches=ptx_iter,
+                                  task_ids=task_ids(episodes))
 
         if pool is not None:  # the update runs in a thread while the loop keeps the pool's episodes going
           state, train_m = loop.run_until_complete(asyncio.to_thread(update))

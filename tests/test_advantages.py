@@ -298,3 +298,26 @@ def test_group_advantages_vmap_equals_loop():
     got = jax.jit(jax.vmap(fn))(scores, ids)
     for n in range(3):
       np.testing.assert_allclose(got[n], fn(scores[n], ids[n]), atol=1e-5)
+
+
+def test_task_centered_subtracts_each_tasks_weighted_mean_and_leaves_rows_without_a_task():
+  """Per-task baseline: a loop over tasks computes the weighted means; task ids are arbitrary ints."""
+  rng = np.random.default_rng(0)
+  adv = rng.normal(size=(5, 4)).astype(np.float32) * 3.0
+  w = (rng.random((5, 4)) > 0.3).astype(np.float32)
+  w[4] = 0.0  # a task (id 9) whose only row has no weighted token: no offset
+  row_task = np.array([7, 100, 7, -1, 9])
+  want_off = np.zeros(5)
+  for t in (7, 100):
+    rows = row_task == t
+    want_off[rows] = (adv[rows] * w[rows]).sum() / w[rows].sum()
+  centered, off = A.task_centered(jnp.asarray(adv), jnp.asarray(w), jnp.asarray(row_task))
+  np.testing.assert_allclose(off, want_off, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(centered, adv - want_off[:, None], rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(centered)[3], adv[3])  # padding row (-1) unchanged
+  for t in (7, 100):  # what is left has weighted mean 0 within each task
+    rows = row_task == t
+    assert abs(float((np.asarray(centered)[rows] * w[rows]).sum())) < 1e-4 * float(np.abs(adv).sum())
+  jitted = jax.jit(A.task_centered)(jnp.asarray(adv), jnp.asarray(w), jnp.asarray(row_task))
+  np.testing.assert_allclose(jitted[0], centered, rtol=1e-6, atol=1e-6)
+

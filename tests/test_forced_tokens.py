@@ -223,3 +223,20 @@ def test_prepare_lambda_and_informative_fraction_count_free_decisions():
   # no table: every model token a decision (10 and 6 tokens)
   _, _, _, d0 = ppo.prepare(state["critic"], batch, None, critic_gd=parts.critic_gd, hp=hp, inputs=parts.inputs)
   assert float(d0["lam_policy_mean"]) == pytest.approx(((1 - 1 / 5) + (1 - 1 / 3)) / 2)
+  # Per-task baseline (rl.task_baseline): both real rows one task, the padding row none. The offset is
+  # their advantages' mean over free decisions; it is logged whether the baseline is on or off.
+  row_task = np.array([3, 3, -1], np.int32)
+  want_adv = np.asarray(want_adv)
+  offset = float((want_adv * free).sum() / free.sum())
+  _, adv_off, _, d_off = ppo.prepare(state["critic"], batch, jnp.asarray(table), row_task,
+                                     critic_gd=parts.critic_gd, hp=hp, inputs=parts.inputs)
+  np.testing.assert_allclose(adv_off, adv, atol=1e-6)
+  assert float(d_off["advantage_task_offset"]) == pytest.approx(abs(offset), rel=1e-4)
+  hp_task = dataclasses.replace(hp, task_baseline=True)
+  _, adv_on, _, d_on = ppo.prepare(state["critic"], batch, jnp.asarray(table), row_task,
+                                   critic_gd=parts.critic_gd, hp=hp_task, inputs=parts.inputs)
+  np.testing.assert_allclose(adv_on, (want_adv - offset) * loss, atol=1e-5)
+  assert float(d_on["advantage_abs_mean"]) == pytest.approx(np.abs(want_adv - offset)[free > 0].mean(), rel=1e-4)
+  with pytest.raises(ValueError, match="task_baseline"):
+    ppo.prepare(state["critic"], batch, jnp.asarray(table), critic_gd=parts.critic_gd, hp=hp_task,
+                inputs=parts.inputs)

@@ -399,6 +399,10 @@ def test_replication_config_variants_differ_in_one_knob():
   assert low_fv.freeze_vision and not low.freeze_vision
   assert {k: v for k, v in low_fv.items() if k != "freeze_vision"} == {k: v for k, v in low.items()
                                                                        if k != "freeze_vision"}
+  low_task = cfg_mod.get_config("ppo_lr1e4_task").rl  # ppo_lr1e4 with the per-task baseline and nothing else
+  assert low_task.task_baseline and not low.task_baseline
+  assert {k: v for k, v in low_task.items() if k != "task_baseline"} == {k: v for k, v in low.items()
+                                                                         if k != "task_baseline"}
   assert cfg_mod.get_config("ppo_thoughts").sft.thoughts and not sft.sft.thoughts
   assert sft.sft.steps == base.sft.steps and sft.data.demo_seeds == base.data.demo_seeds
 

@@ -354,6 +354,10 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   # The vision encoders of policy and critic stay as SFT / value pretraining left them: their screenshot
   # features are computed once per rollout batch instead of in every minibatch step (no encoder backward).
   c.rl.freeze_vision = False
+  # PPO: a per-task baseline on top of the critic's (each episode's advantages minus its task's mean in
+  # the batch, before whitening): for a critic that does not yet tell the tasks apart. The offset it
+  # removes is logged either way (train/advantage_task_offset).
+  c.rl.task_baseline = False
   c.rl.epochs = 2
   c.rl.minibatch_size = 16
   # Minibatches of rows of similar length (tars_jax/train/ppo.py `minibatch_rows`): each is cut to its

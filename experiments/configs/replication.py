@@ -50,6 +50,9 @@ Args: "sft" = the SFT stage (and the demonstration budget); a variant of `VARIAN
                 experiments/critic_by_task.py): a baseline that removes none of the returns' between-task variance
   ppo_lr1e4_fv  ppo_lr1e4 with both vision encoders frozen (`rl.freeze_vision`, as ppo_fv): beside ppo_lr1e4 on
                 the same seeds, whether the cheaper update (1.4x less update time) learns what it learns
+  ppo_lr1e4_task  ppo_lr1e4 with a per-task baseline (`rl.task_baseline`): each episode's advantages lose the
+                mean advantage of its task's episodes in the batch, the between-task offset a critic that does
+                not tell the tasks apart leaves in; the other route to the same baseline as ppo_lr1e4_vpt30
 "+smoke" appended = tiny model and budgets.
 
 Tasks: RL and evaluation on MiniWoB++ tasks where the SFT start is partial (0.3-0.5 on training seed 0)
@@ -65,7 +68,7 @@ from experiments.configs import miniwob_pipeline
 
 VARIANTS = ("ppo", "grpo", "ppo_novpt", "ppo_coupled", "ppo_lenadapt", "ppo_kl", "grpo_kl", "ppo_topent",
             "ppo_kl_topent", "ppo_kl_1ep", "ppo_kl_mc", "ppo_kl_ptx", "ppo_ptx", "ppo_thoughts", "ppo_fv",
-            "ppo_notext", "ppo_lr1e4", "ppo_lr1e4_fv", "ppo_lr1e4_vpt30")
+            "ppo_notext", "ppo_lr1e4", "ppo_lr1e4_fv", "ppo_lr1e4_vpt30", "ppo_lr1e4_task")
 STAGES = ("sft", "sft_thoughts", *VARIANTS)
 ARGS = (*STAGES, *(s + "+smoke" for s in STAGES))
 
@@ -148,8 +151,10 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
     c.rl.freeze_vision = True
   if stage == "ppo_notext":
     c.rl.skip_typed_text = True
-  if stage in ("ppo_lr1e4", "ppo_lr1e4_fv", "ppo_lr1e4_vpt30"):
+  if stage in ("ppo_lr1e4", "ppo_lr1e4_fv", "ppo_lr1e4_vpt30", "ppo_lr1e4_task"):
     c.rl.lr = 1e-4
+  if stage == "ppo_lr1e4_task":
+    c.rl.task_baseline = True
   if stage == "ppo_lr1e4_vpt30":
     c.vpt.max_iterations, c.vpt.stage = 2 if smoke else 30, "vpt30"
   if thoughts:

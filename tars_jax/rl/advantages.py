@@ -182,6 +182,31 @@ def decoupled_gae(rewards, values, mask, gamma, lam_policy, lam_critic, next_row
   return adv, ret
 
 
+def task_centered(adv: jax.Array, weights: jax.Array, row_task: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Advantages with a per-task baseline: each row's advantages minus the mean advantage of its task.
+
+  The mean is over every token of every row of the task, weighted by `weights` (the free decisions),
+  so a task whose episodes all do worse (or better) than a critic's estimate loses that offset and
+  keeps only the differences between its own episodes: the between-task part of the advantage that a
+  critic which does not tell the tasks apart leaves in (benchmarks/RESULTS.md, "What the multi-turn
+  suite's critic knows"), as a group baseline removes it per screen (`grpo_advantages`), here per task.
+  Args:
+    adv: [B, T] float32 advantages (before whitening); weights: [B, T] float32 (0 / 1 mask);
+    row_task: [B] int task id of each row (any ints; < 0 = no task, e.g. a padding row: unchanged).
+  Returns: (centered [B, T] float32 = adv - offset[:, None], offset [B] float32 = the row's task mean,
+    0 for rows without a task or a task without weighted tokens).
+  """
+  adv, weights = _f32(adv), _f32(weights)
+  ids = jnp.asarray(row_task)
+  b = adv.shape[0]
+  _, seg = jnp.unique(ids, return_inverse=True, size=b)  # dense ids in [0, B), static size (jits)
+  seg = seg.reshape(b)
+  tot = jax.ops.segment_sum((adv * weights).sum(-1), seg, b)
+  cnt = jax.ops.segment_sum(weights.sum(-1), seg, b)
+  offset = jnp.where((ids >= 0) & (cnt[seg] > 0), tot[seg] / jnp.maximum(cnt[seg], 1e-9), 0.0)
+  return adv - offset[:, None], offset
+
+
 def _group_stats(scores: jax.Array, group_ids: jax.Array):
   """Per-element (group size, group sum, group mean, unbiased group std); any int ids allowed."""
   b = scores.shape[0]

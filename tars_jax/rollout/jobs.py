@@ -29,3 +29,9 @@ def group_ids(episodes) -> np.ndarray:
   """[B] int32: one id per distinct (task, seed) among the episodes (their GRPO/RLOO group)."""
   keys: dict[tuple[str, int], int] = {}
   return np.array([keys.setdefault((e.task, e.seed), len(keys)) for e in episodes], np.int32)
+
+
+def task_ids(episodes) -> np.ndarray:
+  """[B] int32: one id per distinct task among the episodes (`rl.task_baseline`'s groups)."""
+  keys: dict[str, int] = {}
+  return np.array([keys.setdefault(e.task, len(keys)) for e in episodes], np.int32)

@@ -79,6 +79,10 @@ class PPOHparams:
     of the update takes them as constants, so no minibatch step runs an encoder forward or backward;
     the encoders' parameters stay exactly where they are (`keep_frozen` after each step: weight decay
     and PPO-ptx's gradient included). False trains them.
+  task_baseline: PPO only: before whitening, each episode's advantages lose the mean advantage of its
+    task's episodes in the batch (`advantages.task_centered`, over free decisions): a per-task
+    baseline on top of the critic's, for a critic that does not yet tell the tasks apart (`prepare`
+    logs the offset it removes, `advantage_task_offset`, whether on or off). Needs `ppo_update(task_ids=)`.
   skip_typed_text: the policy gradient leaves out the characters a `type(content='...')` reply types
     (`rl.typed_text.typed_text_targets`; byte tokenizer only): RL then moves the actions and where they
     point, never the copied text itself (an ablation, issue #37 item 4). Entropy bonus and KL term keep
@@ -110,6 +114,7 @@ class PPOHparams:
   freeze_vision: bool
   temperature: float
   skip_typed_text: bool
+  task_baseline: bool
 
   def __post_init__(self):
     if self.algo not in ALGOS:
@@ -372,21 +377,35 @@ def outcome_advantages(scores: np.ndarray, group_ids: np.ndarray, algo: str) -> 
 
 
 @functools.partial(jax.jit, static_argnames=("critic_gd", "hp", "inputs"))
-def prepare(critic_params, batch: dict, table=None, *, critic_gd, hp: PPOHparams, inputs: ModelInputs):
+def prepare(critic_params, batch: dict, table=None, row_task=None, *, critic_gd, hp: PPOHparams,
+            inputs: ModelInputs):
   """Values, advantages, returns [B,T-1] float32 and diagnostics of a rollout batch (jitted).
 
   table: the grammar table the batch was sampled under ([S, V] int32), or None (unconstrained, or a
-  caller that needs only values and returns, which do not depend on it). Diagnostics:
+  caller that needs only values and returns, which do not depend on it). row_task: None, or [B] int
+  task id of each row (-1 for padding rows): `hp.task_baseline` needs it. Diagnostics:
   explained_variance, value_return_corr, value_mean, return_mean (over model tokens);
   lam_policy_mean (over episodes); advantage_abs_mean (mean |A| before whitening over free
-  decisions) and informative_fraction (`rl.metrics.informative_fraction` of the same advantages).
+  decisions, after the task baseline) and informative_fraction (`rl.metrics.informative_fraction` of
+  the same advantages); with row_task, advantage_task_offset: the mean over free decisions of |the
+  mean advantage of the token's task| before the task baseline (0 when the critic's values leave no
+  task better or worse off than expected).
+  Raises: ValueError if `hp.task_baseline` and row_task is None.
   """
   values = critic_values(critic_gd, critic_params, batch, inputs, frozen_features(batch, CRITIC_FEATURES, hp))
   mask = batch["loss_mask"]
   free = free_decisions(table, batch["states"], mask)
   raw, ret = raw_advantages(values, batch, hp, free)
+  diag = {}
+  if row_task is not None:
+    centered, offset = adv_lib.task_centered(raw, free, row_task)
+    diag["advantage_task_offset"] = adv_lib.masked_mean(jnp.broadcast_to(jnp.abs(offset)[:, None], free.shape), free)
+    if hp.task_baseline:
+      raw = centered * mask
+  elif hp.task_baseline:
+    raise ValueError("rl.task_baseline needs the task of every row (ppo_update(task_ids=...))")
   adv = _whiten(raw, mask, free, hp)
-  diag = dict(explained_variance=rl_metrics.explained_variance(ret, values, mask),
+  diag.update(explained_variance=rl_metrics.explained_variance(ret, values, mask),
               value_return_corr=rl_metrics.masked_corr(values, ret, mask),
               value_mean=adv_lib.masked_mean(values, mask), return_mean=adv_lib.masked_mean(ret, mask),
               advantage_abs_mean=adv_lib.masked_mean(jnp.abs(raw), free),
@@ -466,7 +485,8 @@ def ppo_update(state: dict, batch: dict[str, np.ndarray], table, *, policy_gd, c
                hp: PPOHparams, inputs: ModelInputs, epochs: int, minibatch_size: int, rng: np.random.Generator,
                n_real: int, scores: np.ndarray | None = None, group_ids: np.ndarray | None = None,
                ref_params=None, minibatch_by_length: bool = False,
-               ptx_batches: Iterator[dict] | None = None) -> tuple[dict, dict[str, float]]:
+               ptx_batches: Iterator[dict] | None = None, task_ids: np.ndarray | None = None
+               ) -> tuple[dict, dict[str, float]]:
   """Full update on one rollout batch; returns (state, mean metrics over minibatch steps, plus
   `tokens_trained`, the real tokens that went through a training step).
 
@@ -483,6 +503,8 @@ def ppo_update(state: dict, batch: dict[str, np.ndarray], table, *, policy_gd, c
   `rl.metrics.PPO_INFORMATIVE_EPS` (`prepare`). Per-token means (entropy, clip fractions, KL)
   are over free decisions (`free_decisions`).
   `hp.kl_coef > 0` needs `ref_params` (the reference policy's nnx.State, e.g. the initial policy).
+  `task_ids` [n_real] int (same id = same task; `rollout.jobs.task_ids`): PPO's `prepare` then logs the
+  between-task advantage offset, and `hp.task_baseline` (which needs them) removes it.
   `hp.ptx_coef > 0` needs `ptx_batches`, an iterator of collated demonstration batches
   (`sft.demo_batches`): one is drawn for every minibatch step (epochs x minibatches per call).
   Each minibatch is cut to its own content (`trim_padding`); `minibatch_by_length` (config
@@ -517,7 +539,12 @@ def ppo_update(state: dict, batch: dict[str, np.ndarray], table, *, policy_gd, c
   row_ep = to_host(batch["row_episode"]) if "row_episode" in batch else None
   real = np.nonzero(row_ep >= 0)[0] if row_ep is not None else np.arange(n_real)
   if hp.algo == "ppo":
-    values, adv, ret, diag = prepare(state["critic"], batch, table, critic_gd=critic_gd, hp=hp, inputs=inputs)
+    row_task = None
+    if task_ids is not None:  # each row takes its episode's task; padding rows none (-1)
+      row_task = np.full((batch["tokens"].shape[0],), -1, np.int32)
+      row_task[real] = np.asarray(task_ids)[row_ep[real] if row_ep is not None else real]
+    values, adv, ret, diag = prepare(state["critic"], batch, table, row_task, critic_gd=critic_gd, hp=hp,
+                                     inputs=inputs)
     check_finite(values=values)
     batch.update(old_values=values, advantages=adv, returns=ret)
     rows = real

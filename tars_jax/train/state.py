@@ -293,7 +293,8 @@ def hparams(config) -> ppo.PPOHparams:
                         ptx_coef=r.get("ptx_coef", 0.0),  # likewise
                         freeze_vision=r.get("freeze_vision", False),  # likewise
                         temperature=config.sampling.temperature,
-                        skip_typed_text=r.get("skip_typed_text", False))  # likewise
+                        skip_typed_text=r.get("skip_typed_text", False),  # likewise
+                        task_baseline=r.get("task_baseline", False))  # likewise
 
 
 def reward_config(r) -> RewardConfig:

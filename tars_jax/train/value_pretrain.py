@@ -54,8 +54,10 @@ class StopRule:
 def pretrain_hparams(hp: ppo.PPOHparams, value_clip: float | None = None) -> ppo.PPOHparams:
   """`hp` with lam_critic = 1 (Monte-Carlo returns, VC-PPO), the given value clip (None = off:
   there is no trust region to keep while the policy is fixed) and the critic's vision encoder trained
-  (`freeze_vision` off: value pretraining fits the whole critic)."""
-  return dataclasses.replace(hp, algo="ppo", lam_critic=1.0, value_clip=value_clip, freeze_vision=False)
+  (`freeze_vision` off: value pretraining fits the whole critic); no per-task baseline (`task_baseline`
+  shapes the policy's advantages, which value pretraining does not use)."""
+  return dataclasses.replace(hp, algo="ppo", lam_critic=1.0, value_clip=value_clip, freeze_vision=False,
+                             task_baseline=False)
 
 
 def init_critic_state(critic_params, copt: optax.GradientTransformation) -> dict:

@@ -74,6 +74,8 @@ def test_config_lambdas_fields_and_hparams(name, arg):
   if r.algo == "ppo":
     assert c.env.num_sessions % r.group_size == 0
   assert c.eval_every >= 0 and c.eval_episodes >= 1 and c.env.eval_seed_offset > c.vpt.seed_offset
+  if "desktop" in c.env.launch:  # a lockstep batch may be all desktop episodes: each needs its session
+    assert c.env.desktop_sessions >= c.env.num_sessions
 
 
 def test_lambdas_of_the_main_configs():

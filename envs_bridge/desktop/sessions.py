@@ -140,7 +140,8 @@ class DesktopSandbox:
     except KeyError:
       raise P.UnknownTask(f"unknown task {task!r}", tasks=list(tasks.task_names())) from None
     if len(self.sessions) + self._opening >= self.max_sessions:
-      raise P.ServerBusy(f"{len(self.sessions)} sessions open (max {self.max_sessions})")
+      raise P.ServerBusy(f"{len(self.sessions)} sessions open and {self._opening} starting "
+                         f"(max {self.max_sessions})")
     spec_c = A.CoordSpec(coords, self.width, self.height) if coords == "absolute" else A.CoordSpec()
     sid = uuid.uuid4().hex
     self._opening += 1

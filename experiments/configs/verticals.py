@@ -83,8 +83,11 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.env.max_turns = 3 if smoke else budget  # smoke: the policy's episodes only (its experts keep theirs)
   c.env.eval_data_mode = "test"  # held-out browse questions (MiniWoB++'s test mode; games and desktop ignore it)
   c.env.launch = ("browser", "desktop") if any(t in DESKTOP for t in tasks) else ("browser",)
-  c.env.desktop_sessions = 4 if smoke else 8
   c.env.num_sessions = 4 if smoke else 16
+  # One desktop session per concurrent episode: a lockstep batch may hold only desktop episodes, and the
+  # server refuses one over its limit (ServerBusy), which the batch's replay meets again (a run with 8
+  # lost 40 of its first 64 desktop evaluation episodes)
+  c.env.desktop_sessions = c.env.num_sessions
   c.rl.truncation_reward = 0.0  # games pay when they end; a cut episode pays nothing (games.py)
   c.length_multiple = 128
 

@@ -85,8 +85,8 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.env.launch = ("browser", "desktop") if any(t in DESKTOP for t in tasks) else ("browser",)
   c.env.num_sessions = 4 if smoke else 16
   # One desktop session per concurrent episode: a lockstep batch may hold only desktop episodes, and the
-  # server refuses one over its limit (ServerBusy), which the batch's replay meets again (a run with 8
-  # lost 40 of its first 64 desktop evaluation episodes)
+  # server refuses those over its limit (ServerBusy): with 8 sessions every 16-episode batch of desktop
+  # episodes lost 8 attempts and replayed them as a second round
   c.env.desktop_sessions = c.env.num_sessions
   c.rl.truncation_reward = 0.0  # games pay when they end; a cut episode pays nothing (games.py)
   c.length_multiple = 128

@@ -199,20 +199,25 @@ def task_centered(adv: jax.Array, weights: jax.Array, row_task: jax.Array) -> tu
   adv, weights = _f32(adv), _f32(weights)
   ids = jnp.asarray(row_task)
   b = adv.shape[0]
-  _, seg = jnp.unique(ids, return_inverse=True, size=b)  # dense ids in [0, B), static size (jits)
-  seg = seg.reshape(b)
+  seg = _dense_segments(ids)
   tot = jax.ops.segment_sum((adv * weights).sum(-1), seg, b)
   cnt = jax.ops.segment_sum(weights.sum(-1), seg, b)
   offset = jnp.where((ids >= 0) & (cnt[seg] > 0), tot[seg] / jnp.maximum(cnt[seg], 1e-9), 0.0)
   return adv - offset[:, None], offset
 
 
+def _dense_segments(ids: jax.Array) -> jax.Array:
+  """[B] int ids in [0, B): equal ids get equal segments, with a static output size, so arbitrary ids
+  (prompt hashes, task ids, -1 for padding) jit and index `jax.ops.segment_sum(..., num_segments=B)`."""
+  b = ids.shape[0]
+  _, seg = jnp.unique(jnp.asarray(ids), return_inverse=True, size=b)
+  return seg.reshape(b)
+
+
 def _group_stats(scores: jax.Array, group_ids: jax.Array):
   """Per-element (group size, group sum, group mean, unbiased group std); any int ids allowed."""
   b = scores.shape[0]
-  # Dense ids in [0, B) with a static output size, so arbitrary ids (e.g. prompt hashes) jit.
-  _, seg = jnp.unique(jnp.asarray(group_ids), return_inverse=True, size=b)
-  seg = seg.reshape(b)
+  seg = _dense_segments(jnp.asarray(group_ids))
   cnt = jax.ops.segment_sum(jnp.ones_like(scores), seg, b)[seg]
   s = jax.ops.segment_sum(scores, seg, b)[seg]
   mean = s / cnt

@@ -25,13 +25,17 @@ def rollout_jobs(tasks: Sequence[str], n: int, group_size: int, it: int, seed_of
           for g in range(groups) for _ in range(group_size)]
 
 
+def _ids(keys) -> np.ndarray:
+  """[B] int32: 0, 1, ... in order of first appearance, one per distinct key."""
+  seen: dict = {}
+  return np.array([seen.setdefault(k, len(seen)) for k in keys], np.int32)
+
+
 def group_ids(episodes) -> np.ndarray:
   """[B] int32: one id per distinct (task, seed) among the episodes (their GRPO/RLOO group)."""
-  keys: dict[tuple[str, int], int] = {}
-  return np.array([keys.setdefault((e.task, e.seed), len(keys)) for e in episodes], np.int32)
+  return _ids((e.task, e.seed) for e in episodes)
 
 
 def task_ids(episodes) -> np.ndarray:
   """[B] int32: one id per distinct task among the episodes (`rl.task_baseline`'s groups)."""
-  keys: dict[str, int] = {}
-  return np.array([keys.setdefault(e.task, len(keys)) for e in episodes], np.int32)
+  return _ids(e.task for e in episodes)

@@ -403,6 +403,12 @@ def test_replication_config_variants_differ_in_one_knob():
   assert low_task.task_baseline and not low.task_baseline
   assert {k: v for k, v in low_task.items() if k != "task_baseline"} == {k: v for k, v in low.items()
                                                                          if k != "task_baseline"}
+  low_ptx = cfg_mod.get_config("ppo_lr1e4_ptx").rl  # ppo_lr1e4 with ppo_ptx's SFT term and nothing else
+  ptx_keys = ("ptx_coef", "ptx_batch_size")
+  assert low_ptx.ptx_coef > 0 and low.ptx_coef == 0
+  assert {k: low_ptx[k] for k in ptx_keys} == {k: cfg_mod.get_config("ppo_ptx").rl[k] for k in ptx_keys}
+  assert {k: v for k, v in low_ptx.items() if k not in ptx_keys} == {k: v for k, v in low.items()
+                                                                     if k not in ptx_keys}
   assert cfg_mod.get_config("ppo_thoughts").sft.thoughts and not sft.sft.thoughts
   assert sft.sft.steps == base.sft.steps and sft.data.demo_seeds == base.data.demo_seeds
 

@@ -192,7 +192,9 @@ COMPARISONS = (
     (1, "ppo_lr1e4_fv", "sft", "PPO at lr 1e-4 with frozen vision encoders improves on its SFT start"),
     (3, "ppo_lr1e4_vpt30", "ppo_lr1e4", "30 value-pretraining iterations instead of 10 help PPO (lr 1e-4)"),
     (1, "ppo_lr1e4_task", "ppo_lr1e4", "a per-task baseline on top of the critic helps PPO (lr 1e-4)"),
+    (1, "ppo_lr1e4_ptx", "ppo_lr1e4", "PPO-ptx helps PPO at lr 1e-4 (the demonstrations anchor the copied names)"),
     (1, "ppo_lr1e4_task", "sft", "PPO at lr 1e-4 with a per-task baseline improves on its SFT start"),
+    (1, "ppo_lr1e4_ptx", "sft", "PPO at lr 1e-4 with PPO-ptx improves on its SFT start"),
 )
 
 

@@ -9,6 +9,7 @@ r"""Held-out evaluation of a run's policy: per-task success over seeds never use
   python -m experiments.eval --run runs/main --max_turns 2,4,8,16 --json runs/main/eval_budgets.json \
       --plot runs/main/eval_budgets.png   # success against the step budget
   python -m experiments.eval --run runs/main --inference http://127.0.0.1:8800   # sampled by experiments/serve.py
+  python -m experiments.eval --run runs/main --episodes 10 --trajectories runs/main/eval_episodes   # to look at
 
 Actions are the policy's own samples (same temperature and constrained grammar as in training).
 Game tasks ('games/<name>') also get their normalised score: 100 x mean over episodes of the game's
@@ -47,6 +48,7 @@ from tars_jax.rollout.step_budget import (budget_loop_cfgs, budgets_json, format
 from tars_jax.train import checkpoint as ckpt
 from tars_jax.train import state as state_lib
 from tars_jax.train.metrics import think_tokens_per_task, write_json
+from tars_jax.train.trajectories import save_episodes
 
 _RUN = flags.DEFINE_string("run", None, "Run directory (has config.json and checkpoints/).")
 _CKPT = flags.DEFINE_integer("checkpoint", None, "Checkpoint step (default: latest); 0 without a step-0 "
@@ -66,6 +68,10 @@ _INFERENCE = flags.DEFINE_string("inference", None, "URL of an experiments/serve
 _QUANTIZE = flags.DEFINE_string("quantize", None, "Serving weights of the sampler: a quant.MODES name (int8 = "
                                 "W8A8, int4 = W4A8, int8_weight_only, ...) or 'none' (as trained); default the "
                                 "run's config.sampling.quantize.")
+_TRAJECTORIES = flags.DEFINE_string(
+    "trajectories", None, "Save every evaluated episode here (screenshots the policy saw, its replies, rewards): "
+    "<dir>/<task>/ep_<k>/ in seed order (`tars_jax.train.trajectories.save_episodes`); with several "
+    "--max_turns, <dir>/turns_<b>/<task>/.")
 _PLOT = flags.DEFINE_string("plot", None, "With several --max_turns: write success against budget here (PNG).")
 
 
@@ -161,6 +167,17 @@ def evaluate_budgets(run: str, tasks: list[str] | None, episodes: int, budgets: 
   return step, summaries
 
 
+def save_by_task(directory: str, episodes: Sequence[Episode]) -> dict[str, int]:
+  """Writes `episodes` under `<directory>/<task>/ep_<k>/` (task names' "/" kept as folders), each task's
+  in seed order. Returns {task: episodes written}."""
+  by_task: dict[str, list[Episode]] = {}
+  for ep in sorted(episodes, key=lambda e: (e.task, e.seed)):
+    by_task.setdefault(ep.task, []).append(ep)
+  for task, eps in by_task.items():
+    save_episodes(os.path.join(directory, task), eps)
+  return {task: len(eps) for task, eps in by_task.items()}
+
+
 def main(argv):
   del argv
   logging.getLogger().setLevel(logging.WARNING)  # no per-request httpx lines under the progress bar
@@ -190,6 +207,9 @@ def main(argv):
   games = game_scores(eps)
   if games:
     print(format_games(games))
+  if _TRAJECTORIES.value:
+    saved = save_by_task(_TRAJECTORIES.value, eps)
+    print(f"[eval] wrote {sum(saved.values())} episodes under {_TRAJECTORIES.value}")
   if _JSON.value:
     out = {"checkpoint": step, "results": summary, **summary}
     if games:
@@ -201,9 +221,10 @@ def main(argv):
 def main_budgets(tasks: list[str] | None, budgets: list[int]) -> None:
   """`main` with several step budgets: the table of `format_budget_table`, `--json` as
   `budgets_json`, `--plot` as `plot_budgets`."""
+  eps: dict[int, list[Episode]] = {}
   step, summaries = evaluate_budgets(_RUN.value, tasks, _EPISODES.value, budgets, _CKPT.value, _SERVERS.value,
-                                     _SESSIONS.value, temperature=_TEMPERATURE.value, inference=_INFERENCE.value,
-                                     quantize=_QUANTIZE.value)
+                                     _SESSIONS.value, episodes_out=eps, temperature=_TEMPERATURE.value,
+                                     inference=_INFERENCE.value, quantize=_QUANTIZE.value)
   run = resolve_run(_RUN.value)
   print(f"checkpoint {step} of {run}, {_EPISODES.value} held-out seeds per task (the same at every budget)")
   print(format_budget_table(summaries))
@@ -217,6 +238,9 @@ def main_budgets(tasks: list[str] | None, budgets: list[int]) -> None:
     print(f"[eval] wrote {_JSON.value}")
   if _PLOT.value:
     print(f"[eval] wrote {plot_budgets(summaries, _PLOT.value, f'{run}, checkpoint {step}')}")
+  if _TRAJECTORIES.value:
+    n = sum(sum(save_by_task(os.path.join(_TRAJECTORIES.value, f"turns_{b}"), e).values()) for b, e in eps.items())
+    print(f"[eval] wrote {n} episodes under {_TRAJECTORIES.value}")
 
 
 if __name__ == "__main__":

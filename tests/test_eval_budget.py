@@ -144,9 +144,16 @@ def test_cli_on_an_untrained_policy_several_budgets_and_the_one_budget_format(se
   (run / "config.json").write_text(cfg.to_json_best_effort(indent=2))
   common = ["--run", str(run), "--checkpoint", "0", "--episodes", "2", "--sessions", "2", "--servers", server.url]
 
-  p = run_eval_cli(*common, "--max_turns", "1,3", "--json", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png"))
+  p = run_eval_cli(*common, "--max_turns", "1,3", "--json", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png"),
+                   "--trajectories", str(tmp_path / "eps"))
   assert p.returncode == 0, p.stderr[-3000:]
   out = json.loads((tmp_path / "b.json").read_text())
+  for b, s in out["budgets"].items():  # the saved episodes are the scored ones: their turns give mean_steps
+    for task, r in s.items():
+      saved = _saved(tmp_path / "eps" / f"turns_{b}" / task)
+      assert len(saved) == r["episodes"] and [e["seed"] for e in saved] == sorted(e["seed"] for e in saved)
+      assert np.mean([len(e["turns"]) for e in saved]) == pytest.approx(r["mean_steps"])
+      assert np.mean([e["success"] for e in saved]) == pytest.approx(r["success"])
   assert set(out) == {"checkpoint", "budgets"} and out["checkpoint"] == 0
   assert list(out["budgets"]) == ["1", "3"]
   for b, s in out["budgets"].items():
@@ -159,7 +166,7 @@ def test_cli_on_an_untrained_policy_several_budgets_and_the_one_budget_format(se
   assert "max_turns=1" in p.stdout and "max_turns=3" in p.stdout
   assert all(any(line.startswith(t) for line in p.stdout.splitlines()) for t in cfg.tasks)
 
-  for extra, name in (([], "default.json"), (["--max_turns", "2"], "one.json")):
+  for extra, name in (([], "default.json"), (["--max_turns", "2", "--trajectories", str(tmp_path / "one")], "one.json")):
     p = run_eval_cli(*common, *extra, "--json", str(tmp_path / name))
     assert p.returncode == 0, p.stderr[-3000:]
     one = json.loads((tmp_path / name).read_text())
@@ -169,3 +176,17 @@ def test_cli_on_an_untrained_policy_several_budgets_and_the_one_budget_format(se
       assert one[task] == one["results"][task] and set(one[task]) == SUMMARY_KEYS
       assert one[task]["episodes"] + one[task]["lost"] == 2 and 1 <= one[task]["mean_steps"] <= 2
       assert one[task]["think_tokens"] >= 0  # the thoughts the grammar lets the policy write
+  for task in cfg.tasks:
+    saved = _saved(tmp_path / "one" / task)
+    assert len(saved) == one[task]["episodes"]
+    assert np.mean([len(e["turns"]) for e in saved]) == pytest.approx(one[task]["mean_steps"])
+
+
+def _saved(task_dir) -> list[dict]:
+  """The episode.json of each ep_<k> under a task's folder, k in order; each turn's screenshot exists."""
+  eps = []
+  for k in range(len(os.listdir(task_dir))):
+    e = json.loads((task_dir / f"ep_{k}" / "episode.json").read_text())
+    assert all((task_dir / f"ep_{k}" / t["screenshot"]).stat().st_size > 0 for t in e["turns"])
+    eps.append(e)
+  return eps

@@ -368,8 +368,8 @@ def test_replication_config_variants_differ_in_one_knob():
     c = cfg_mod.get_config(v)
     assert (c.tasks, c.env.num_sessions, c.model, c.seed) == (base.tasks, base.env.num_sessions, base.model,
                                                                base.seed)
-    assert c.iterations == base.iterations or v == "ppo_kl_1ep"
-  # the one budget-allocation variant: more iterations, fewer epochs, no more updates than ppo_kl
+    assert c.iterations == base.iterations or v in ("ppo_kl_1ep", "ppo_lr1e4_ptx50")  # the two budget variants
+  # the budget-allocation variant: more iterations, fewer epochs, no more updates than ppo_kl
   one, kl = cfg_mod.get_config("ppo_kl_1ep"), cfg_mod.get_config("ppo_kl")
   assert one.rl.epochs == 1 and one.iterations > kl.iterations and one.rl.kl_coef == kl.rl.kl_coef
   assert one.iterations * one.rl.epochs <= kl.iterations * kl.rl.epochs
@@ -409,6 +409,8 @@ def test_replication_config_variants_differ_in_one_knob():
   assert {k: low_ptx[k] for k in ptx_keys} == {k: cfg_mod.get_config("ppo_ptx").rl[k] for k in ptx_keys}
   assert {k: v for k, v in low_ptx.items() if k not in ptx_keys} == {k: v for k, v in low.items()
                                                                      if k not in ptx_keys}
+  ptx50 = cfg_mod.get_config("ppo_lr1e4_ptx50")  # ppo_lr1e4_ptx with more iterations and nothing else
+  assert ptx50.iterations > cfg_mod.get_config("ppo_lr1e4_ptx").iterations and ptx50.rl == low_ptx
   assert cfg_mod.get_config("ppo_thoughts").sft.thoughts and not sft.sft.thoughts
   assert sft.sft.steps == base.sft.steps and sft.data.demo_seeds == base.data.demo_seeds
 

@@ -195,6 +195,8 @@ COMPARISONS = (
     (1, "ppo_lr1e4_ptx", "ppo_lr1e4", "PPO-ptx helps PPO at lr 1e-4 (the demonstrations anchor the copied names)"),
     (1, "ppo_lr1e4_task", "sft", "PPO at lr 1e-4 with a per-task baseline improves on its SFT start"),
     (1, "ppo_lr1e4_ptx", "sft", "PPO at lr 1e-4 with PPO-ptx improves on its SFT start"),
+    (1, "ppo_lr1e4_ptx50", "ppo_lr1e4_ptx", "50 RL iterations instead of 30 help PPO-ptx at lr 1e-4"),
+    (1, "ppo_lr1e4_ptx50", "sft", "PPO-ptx at lr 1e-4 for 50 iterations improves on its SFT start"),
 )
 
 

@@ -72,6 +72,7 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   sets = SMOKE_VERTICALS if smoke else VERTICALS
   tasks = sets[stage] if stage in sets else tuple(t for ts in sets.values() for t in ts)
   c.tasks = tasks
+  desktop = tuple(t for t in DESKTOP if t in tasks)
   # The experiment's task sets and each one's step budget (experiments/merge_eval.py reads them)
   c.verticals = vertical_sets(sets, {v: 3 if smoke else MAX_TURNS[v] for v in sets})
 
@@ -82,7 +83,7 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   budget = MAX_TURNS[stage] if stage in MAX_TURNS else max(MAX_TURNS.values())
   c.env.max_turns = 3 if smoke else budget  # smoke: the policy's episodes only (its experts keep theirs)
   c.env.eval_data_mode = "test"  # held-out browse questions (MiniWoB++'s test mode; games and desktop ignore it)
-  c.env.launch = ("browser", "desktop") if any(t in DESKTOP for t in tasks) else ("browser",)
+  c.env.launch = ("browser", "desktop") if desktop else ("browser",)
   c.env.num_sessions = 4 if smoke else 16
   # One desktop session per concurrent episode: a lockstep batch may hold only desktop episodes, and the
   # server refuses those over its limit (ServerBusy): with 8 sessions every 16-episode batch of desktop
@@ -100,12 +101,12 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   # held-out episodes (0.01-0.03 success), with 128 it copies it 42-68 % of the time (benchmarks/RESULTS.md,
   # "The GUI-General vertical with 128 demonstrations per desktop task")
   c.data.demo_seeds_by_task = () if smoke else (*((t, 330) for t in BROWSING if t in tasks),
-                                                *((t, 128) for t in DESKTOP if t in tasks))
+                                                *((t, 128) for t in desktop))
   c.data.demo_max_turns = budget
 
   # --- The shared SFT stage: continues the main job's SFT policy on all three sets -------------------
   # 2400 updates with the desktop tasks' 640 demonstrations (the measured GUI-General run), 1200 without
-  c.sft.steps = 4 if smoke else (2400 if any(t in DESKTOP for t in tasks) else 1200)
+  c.sft.steps = 4 if smoke else (2400 if desktop else 1200)
   c.sft.batch_size = 4  # episodes of up to 14 turns (14 screenshots each): 16 of them took 19 GB
   c.sft.decay_steps = 0
   c.sft.max_minutes = 30.0 if smoke else 60.0  # guard only (tars_jax/train/guard.py): the budget is the count above

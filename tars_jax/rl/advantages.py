@@ -217,7 +217,7 @@ def _dense_segments(ids: jax.Array) -> jax.Array:
 def _group_stats(scores: jax.Array, group_ids: jax.Array):
   """Per-element (group size, group sum, group mean, unbiased group std); any int ids allowed."""
   b = scores.shape[0]
-  seg = _dense_segments(jnp.asarray(group_ids))
+  seg = _dense_segments(group_ids)
   cnt = jax.ops.segment_sum(jnp.ones_like(scores), seg, b)[seg]
   s = jax.ops.segment_sum(scores, seg, b)[seg]
   mean = s / cnt

@@ -343,6 +343,15 @@ def test_result_rows_cli_turns_evaluations_into_rows_and_refuses_a_run_twice(tmp
   assert p.returncode != 0 and "('x', 0, 'miniwob/click-test') twice" in p.stderr
   p = subprocess.run(cmd + ["x=a.json"], cwd=root, capture_output=True, text=True)
   assert p.returncode != 0 and "expected variant:seed=path" in p.stderr
+  # --append: another seed joins the rows already there; the same run again is refused, the file kept
+  p = subprocess.run(cmd + ["--append", f"grpo_orm:2={tmp_path / 'a.json'}"], cwd=root, capture_output=True,
+                     text=True)
+  assert p.returncode == 0, p.stderr
+  assert [(r["seed"], r["successes"]) for r in R.load_rows(str(tmp_path / "rows.json"))] == [(1, 57), (2, 57)]
+  p = subprocess.run(cmd + ["--append", f"grpo_orm:1={tmp_path / 'a.json'}"], cwd=root, capture_output=True,
+                     text=True)
+  assert p.returncode != 0 and "('grpo_orm', 1, 'miniwob/click-test') twice" in p.stderr
+  assert len(R.load_rows(str(tmp_path / "rows.json"))) == 2
 
 
 def test_stats_cli_pools_the_runs_of_several_files(tmp_path):

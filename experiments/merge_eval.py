@@ -15,9 +15,11 @@ WORKDIR holds the runs of scripts/verticals.sh: `sft/` and one run per vertical 
                            (tars_jax.merge.task_arithmetic); the best on validation is "task_arithmetic"
   merge_eval.json          {"episodes", "val_episodes", "search": [{alpha, scores, mean}], "alpha",
                             "ta_search": [{lambda, path, scores, mean}], "ta_lambda",
-                            "scores": {model: {set: score}}, "tasks": {model: {task: summary}}}
+                            "scores": {model: {set: score}}, "tasks": {model: {task: summary}},
+                            "intervals": {model: {set: [low, high] (Wilson 95 %) or null for games}}}
   merge_eval.png           grouped bars: one group per set, one bar per model
-The table (markdown) is printed. Scores: success rate per task (normalised game score / 100 for games),
+The table (markdown, each held-out set score with its Wilson 95 % interval over the set's episodes) is
+printed. Scores: success rate per task (normalised game score / 100 for games),
 averaged over a set's tasks. Held-out evaluation uses `env.eval_seed_offset` seeds in
 `env.eval_data_mode` (held-out GUI-Browsing questions); the α search uses other seeds
 (`--val_seed_offset`) in training mode, so α is never chosen on the evaluation episodes. Every set is
@@ -129,12 +131,13 @@ def main(argv):
     for name, path in models.items():
       out["scores"][name], out["tasks"][name] = evaluate(path, _EPISODES.value, config.env.eval_seed_offset,
                                                          config.env.eval_data_mode)
+  out["intervals"] = {m: {s: ME.set_interval(t, out["tasks"][m]) for s, t in sets.items()} for m in out["tasks"]}
   with open(os.path.join(wd, "merge_eval.json"), "w") as f:
     json.dump(out, f, indent=2)
   alpha = tuple(round(a, 2) for a in best["alpha"])
   png = ME.plot(out["scores"], names, os.path.join(wd, "merge_eval.png"),
                 f"{_EPISODES.value} held-out episodes per set; searched α = {alpha}")
-  print(ME.format_table(out["scores"], names))
+  print(ME.format_table(out["scores"], names, out["intervals"]))
   print(f"[merge_eval] α searched on {_VAL_EPISODES.value} validation episodes per set: {best['alpha']} | "
         f"{wd}/merge_eval.json | {png}")
 

@@ -3,6 +3,7 @@ servers, GUI-Browsing demonstrations through the experts' collection path, the h
 evaluation, and the merge evaluation's arithmetic against hand-computed values."""
 
 import asyncio
+import math
 
 import jax
 import numpy as np
@@ -156,6 +157,32 @@ def test_set_scores_average_success_and_normalised_game_scores():
   table = ME.format_table({"sft": {"a": 0.5, "b": 0.25}, "merged": {"a": 1.0, "b": 0.0}}, ["a", "b"])
   assert table.splitlines() == ["| model | a | b | mean |", "|---|---|---|---|",
                                 "| sft | 0.500 | 0.250 | 0.375 |", "| merged | 1.000 | 0.000 | 0.500 |"]
+
+
+def _wilson(k: int, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
+  # Wilson's score interval written out (Wilson 1927; Agresti & Coull 1998, eq. 2): the reference.
+  p = k / n
+  centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+  half = z / (1 + z * z / n) * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+  return centre - half, centre + half
+
+
+def test_set_interval_is_wilsons_over_the_sets_pooled_episodes():
+  summaries = {"miniwob/click-test": {"success": 0.7, "episodes": 50},
+               "miniwob/click-test-2": {"success": 0.46, "episodes": 50},
+               "miniwob/focus-text": {"success": 1.0, "episodes": 7},
+               "miniwob/focus-text-2": {"success": 0.0, "episodes": 0},
+               "games/maze": {"success": 0.0, "normalized_score": 40.0, "episodes": 10}}
+  lo, hi = ME.set_interval(("miniwob/click-test", "miniwob/click-test-2"), summaries)
+  assert (lo, hi) == pytest.approx(_wilson(58, 100), abs=1e-9)
+  assert 0.47 < lo < 0.49 and 0.67 < hi < 0.68  # the 0.58 [0.48, 0.67] of 58 / 100
+  assert ME.set_interval(("miniwob/focus-text",), summaries) == pytest.approx(_wilson(7, 7), abs=1e-9)
+  assert ME.set_interval(("miniwob/focus-text-2",), summaries) is None  # no episodes
+  assert ME.set_interval(("miniwob/click-test", "games/maze"), summaries) is None  # a score, not a rate
+  with pytest.raises(KeyError, match="browse/multi-hop"):
+    ME.set_interval(("browse/multi-hop",), summaries)
+  table = ME.format_table({"sft": {"a": 0.58, "b": 0.25}}, ["a", "b"], {"sft": {"a": (0.4812, 0.6712), "b": None}})
+  assert table.splitlines()[2] == "| sft | 0.580 [0.48, 0.67] | 0.250 | 0.415 |"
 
 
 def test_vertical_configs_share_what_merging_and_cross_evaluation_need():

@@ -32,6 +32,28 @@ def set_score(tasks: Sequence[str], summaries: Mapping[str, Mapping[str, float]]
   return sum(task_score(t, summaries[t]) for t in tasks) / len(tasks)
 
 
+def set_interval(tasks: Sequence[str], summaries: Mapping[str, Mapping[str, float]], level: float = 0.95
+                 ) -> tuple[float, float] | None:
+  """Wilson `level` interval of a set's success rate over its held-out episodes: successes and episodes
+  summed over `tasks` (`merge_eval.py` plays each task of a set on equal episodes, so this is the interval
+  of `set_score`). None for a set holding a game (its score is not a success rate) or with no episodes.
+  Source: Wilson 1927, via scipy.stats.binomtest(...).proportion_ci(method="wilson").
+  Raises KeyError naming a task without a summary.
+  """
+  missing = [t for t in tasks if t not in summaries]
+  if missing:
+    raise KeyError(f"no evaluation of {missing}")
+  if any(t.startswith(GAME_PREFIX) for t in tasks):
+    return None
+  n = sum(int(summaries[t]["episodes"]) for t in tasks)
+  if n == 0:
+    return None
+  from scipy.stats import binomtest
+  k = sum(round(float(summaries[t]["success"]) * int(summaries[t]["episodes"])) for t in tasks)
+  ci = binomtest(k, n).proportion_ci(confidence_level=level, method="wilson")
+  return float(ci.low), float(ci.high)
+
+
 def alpha_candidates(n: int, step: float = 0.25) -> list[tuple[float, ...]]:
   """The α of the searched merge: every point of the simplex grid with spacing `step` whose weights are
   all > 0 (a zero weight drops a vertical: that is not a merge of all N), uniform first.
@@ -60,13 +82,19 @@ def episodes_per_task(set_episodes: int, n_tasks: int) -> int:
   return max(1, -(-set_episodes // n_tasks))
 
 
-def format_table(rows: Mapping[str, Mapping[str, float]], sets: Sequence[str]) -> str:
-  """Markdown table: one row per model, one column per task set plus their mean."""
+def format_table(rows: Mapping[str, Mapping[str, float]], sets: Sequence[str],
+                 intervals: Mapping[str, Mapping[str, tuple[float, float] | None]] | None = None) -> str:
+  """Markdown table: one row per model, one column per task set plus their mean; with `intervals`
+  ({model: {set: (low, high) or None}}, `set_interval`) each set's cell also shows its interval."""
   head = "| model | " + " | ".join(sets) + " | mean |"
   lines = [head, "|" + "---|" * (len(sets) + 2)]
   for name, scores in rows.items():
     vals = [scores[s] for s in sets]
-    lines.append(f"| {name} | " + " | ".join(f"{v:.3f}" for v in vals) + f" | {sum(vals) / len(vals):.3f} |")
+    cells = []
+    for s, v in zip(sets, vals):
+      ci = (intervals or {}).get(name, {}).get(s)
+      cells.append(f"{v:.3f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""))
+    lines.append(f"| {name} | " + " | ".join(cells) + f" | {sum(vals) / len(vals):.3f} |")
   return "\n".join(lines)
 
 

@@ -35,8 +35,9 @@ def set_score(tasks: Sequence[str], summaries: Mapping[str, Mapping[str, float]]
 def set_interval(tasks: Sequence[str], summaries: Mapping[str, Mapping[str, float]], level: float = 0.95
                  ) -> tuple[float, float] | None:
   """Wilson `level` interval of a set's success rate over its held-out episodes: successes and episodes
-  summed over `tasks` (`merge_eval.py` plays each task of a set on equal episodes, so this is the interval
-  of `set_score` unless a sandbox lost some). None for a set holding a game (its score is not a success rate) or with no episodes.
+  summed over `tasks` (`merge_eval.py` plays each task of a set on equal episodes, so this is the
+  interval of `set_score` unless a sandbox lost some). None for a set holding a game (its score is not a
+  success rate) or with no episodes.
   Source: Wilson 1927, via scipy.stats.binomtest(...).proportion_ci(method="wilson").
   Raises KeyError naming a task without a summary.
   """

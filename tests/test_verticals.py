@@ -269,6 +269,9 @@ def test_verticals_script_end_to_end_at_smoke_size(tmp_path):
   for m in models:  # each set's score is the mean of its tasks' scores in the same JSON
     for s, x in verticals.get_config("all+smoke").verticals.items():
       assert out["scores"][m][s] == pytest.approx(ME.set_score(tuple(x.tasks), out["tasks"][m]))
+      # and its interval is set_interval's of the same summaries (None for the game set)
+      ci = ME.set_interval(tuple(x.tasks), out["tasks"][m])
+      assert (s == "game") == (ci is None) and out["intervals"][m][s] == (ci and pytest.approx(list(ci)))
   # every α candidate's checkpoint is the α-weighted average of the verticals' policies (numpy, float64)
   cfg = verticals.get_config("all+smoke")
   parts = state_lib.build(cfg)

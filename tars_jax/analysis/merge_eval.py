@@ -23,12 +23,16 @@ def task_score(task: str, summary: Mapping[str, float]) -> float:
   return float(summary["success"])
 
 
-def set_score(tasks: Sequence[str], summaries: Mapping[str, Mapping[str, float]]) -> float:
-  """Mean `task_score` over `tasks`. Raises KeyError naming a task without a summary (every task of a
-  set must be evaluated: a missing one would silently change what the set means)."""
+def _check_evaluated(tasks: Sequence[str], summaries: Mapping[str, Mapping[str, float]]) -> None:
   missing = [t for t in tasks if t not in summaries]
   if missing:
     raise KeyError(f"no evaluation of {missing}")
+
+
+def set_score(tasks: Sequence[str], summaries: Mapping[str, Mapping[str, float]]) -> float:
+  """Mean `task_score` over `tasks`. Raises KeyError naming a task without a summary (every task of a
+  set must be evaluated: a missing one would silently change what the set means)."""
+  _check_evaluated(tasks, summaries)
   return sum(task_score(t, summaries[t]) for t in tasks) / len(tasks)
 
 
@@ -41,9 +45,7 @@ def set_interval(tasks: Sequence[str], summaries: Mapping[str, Mapping[str, floa
   Source: Wilson 1927, via scipy.stats.binomtest(...).proportion_ci(method="wilson").
   Raises KeyError naming a task without a summary.
   """
-  missing = [t for t in tasks if t not in summaries]
-  if missing:
-    raise KeyError(f"no evaluation of {missing}")
+  _check_evaluated(tasks, summaries)
   if any(t.startswith(GAME_PREFIX) for t in tasks):
     return None
   n = sum(int(summaries[t]["episodes"]) for t in tasks)

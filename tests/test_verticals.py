@@ -185,6 +185,88 @@ def test_set_interval_is_wilsons_over_the_sets_pooled_episodes():
   assert table.splitlines()[2] == "| sft | 0.580 [0.48, 0.67] | 0.250 | 0.415 |"
 
 
+def test_difference_interval_is_newcombes_hybrid_score_interval():
+  """Newcombe 1998 (Statistics in Medicine 17, 873-890), Table II, method 10: published intervals of three
+  of its examples, and the interval written out from the two Wilson intervals."""
+  for a, b, want in (((56, 70), (48, 80), (0.0524, 0.3339)), ((9, 10), (3, 10), (0.1705, 0.8090)),
+                     ((10, 10), (0, 10), (0.6075, 1.0))):
+    d, lo, hi = ME.difference_interval(a, b)
+    assert d == pytest.approx(a[0] / a[1] - b[0] / b[1]) and (lo, hi) == pytest.approx(want, abs=6e-5)
+  (l1, u1), (l2, u2), p1, p2 = _wilson(58, 100), _wilson(42, 100), 0.58, 0.42
+  want = (p1 - p2 - math.hypot(p1 - l1, u2 - p2), p1 - p2 + math.hypot(u1 - p1, p2 - l2))
+  assert ME.difference_interval((58, 100), (42, 100))[1:] == pytest.approx(want, abs=1e-9)
+  for bad in ((0, 0), (11, 10), (-1, 10)):
+    with pytest.raises(ValueError, match="episodes"):
+      ME.difference_interval(bad, (3, 10))
+
+
+def _merge_table(rates: dict, episodes: int = 50) -> dict:
+  """A merge_eval.json of two sets of two tasks each: {model: {task: success}}."""
+  sets = {"click": ["miniwob/click-test", "miniwob/click-test-2"], "focus": ["miniwob/focus-text", "miniwob/focus-text-2"]}
+  return {"sets": sets, "tasks": {m: {t: {"success": r, "episodes": episodes} for t, r in tr.items()}
+                                  for m, tr in rates.items()}}
+
+
+def _seed(sft: float, click: float, focus: float, merged: float) -> dict:
+  both = lambda x: {t: x for t in ("miniwob/click-test", "miniwob/click-test-2", "miniwob/focus-text",  # noqa: E731
+                                   "miniwob/focus-text-2")}
+  return _merge_table({"sft": both(sft), "click": both(click), "focus": both(focus), "merged_uniform": both(merged)})
+
+
+def test_pooled_counts_sum_training_seeds_and_sets_and_refuse_what_does_not_pool():
+  s1, s2 = _seed(0.4, 0.6, 0.3, 0.5), _seed(0.2, 0.4, 0.1, 0.3)
+  s2["tasks"]["sft"]["miniwob/focus-text"]["success"] = 0.1  # focus set of seed 2: (5 + 10) / 100
+  assert ME.pooled_counts([s1, s2], "sft", "click") == (20 + 20 + 10 + 10, 200)
+  assert ME.pooled_counts([s1, s2], "sft", "focus") == (20 + 20 + 5 + 10, 200)
+  assert ME.pooled_counts([s1, s2], "sft", ME.ALL) == (60 + 55, 400)
+  with pytest.raises(KeyError, match="task_arithmetic"):
+    ME.pooled_counts([s1], "task_arithmetic", "click")
+  with pytest.raises(KeyError, match="checkboxes"):
+    ME.pooled_counts([s1], "sft", "checkboxes")
+  s3 = _seed(0.4, 0.6, 0.3, 0.5)
+  s3["sets"] = {"click": ["miniwob/click-test"]}
+  with pytest.raises(ValueError, match="b.json"):
+    ME.check_same_sets([s1, s3], ["a.json", "b.json"])
+  game = {"sets": {"game": ["games/maze"]}, "tasks": {"sft": {"games/maze": {"success": 0.0, "episodes": 5}}}}
+  with pytest.raises(ValueError, match="games"):
+    ME.pooled_counts([game], "sft", "game")
+  assert ME.comparisons(["click", "focus"], ["sft", "click", "focus", "merged_uniform"]) == [
+      ("click", "sft", "click", "the vertical improves on its own set"),
+      ("focus", "sft", "focus", "the vertical improves on its own set"),
+      ("merged_uniform", "sft", "click", "the uniform merge improves on the start"),
+      ("merged_uniform", "sft", "focus", "the uniform merge improves on the start"),
+      ("merged_uniform", "sft", "all", "the uniform merge improves on the start"),
+      ("merged_uniform", "click", "click", "the uniform merge keeps the vertical's skill"),
+      ("merged_uniform", "focus", "focus", "the uniform merge keeps the vertical's skill")]
+
+
+def test_merge_stats_pools_two_training_seeds_into_one_table_with_intervals(tmp_path):
+  """experiments/merge_stats.py on two seeds' merge tables: pooled rates are the means over seeds, each
+  comparison's difference and interval are difference_interval's of the pooled counts; a file given twice
+  is refused."""
+  import json
+  import subprocess
+  import sys
+  paths = [tmp_path / "seed1.json", tmp_path / "seed2.json"]
+  for p, t in zip(paths, (_seed(0.4, 0.6, 0.3, 0.5), _seed(0.2, 0.4, 0.1, 0.3))):
+    p.write_text(json.dumps(t))
+  out = tmp_path / "stats.json"
+  r = subprocess.run([sys.executable, "-m", "experiments.merge_stats", *map(str, paths), "--json", str(out)],
+                     capture_output=True, text=True)
+  assert r.returncode == 0, r.stderr[-2000:]
+  got = json.loads(out.read_text())
+  assert got["table"]["click"]["click"]["rate"] == pytest.approx(0.5)
+  assert got["table"]["click"]["click"]["per_seed"] == pytest.approx([0.6, 0.4])
+  assert got["table"]["sft"]["all"]["ci"] == pytest.approx(list(_wilson(120, 400)), abs=1e-9)
+  row = next(c for c in got["comparisons"] if c["a"] == "click" and c["b"] == "sft")
+  assert row["difference"] == pytest.approx(0.2) and row["per_seed"] == pytest.approx([0.2, 0.2])
+  assert row["ci"] == pytest.approx(list(ME.difference_interval((100, 200), (60, 200))[1:]))
+  assert "| click - sft | click | **+0.200" in r.stdout  # the interval excludes 0: marked
+  r = subprocess.run([sys.executable, "-m", "experiments.merge_stats", str(paths[0]), str(paths[0])],
+                     capture_output=True, text=True)
+  assert r.returncode != 0 and "twice" in r.stderr
+
+
 def test_vertical_configs_share_what_merging_and_cross_evaluation_need():
   """One model, grammar, prompt and image size across the stages (merge needs one parameter structure,
   and every model plays every set); each vertical trains on its own set; only sets with desktop tasks

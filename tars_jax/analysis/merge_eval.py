@@ -36,6 +36,17 @@ def set_score(tasks: Sequence[str], summaries: Mapping[str, Mapping[str, float]]
   return sum(task_score(t, summaries[t]) for t in tasks) / len(tasks)
 
 
+def set_counts(tasks: Sequence[str], summaries: Mapping[str, Mapping[str, float]]) -> tuple[int, int] | None:
+  """(successes, episodes) of a set's held-out episodes, summed over `tasks`; None for a set holding a game
+  (its score is not a success rate). Raises KeyError naming a task without a summary."""
+  _check_evaluated(tasks, summaries)
+  if any(t.startswith(GAME_PREFIX) for t in tasks):
+    return None
+  n = sum(int(summaries[t]["episodes"]) for t in tasks)
+  k = sum(round(float(summaries[t]["success"]) * int(summaries[t]["episodes"])) for t in tasks)
+  return k, n
+
+
 def set_interval(tasks: Sequence[str], summaries: Mapping[str, Mapping[str, float]], level: float = 0.95
                  ) -> tuple[float, float] | None:
   """Wilson `level` interval of a set's success rate over its held-out episodes: successes and episodes
@@ -45,16 +56,75 @@ def set_interval(tasks: Sequence[str], summaries: Mapping[str, Mapping[str, floa
   Source: Wilson 1927, via scipy.stats.binomtest(...).proportion_ci(method="wilson").
   Raises KeyError naming a task without a summary.
   """
-  _check_evaluated(tasks, summaries)
-  if any(t.startswith(GAME_PREFIX) for t in tasks):
-    return None
-  n = sum(int(summaries[t]["episodes"]) for t in tasks)
-  if n == 0:
+  counts = set_counts(tasks, summaries)
+  if counts is None or counts[1] == 0:
     return None
   from scipy.stats import binomtest
-  k = sum(round(float(summaries[t]["success"]) * int(summaries[t]["episodes"])) for t in tasks)
-  ci = binomtest(k, n).proportion_ci(confidence_level=level, method="wilson")
+  ci = binomtest(*counts).proportion_ci(confidence_level=level, method="wilson")
   return float(ci.low), float(ci.high)
+
+
+def difference_interval(a: tuple[int, int], b: tuple[int, int], level: float = 0.95
+                        ) -> tuple[float, float, float]:
+  """The difference of two success rates, a - b, with Newcombe's hybrid score interval (Wilson intervals
+  of each rate combined; Newcombe 1998, "Interval estimation for the difference between independent
+  proportions", method 10), via statsmodels' `confint_proportions_2indep(method="newcomb")`.
+
+  `a`, `b`: (successes, episodes) with episodes > 0 (`set_counts`). Returns (difference, low, high).
+  The interval treats the two samples as independent; where both models played the same held-out seeds
+  (merge_eval does) their outcomes correlate positively and the interval is conservative.
+  Raises ValueError for a sample without episodes or with successes outside [0, episodes].
+  """
+  for k, n in (a, b):
+    if n <= 0 or not 0 <= k <= n:
+      raise ValueError(f"a success count needs 0 <= successes <= episodes and episodes > 0; got {k} / {n}")
+  from statsmodels.stats.proportion import confint_proportions_2indep
+  low, high = confint_proportions_2indep(a[0], a[1], b[0], b[1], method="newcomb", compare="diff",
+                                         alpha=1.0 - level)
+  return a[0] / a[1] - b[0] / b[1], float(low), float(high)
+
+
+ALL = "all"  # the pseudo-set of every set's episodes together (equal episodes per set: their mean)
+
+
+def pooled_counts(tables: Sequence[Mapping], model: str, set_name: str) -> tuple[int, int]:
+  """(successes, episodes) of `model` on `set_name` summed over `tables` (merge_eval.json of several
+  training seeds; `ALL` = over every set). Equal episodes per table make the pooled rate the mean over
+  training seeds. Raises KeyError naming a model or set a table lacks, ValueError for a game set."""
+  k = n = 0
+  for t in tables:
+    if model not in t["tasks"]:
+      raise KeyError(f"no model {model!r} in a merge table (it has {sorted(t['tasks'])})")
+    names = list(t["sets"]) if set_name == ALL else [set_name]
+    for name in names:
+      if name not in t["sets"]:
+        raise KeyError(f"no task set {name!r} in a merge table (it has {sorted(t['sets'])})")
+      counts = set_counts(t["sets"][name], t["tasks"][model])
+      if counts is None:
+        raise ValueError(f"task set {name!r} holds games: its score is not a success rate")
+      k, n = k + counts[0], n + counts[1]
+  return k, n
+
+
+def check_same_sets(tables: Sequence[Mapping], names: Sequence[str]) -> None:
+  """Raises ValueError naming the first of `tables` (merge_eval.json, named by `names`) whose task sets
+  differ from the first's: their episodes are not of one question and cannot be pooled."""
+  for t, name in zip(tables[1:], names[1:]):
+    if t["sets"] != tables[0]["sets"]:
+      raise ValueError(f"{name}: task sets {t['sets']} differ from {names[0]}'s {tables[0]['sets']}")
+
+
+def comparisons(sets: Sequence[str], models: Sequence[str]) -> list[tuple[str, str, str, str]]:
+  """The merge table's questions (report section 2.6) as (a, b, set, question), a - b on `set`: each
+  vertical against the shared start on its own set; the uniform merge against the start (each set and
+  `ALL`) and against each vertical on that vertical's set (does it keep the skill); the searched α and
+  task arithmetic against the uniform merge on `ALL`. Models absent from `models` are left out."""
+  out = [(v, "sft", v, "the vertical improves on its own set") for v in sets]
+  out += [("merged_uniform", "sft", s, "the uniform merge improves on the start") for s in (*sets, ALL)]
+  out += [("merged_uniform", v, v, "the uniform merge keeps the vertical's skill") for v in sets]
+  out += [(m, "merged_uniform", ALL, "another merge beats the uniform one")
+          for m in ("merged_searched", "task_arithmetic")]
+  return [c for c in out if c[0] in models and c[1] in models]
 
 
 def alpha_candidates(n: int, step: float = 0.25) -> list[tuple[float, ...]]:

@@ -9,7 +9,8 @@
 #   $NB_RUNS/replication   experiments/replicate.py +smoke, variants ppo and grpo, seed 0: demos (2 seeds per
 #                          task), SFT, value pretraining, PPO and GRPO from that SFT checkpoint, evaluations
 # Notebooks -> runs: training_dynamics and trajectories read ppo/seed_0 (metrics, rollouts) and the demos;
-# merging interpolates ppo/seed_0 and grpo/seed_0 (same model, same SFT start) and evaluates 3 α;
+# merging interpolates ppo/seed_0 and grpo/seed_0 (same model, same SFT start) and evaluates 3 α, then reads the
+# committed merge tables (benchmarks/results/merge_eval_vmw_seed*.json);
 # step_budget evaluates ppo/seed_0 at budgets 1,2,4; replication reads the suite (one seed: intervals
 # refused) and the committed benchmarks/results/replication.json; flywheel reads benchmarks/results/flywheel.json.
 # Every evaluation uses 2 held-out seeds per task.

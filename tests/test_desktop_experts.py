@@ -13,7 +13,7 @@ from envs_bridge.desktop import tasks
 from envs_bridge.launch import launch_server
 from experiments.configs import verticals
 from tars_jax.agent import actions as A
-from tars_jax.agent.grammar import accepts, build_grammar
+from tars_jax.agent.grammar import SDK_ACTIONS, accepts, build_grammar
 from tars_jax.agent.tokenizer import ByteTokenizer
 from tars_jax.data.sources import demos
 from tars_jax.data.sources import desktop_experts as D
@@ -176,26 +176,28 @@ def test_download_expert_sums_the_amount_column_like_the_check(tmp_path):
   assert out == f"{spec.evaluator['expected']}\n" and (tmp_path / "answer.txt").read_text() == out
 
 
-def test_desktop_replies_fit_the_verticals_grammar_and_hybrid_ones_with_its_sdk_functions():
-  """Every reply of the desktop experts is in the GUI-General vertical's grammar (verticals.py: clicks,
-  typing, keys, 72 content bytes, 48 thought bytes, tens3); the hybrid experts' need the SDK functions."""
+def test_desktop_and_hybrid_replies_fit_the_verticals_grammar():
+  """Every reply of the desktop and hybrid experts is in the GUI-General vertical's grammar (verticals.py:
+  clicks, typing, keys and the SDK functions the hybrid experts call, 72 content bytes, 48 thought bytes,
+  tens3); without the SDK functions the hybrid experts' calls are not."""
   c = verticals.get_config("sft")
   g = c.grammar
-  gui = build_grammar(TOK, tuple(g.actions), g.max_thought_bytes, g.max_content_bytes, g.coord_format)
-  sdk = build_grammar(TOK, (*g.actions, "run_command", "write_file", "mcp_call"), g.max_thought_bytes,
+  full = build_grammar(TOK, tuple(g.actions), g.max_thought_bytes, g.max_content_bytes, g.coord_format)
+  gui = build_grammar(TOK, tuple(a for a in g.actions if a not in SDK_ACTIONS), g.max_thought_bytes,
                       g.max_content_bytes, g.coord_format)
   for task in tasks.DESKTOP_TASKS:
     for seed in range(3):
       spec, _ = tasks.make(task, seed)
       v = view(XTERM + XEDIT + dialog(), {p.label: list(p.argv) for p in spec.programs}, spec.evaluator)
       for thought, act in play(task, spec.instruction, v, 4):
-        assert accepts(gui, E.reply_text(thought, act), TOK), (task, act)
+        assert accepts(full, E.reply_text(thought, act), TOK), (task, act)
   for task, v_of in [("hybrid/dialog-sum-file", _hybrid_view), ("hybrid/dialog-count-errors", _hybrid_view),
                      ("hybrid/dialog-code-to-file", _hybrid_view)]:
     spec, v = v_of(task, 2)
-    for thought, act in play(task, spec.instruction, v, 2):
-      assert accepts(sdk, E.reply_text(thought, act), TOK), (task, act)
-  assert accepts(sdk, E.reply_text("", f"run_command(command='{D.SUM_AMOUNTS}')"), TOK)
+    replies = [E.reply_text(thought, act) for thought, act in play(task, spec.instruction, v, 2)]
+    assert all(accepts(full, r, TOK) for r in replies), (task, replies)
+    assert not all(accepts(gui, r, TOK) for r in replies), (task, replies)  # its SDK call needs the functions
+  assert accepts(full, E.reply_text("", f"run_command(command='{D.SUM_AMOUNTS}')"), TOK)
 
 
 # -- real sessions ---------------------------------------------------------------------------------------
@@ -205,10 +207,8 @@ def desk():
     yield h
 
 
-def _collect(url, jobs, actions=None):
-  config = verticals.get_config("sft+smoke")
-  if actions:
-    config.grammar.actions = (*config.grammar.actions, *actions)
+def _collect(url, jobs):
+  config = verticals.get_config("sft+smoke")  # the verticals' grammar: GUI actions and the SDK functions
   from tars_jax.train import state as state_lib
   spec = demos.DemoSpec.from_parts(state_lib.build(config))
 
@@ -235,7 +235,7 @@ def test_hybrid_experts_play_real_sessions_with_sdk_calls(desk):
   """One seed of each hybrid task but the browser one: GUI clicks and typing plus SDK calls, each
   episode a success whose SDK turns came back with tool output."""
   names = [t for t in tasks.HYBRID_TASKS if t != "hybrid/browser-download-total"]
-  stats, w = _collect(desk.url, [(t, 4) for t in names], ("run_command", "write_file", "mcp_call"))
+  stats, w = _collect(desk.url, [(t, 4) for t in names])
   assert {t: s.successes for t, s in stats.items()} == {t: 1 for t in names}
   for ep, _ in w.episodes:
     sdk_turns = [t for t in ep.turns if A.is_sdk(A.parse(t.text, sdk=True))]
@@ -244,7 +244,7 @@ def test_hybrid_experts_play_real_sessions_with_sdk_calls(desk):
 
 @pytest.mark.browser
 def test_download_expert_plays_a_real_session(desk):
-  stats, _ = _collect(desk.url, [("hybrid/browser-download-total", 4)], ("run_command",))
+  stats, _ = _collect(desk.url, [("hybrid/browser-download-total", 4)])
   assert stats["hybrid/browser-download-total"].successes == 1
 
 

@@ -281,7 +281,7 @@ def test_vertical_configs_share_what_merging_and_cross_evaluation_need():
     assert {v: tuple(x.tasks) for v, x in c.verticals.items()} == verticals.VERTICALS
     assert {v: x.max_turns for v, x in c.verticals.items()} == verticals.MAX_TURNS
   assert set(cfgs["all"].tasks) == set(verticals.ALL_TASKS) == set(cfgs["sft"].tasks)
-  assert len(verticals.GAME) == 13 and len(verticals.GENERAL) == 15
+  assert len(verticals.GAME) == 13 and len(verticals.GENERAL) == 20
   assert cfgs["general"].env.launch == ("browser", "desktop") and cfgs["game"].env.launch == ("browser",)
   assert cfgs["all"].env.launch == ("browser", "desktop")
   suite = bt.prepare()
@@ -290,10 +290,12 @@ def test_vertical_configs_share_what_merging_and_cross_evaluation_need():
   assert longest <= base.grammar.max_content_bytes
   # every task has an expert: the shared SFT data holds desktop demonstrations (GUI-General) too
   assert tuple(cfgs["sft"].data.demo_tasks) == tuple(cfgs["sft"].tasks)
-  assert set(verticals.DESKTOP) <= set(cfgs["general"].data.demo_tasks)
+  assert {*verticals.DESKTOP, *verticals.HYBRID} <= set(cfgs["general"].data.demo_tasks)
+  assert dict(cfgs["general"].data.demo_seeds_by_task) == {t: 128 for t in (*verticals.DESKTOP, *verticals.HYBRID)}
   assert not any(t in verticals.DESKTOP for t in verticals.get_config("sft+smoke").data.demo_tasks)  # smoke: cheap
-  # every action the experts write: the games' reference players click, drag and press keys
-  assert {"click", "drag", "type", "hotkey", "finished"} <= set(base.grammar.actions)
+  # every action the experts write: the games' reference players click, drag and press keys; the hybrid
+  # experts call the terminal, the files and MCP
+  assert {"click", "drag", "type", "hotkey", "finished", "run_command", "write_file", "mcp_call"} <= set(base.grammar.actions)
 
 
 def test_miniwob_verticals_are_the_multi_turn_suites_ppo_on_three_disjoint_sets():

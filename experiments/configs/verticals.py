@@ -17,15 +17,18 @@ The task sets (`VERTICALS`):
             information-seeking families (`browse/multi-condition`, `browse/multi-hop`: answers read off
             640 x 480 pages, ~14 turns) scored 0.00 for this ~1.5M-parameter policy (RESULTS.md, "Vertical
             agents"); set `BROWSING` to them for a larger model
-  general   GUI-General: the main job's 10 MiniWoB++ tasks and the 5 GUI-only desktop tasks (an Xvfb
-            desktop server is launched beside the browser server; episodes go to the server of their task)
+  general   GUI-General: the main job's 10 MiniWoB++ tasks, the 5 GUI-only desktop tasks and the 5 hybrid
+            GUI + SDK tasks (report section 2.2: terminal, file and MCP calls beside clicks and typing on the
+            same session's files; an Xvfb desktop server is launched beside the browser server; episodes go
+            to the server of their task)
   game      Game: the 13 games of the game suite (normalised score as reward, experiments/configs/games.py)
 
-Every vertical shares the model, grammar (the union of the sets' actions), system prompt and image
+Every vertical shares the model, grammar (the union of the sets' actions, the hybrid tasks' SDK functions
+among them), system prompt and image
 size of the main job's model (experiments/configs/miniwob_pipeline.py): merging needs one parameter
 structure, and each vertical is evaluated on the other verticals' tasks. Every task has an expert whose
-successful episodes are the SFT data: the MiniWoB++ tasks and the desktop tasks (scripted experts reading
-the page's DOM / the desktop's window tree: tars_jax/data/sources/experts.py, desktop_experts.py), the
+successful episodes are the SFT data: the MiniWoB++ tasks and the desktop and hybrid tasks (scripted experts
+reading the page's DOM / the desktop's window tree: tars_jax/data/sources/experts.py, desktop_experts.py), the
 games (reference players) and GUI-Browsing (the DOM-reading expert).
 
 Args: "sft" (the shared SFT stage: demonstrations and evaluation over all three sets), "browsing",
@@ -40,7 +43,9 @@ from experiments.configs import miniwob_pipeline
 BROWSING = ("browse/find-page",)
 DESKTOP = ("desktop/terminal-write-file", "desktop/terminal-mkdir", "desktop/terminal-rename",
            "desktop/editor-type-save", "desktop/dialog-choose")
-GENERAL = (*miniwob_pipeline.DEMO_TASKS, *DESKTOP)
+HYBRID = ("hybrid/dialog-sum-file", "hybrid/dialog-count-errors", "hybrid/dialog-code-to-file",
+          "hybrid/docs-lookup-editor", "hybrid/browser-download-total")
+GENERAL = (*miniwob_pipeline.DEMO_TASKS, *DESKTOP, *HYBRID)
 GAMES = ("2048", "snake", "maze", "same-game", "merge", "shapes", "sokoban", "infinity-loop", "laser-maze",
          "lights-out", "emoji-sort", "free-the-key", "yarn-untangle")
 GAME = tuple("games/" + g for g in GAMES)
@@ -72,13 +77,14 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   sets = SMOKE_VERTICALS if smoke else VERTICALS
   tasks = sets[stage] if stage in sets else tuple(t for ts in sets.values() for t in ts)
   c.tasks = tasks
-  desktop = tuple(t for t in DESKTOP if t in tasks)
+  desktop = tuple(t for t in (*DESKTOP, *HYBRID) if t in tasks)  # played on the desktop server
   # The experiment's task sets and each one's step budget (experiments/merge_eval.py reads them)
   c.verticals = vertical_sets(sets, {v: 3 if smoke else MAX_TURNS[v] for v in sets})
 
   # --- One grammar for every vertical: clicks, typing, keys (scrolling pages, playing games), drags (the
-  # games' reference players drag) and answers as long as the longest GUI-Browsing answer (70 bytes) ---
-  c.grammar.actions = ("click", "drag", "type", "hotkey", "finished")
+  # games' reference players drag), the SDK functions the hybrid experts call, and answers as long as the
+  # longest GUI-Browsing answer (70 bytes) ---
+  c.grammar.actions = ("click", "drag", "type", "hotkey", "finished", "run_command", "write_file", "mcp_call")
   c.grammar.max_content_bytes = 72
   budget = MAX_TURNS[stage] if stage in MAX_TURNS else max(MAX_TURNS.values())
   c.env.max_turns = 3 if smoke else budget  # smoke: the policy's episodes only (its experts keep theirs)
@@ -97,7 +103,7 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.data.demo_tasks = tasks
   c.data.demo_seeds = 2 if smoke else 16
   c.data.demo_seeds_rl_tasks = 2 if smoke else 16
-  # Browsing: 3 list orders a module. Desktop: 128 each; with 16 the GUI-General SFT typed the wrong word in
+  # Browsing: 3 list orders a module. Desktop and hybrid: 128 each; with 16 the GUI-General SFT typed the wrong word in
   # held-out episodes (0.01-0.03 success), with 128 it copies it 42-68 % of the time (benchmarks/RESULTS.md,
   # "The GUI-General vertical with 128 demonstrations per desktop task")
   c.data.demo_seeds_by_task = () if smoke else (*((t, 330) for t in BROWSING if t in tasks),

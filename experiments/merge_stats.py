@@ -30,44 +30,27 @@ def main(argv):
     raise app.UsageError("usage: python -m experiments.merge_stats <merge_eval.json> [<more.json> ...]")
   if len({os.path.realpath(p) for p in paths}) < len(paths):
     raise app.UsageError(f"a file given twice would count one training seed twice: {paths}")
-  tables = [json.load(open(p)) for p in paths]
-  ME.check_same_sets(tables, paths)
-  sets = list(tables[0]["sets"])
-  models = [m for m in tables[0]["tasks"] if all(m in t["tasks"] for t in tables)]
-  names = [os.path.basename(p) for p in paths]
-  print(f"{len(paths)} training seed{'s' * (len(paths) > 1)} ({', '.join(names)}); rates over pooled held-out episodes, "
-        "Wilson / Newcombe 95 % intervals over episodes\n")
-  print("| model | " + " | ".join(f"{s}" for s in (*sets, ME.ALL)) + " |")
-  print("|" + "---|" * (len(sets) + 2))
-  table = {}
-  for m in models:
-    cells = []
-    for s in (*sets, ME.ALL):
-      k, n = ME.pooled_counts(tables, m, s)
-      lo, hi = _wilson(k, n)
-      per_seed = [ME.pooled_counts([t], m, s) for t in tables]
-      table.setdefault(m, {})[s] = {"rate": k / n, "ci": [lo, hi], "per_seed": [a / b for a, b in per_seed]}
-      cells.append(f"{k / n:.3f} [{lo:.2f}, {hi:.2f}] ({' / '.join(f'{a / b:.2f}' for a, b in per_seed)})")
+  tables = []
+  for p in paths:
+    with open(p) as f:
+      tables.append(json.load(f))
+  out = ME.seeds_table(tables, paths)
+  print(f"{len(paths)} training seed{'s' * (len(paths) > 1)} ({', '.join(os.path.basename(p) for p in paths)}); "
+        "rates over pooled held-out episodes, Wilson / Newcombe 95 % intervals over episodes\n")
+  print("| model | " + " | ".join(out["sets"]) + " |\n|" + "---|" * (len(out["sets"]) + 1))
+  for m, row in out["table"].items():
+    cells = [f"{c['rate']:.3f} [{c['ci'][0]:.2f}, {c['ci'][1]:.2f}] ({' / '.join(f'{x:.2f}' for x in c['per_seed'])})"
+             for c in row.values()]
     print(f"| {m} | " + " | ".join(cells) + " |")
   print("\n| a - b | set | pooled difference [95 %] | per seed | question |\n|---|---|---|---|---|")
-  rows = []
-  for a, b, s, q in ME.comparisons(sets, models):
-    d, lo, hi = ME.difference_interval(ME.pooled_counts(tables, a, s), ME.pooled_counts(tables, b, s))
-    per = [ME.pooled_counts([t], a, s)[0] / ME.pooled_counts([t], a, s)[1]
-           - ME.pooled_counts([t], b, s)[0] / ME.pooled_counts([t], b, s)[1] for t in tables]
-    rows.append({"a": a, "b": b, "set": s, "difference": d, "ci": [lo, hi], "per_seed": per, "question": q})
-    verdict = "**" if lo > 0 or hi < 0 else ""
-    print(f"| {a} - {b} | {s} | {verdict}{d:+.3f} [{lo:+.3f}, {hi:+.3f}]{verdict} | "
-          f"{' / '.join(f'{x:+.2f}' for x in per)} | {q} |")
+  for r in out["comparisons"]:
+    lo, hi = r["ci"]
+    bold = "**" if lo > 0 or hi < 0 else ""  # the interval excludes 0
+    print(f"| {r['a']} - {r['b']} | {r['set']} | {bold}{r['difference']:+.3f} [{lo:+.3f}, {hi:+.3f}]{bold} | "
+          f"{' / '.join(f'{x:+.2f}' for x in r['per_seed'])} | {r['question']} |")
   if _JSON.value:
     with open(_JSON.value, "w") as f:
-      json.dump({"files": paths, "table": table, "comparisons": rows}, f, indent=2)
-
-
-def _wilson(k: int, n: int) -> tuple[float, float]:
-  from scipy.stats import binomtest
-  ci = binomtest(k, n).proportion_ci(method="wilson")
-  return float(ci.low), float(ci.high)
+      json.dump({"files": paths, **out}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -227,6 +227,8 @@ def test_pooled_counts_sum_training_seeds_and_sets_and_refuse_what_does_not_pool
   s3["sets"] = {"click": ["miniwob/click-test"]}
   with pytest.raises(ValueError, match="b.json"):
     ME.check_same_sets([s1, s3], ["a.json", "b.json"])
+  with pytest.raises(ValueError, match="no merge tables"):
+    ME.seeds_table([], [])
   game = {"sets": {"game": ["games/maze"]}, "tasks": {"sft": {"games/maze": {"success": 0.0, "episodes": 5}}}}
   with pytest.raises(ValueError, match="games"):
     ME.pooled_counts([game], "sft", "game")

@@ -103,9 +103,9 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   c.data.demo_tasks = tasks
   c.data.demo_seeds = 2 if smoke else 16
   c.data.demo_seeds_rl_tasks = 2 if smoke else 16
-  # Browsing: 3 list orders a module. Desktop and hybrid: 128 each; with 16 the GUI-General SFT typed the wrong word in
-  # held-out episodes (0.01-0.03 success), with 128 it copies it 42-68 % of the time (benchmarks/RESULTS.md,
-  # "The GUI-General vertical with 128 demonstrations per desktop task")
+  # Browsing: 3 list orders a module. Desktop and hybrid: 128 each; with 16 the GUI-General SFT typed the wrong
+  # word in held-out desktop episodes (0.01-0.03 success), with 128 it copies it 42-68 % of the time
+  # (benchmarks/RESULTS.md, "The GUI-General vertical with 128 demonstrations per desktop task")
   c.data.demo_seeds_by_task = () if smoke else (*((t, 330) for t in BROWSING if t in tasks),
                                                 *((t, 128) for t in desktop))
   c.data.demo_max_turns = budget

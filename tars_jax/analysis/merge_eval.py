@@ -59,8 +59,14 @@ def set_interval(tasks: Sequence[str], summaries: Mapping[str, Mapping[str, floa
   counts = set_counts(tasks, summaries)
   if counts is None or counts[1] == 0:
     return None
+  return wilson_interval(*counts, level=level)
+
+
+def wilson_interval(successes: int, episodes: int, level: float = 0.95) -> tuple[float, float]:
+  """Wilson `level` interval of a success rate (Wilson 1927), via scipy.stats.binomtest(...).proportion_ci.
+  Raises ValueError for episodes < 1 or successes outside [0, episodes] (scipy's)."""
   from scipy.stats import binomtest
-  ci = binomtest(*counts).proportion_ci(confidence_level=level, method="wilson")
+  ci = binomtest(successes, episodes).proportion_ci(confidence_level=level, method="wilson")
   return float(ci.low), float(ci.high)
 
 
@@ -125,6 +131,34 @@ def comparisons(sets: Sequence[str], models: Sequence[str]) -> list[tuple[str, s
   out += [(m, "merged_uniform", ALL, "another merge beats the uniform one")
           for m in ("merged_searched", "task_arithmetic")]
   return [c for c in out if c[0] in models and c[1] in models]
+
+
+def pooled_rate(tables: Sequence[Mapping], model: str, set_name: str) -> float:
+  """Success rate of `pooled_counts` (raises as it does, ZeroDivisionError for no episodes)."""
+  k, n = pooled_counts(tables, model, set_name)
+  return k / n
+
+
+def seeds_table(tables: Sequence[Mapping], names: Sequence[str]) -> dict:
+  """The merge table over training seeds (`experiments/merge_stats.py`, notebooks/merging.ipynb), from one
+  merge_eval.json per seed (`names` label them in errors):
+    {"sets": [...the sets..., ALL], "models": [models every table holds],
+     "table": {model: {set: {"rate", "ci" (Wilson 95 %, pooled episodes), "per_seed": [rate per table]}}},
+     "comparisons": [{"a", "b", "set", "question", "difference", "ci" (Newcombe 95 %), "per_seed": [a - b]}]}
+  Raises ValueError for tables of different task sets (`check_same_sets`) or none."""
+  if not tables:
+    raise ValueError("no merge tables")
+  check_same_sets(tables, names)
+  sets = [*tables[0]["sets"], ALL]
+  models = [m for m in tables[0]["tasks"] if all(m in t["tasks"] for t in tables)]
+  table = {m: {s: {"rate": pooled_rate(tables, m, s), "ci": list(wilson_interval(*pooled_counts(tables, m, s))),
+                   "per_seed": [pooled_rate([t], m, s) for t in tables]} for s in sets} for m in models}
+  rows = []
+  for a, b, s, q in comparisons(sets[:-1], models):
+    d, lo, hi = difference_interval(pooled_counts(tables, a, s), pooled_counts(tables, b, s))
+    rows.append({"a": a, "b": b, "set": s, "question": q, "difference": d, "ci": [lo, hi],
+                 "per_seed": [pooled_rate([t], a, s) - pooled_rate([t], b, s) for t in tables]})
+  return {"sets": sets, "models": models, "table": table, "comparisons": rows}
 
 
 def alpha_candidates(n: int, step: float = 0.25) -> list[tuple[float, ...]]:

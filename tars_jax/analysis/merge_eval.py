@@ -1,5 +1,7 @@
 """The merge evaluation's arithmetic (report section 2.6; experiments/merge_eval.py): one score per task
-set from per-task evaluation summaries, the α candidates of the searched merge, the table and the plot.
+set from per-task evaluation summaries, the α candidates of the searched merge, the table and the plot;
+and the table over training seeds (experiments/merge_stats.py): pooled success with Wilson intervals and
+the table's differences with Newcombe intervals.
 
 A task set's score is the mean over its tasks of each task's score: success rate for MiniWoB++,
 desktop and GUI-Browsing tasks, normalised game score / 100 for games (the game suite's reward:
@@ -145,7 +147,8 @@ def seeds_table(tables: Sequence[Mapping], names: Sequence[str]) -> dict:
     {"sets": [...the sets..., ALL], "models": [models every table holds],
      "table": {model: {set: {"rate", "ci" (Wilson 95 %, pooled episodes), "per_seed": [rate per table]}}},
      "comparisons": [{"a", "b", "set", "question", "difference", "ci" (Newcombe 95 %), "per_seed": [a - b]}]}
-  Raises ValueError for tables of different task sets (`check_same_sets`) or none."""
+  Raises ValueError for tables of different task sets (`check_same_sets`), none, or a set holding games
+  (its score is not a success rate: no binomial interval)."""
   if not tables:
     raise ValueError("no merge tables")
   check_same_sets(tables, names)

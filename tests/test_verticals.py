@@ -323,7 +323,7 @@ def test_miniwob_verticals_are_the_multi_turn_suites_ppo_on_three_disjoint_sets(
 
 # -- end to end ---------------------------------------------------------------------------------------
 
-@pytest.mark.slow  # CI's slow step (issue #40 item 1); 7.3 min here beside an SFT run: demos of 3 sets, SFT, 3 PPO runs, merges, evaluations
+@pytest.mark.slow  # CI's slow step (issue #40 item 1); 406 s in .ci/run here: demos of 3 sets, SFT, 3 PPO runs, merges, evaluations
 @pytest.mark.browser
 def test_verticals_script_end_to_end_at_smoke_size(tmp_path):
   """`scripts/verticals.sh` (MOD=smoke, from a fresh init): the shared SFT stage, a PPO run of each

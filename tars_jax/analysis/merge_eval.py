@@ -154,8 +154,12 @@ def seeds_table(tables: Sequence[Mapping], names: Sequence[str]) -> dict:
   check_same_sets(tables, names)
   sets = [*tables[0]["sets"], ALL]
   models = [m for m in tables[0]["tasks"] if all(m in t["tasks"] for t in tables)]
-  table = {m: {s: {"rate": pooled_rate(tables, m, s), "ci": list(wilson_interval(*pooled_counts(tables, m, s))),
-                   "per_seed": [pooled_rate([t], m, s) for t in tables]} for s in sets} for m in models}
+  table = {}
+  for m in models:
+    for s in sets:
+      k, n = pooled_counts(tables, m, s)  # once per cell: its rate and its interval
+      table.setdefault(m, {})[s] = {"rate": k / n, "ci": list(wilson_interval(k, n)),
+                                    "per_seed": [pooled_rate([t], m, s) for t in tables]}
   rows = []
   for a, b, s, q in comparisons(sets[:-1], models):
     d, lo, hi = difference_interval(pooled_counts(tables, a, s), pooled_counts(tables, b, s))
